@@ -1,0 +1,23 @@
+# Two commands for a newcomer:  `make run` (the main job on the embedded default) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+STAMP := $(VENV)/.moescope-installed
+
+.PHONY: install run test test-slow bench
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/python -m models.generate
+
+test: install
+	$(VENV)/bin/python -m pytest -q
+
+test-slow: install
+	$(VENV)/bin/python -m pytest -q -m slow

@@ -1,0 +1,134 @@
+"""Hydra configuration tree of moescope: YAML groups next to this file, typed schemas in `schemas/`.
+
+Every entry point is decorated with `hydra_main("<task>")`; the schemas register themselves in
+Hydra's ConfigStore on import, so a wrong type or an unknown key fails at start with a message
+naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import typing
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar
+
+CONF_DIR = Path(__file__).resolve().parent
+REPO_ROOT = CONF_DIR.parent
+T = TypeVar("T")
+
+_UNFROZEN: dict[type, type] = {}
+
+
+def unfrozen(cls: type) -> type:
+    """A mutable copy of a frozen dataclass (recursively), usable as a Hydra schema.
+
+    OmegaConf marks frozen dataclasses read-only, so YAML could not fill them in; the frozen
+    original stays the type the code works with (see `to_frozen`).
+    """
+    if cls in _UNFROZEN:
+        return _UNFROZEN[cls]
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        ftype = _unfreeze_type(hints[f.name])
+        kwargs: dict[str, Any] = {}
+        if f.default is not dataclasses.MISSING:
+            kwargs["default"] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            factory = f.default_factory
+            kwargs["default_factory"] = unfrozen(factory) if dataclasses.is_dataclass(factory) else factory
+        else:
+            kwargs["default"] = "???"
+        specs.append((f.name, ftype, dataclasses.field(**kwargs)))
+    schema = dataclasses.make_dataclass(cls.__name__, specs)
+    schema.__doc__ = cls.__doc__
+    _UNFROZEN[cls] = schema
+    return schema
+
+
+def _unfreeze_type(tp: Any) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return unfrozen(tp)
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union and type(None) in args:
+        inner = [a for a in args if a is not type(None)][0]
+        return Optional[_unfreeze_type(inner)]
+    return tp
+
+
+def to_frozen(node: Any, cls: type[T]) -> T:
+    """Build the frozen dataclass `cls` from a DictConfig / dict / schema instance."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(node, cls):
+        return node
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True, enum_to_str=False)
+    elif dataclasses.is_dataclass(node):
+        node = {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in node:
+            kwargs[f.name] = _coerce(node[f.name], hints[f.name], f"{cls.__name__}.{f.name}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    if value is None:
+        return None
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union and type(None) in args:
+        tp = [a for a in args if a is not type(None)][0]
+    if dataclasses.is_dataclass(tp):
+        return to_frozen(value, tp)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        try:
+            return tp[value] if isinstance(value, str) and value in tp.__members__ else tp(value)
+        except ValueError:
+            raise ValueError(f"{where}: {value!r} is not one of {[m.name for m in tp]}") from None
+    return value
+
+
+def resolve_path(path: str | Path) -> Path:
+    """Resolve `pkg:<relative>` (inside the installed moescope tree) or a plain path."""
+    text = str(path)
+    if text.startswith("pkg:"):
+        return REPO_ROOT / text[len("pkg:"):]
+    return Path(text).expanduser()
+
+
+def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[], Any]]:
+    """`hydra.main` over this package's config tree, version_base 1.3, schemas registered."""
+    import hydra
+
+    from conf import schemas
+
+    schemas.register_all()
+
+    def wrap(task: Callable[[Any], Any]) -> Callable[[], Any]:
+        main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(task)
+
+        @functools.wraps(task)
+        def entry() -> Any:
+            return main()
+
+        return entry
+
+    return wrap
+
+
+def compose(config_name: str, overrides: Optional[list[str]] = None) -> Any:
+    """Compose a task config outside a Hydra app (tests, notebooks)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from conf import schemas
+
+    schemas.register_all()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []), return_hydra_config=False)
