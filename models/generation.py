@@ -1,0 +1,210 @@
+"""Batched generation: one jitted prefill, then the whole decode loop inside one jitted `while_loop`.
+
+Prompts of different lengths share a batch by left padding (every row ends on the same cache
+slot; positions count only real tokens). Shapes are bucketed (prompt length, cache length, new
+tokens) so a new request shape rarely recompiles and no token ever does. The model is split once
+into graphdef + state (the functional NNX pattern), so no Python runs per decoded token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.moe import DEFAULT_EXECUTOR, ExpertExecutor
+from models.transformer import Captured, KVCache, MoETransformer, forward, init_cache
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; otherwise softmax(logits / temperature) restricted to the top-p nucleus."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class GenerationOutput:
+    """tokens int32 [B, max_new_tokens] (after EOS: the pad id); lengths int [B] (tokens up to and
+    including EOS); times in seconds (measured after device completion); captured routing when
+    requested: prefill [L, B, P, k] (left-padded prompt columns) and decode [N-1, L, B, k]."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    prompt_lengths: np.ndarray
+    padded_prompt_len: int
+    prefill_s: float
+    decode_s: float
+    prefill_capture: Optional[Captured] = None
+    decode_capture: Optional[Captured] = None
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens produced by the decode loop (the first token of each row comes from prefill)."""
+        return int(np.maximum(self.lengths - 1, 0).sum())
+
+    def sequences(self) -> list[list[int]]:
+        return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
+
+
+def bucket(n: int, multiple: int = 64) -> int:
+    """Round n up to a multiple of `multiple` (at least one multiple)."""
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """tokens int32 [B, length] and valid bool [B, length], prompts right-aligned."""
+    tokens = np.full((len(prompts), length), pad_id, np.int32)
+    valid = np.zeros((len(prompts), length), bool)
+    for i, p in enumerate(prompts):
+        if len(p):
+            tokens[i, length - len(p):] = np.asarray(p, np.int32)
+            valid[i, length - len(p):] = True
+    return tokens, valid
+
+
+def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
+    """Next tokens int32 [B] from logits [B, V]."""
+    if params.temperature <= 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / params.temperature
+    if params.top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
+        sorted_logits = jnp.where(before < params.top_p, sorted_logits, -jnp.inf)
+        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+class Generator:
+    """Compiled prefill + decode loop for one model and expert executor."""
+
+    def __init__(self, model: MoETransformer, executor: ExpertExecutor = DEFAULT_EXECUTOR,
+                 cache_dtype: Any = None, capture: bool = False, capture_hidden: bool = False,
+                 prompt_bucket: int = 16, cache_bucket: int = 64):
+        self.cfg = model.cfg
+        self.graphdef, self.state = nnx.split(model)
+        self.executor = executor
+        self.cache_dtype = cache_dtype or model.embed[...].dtype
+        self.capture, self.capture_hidden = capture, capture_hidden
+        self.prompt_bucket, self.cache_bucket = prompt_bucket, cache_bucket
+        self._prefill = jax.jit(self._prefill_impl, static_argnames=("params",), donate_argnames=("cache",))
+        self._decode = jax.jit(self._decode_impl, static_argnames=("params", "n_buffer"), donate_argnames=("cache",))
+
+    # ---- compiled pieces --------------------------------------------------------------------
+    def _model(self, state: Any) -> MoETransformer:
+        return nnx.merge(self.graphdef, state)
+
+    def _prefill_impl(self, state: Any, cache: KVCache, tokens: jax.Array, valid: jax.Array, key: jax.Array,
+                      params: SamplingParams) -> tuple[jax.Array, jax.Array, KVCache, Optional[Captured]]:
+        positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
+        logits, cache, captured = forward(self._model(state), tokens, cache, positions, valid,
+                                          executor=self.executor, capture=self.capture,
+                                          capture_hidden=self.capture_hidden, last_only=True)
+        first = sample(logits, key, params)
+        return first, positions[:, -1] + 1, cache, captured
+
+    def _decode_impl(self, state: Any, cache: KVCache, first: jax.Array, next_pos: jax.Array, n_steps: jax.Array,
+                     eos: jax.Array, pad: jax.Array, key: jax.Array, params: SamplingParams, n_buffer: int
+                     ) -> tuple[jax.Array, jax.Array, Optional[Captured]]:
+        model = self._model(state)
+        B = first.shape[0]
+        out = jnp.full((B, n_buffer + 1), pad, jnp.int32).at[:, 0].set(first)
+        done = first == eos
+        capture = None
+        if self.capture:
+            L, k = len(self.cfg.moe_layers), self.cfg.num_experts_per_tok
+            capture = Captured(experts=jnp.zeros((n_buffer, L, B, k), jnp.int32),
+                               weights=jnp.zeros((n_buffer, L, B, k), jnp.float32),
+                               hidden=jnp.zeros((n_buffer, L, B, self.cfg.hidden_size), self.cache_dtype)
+                               if self.capture_hidden else None)
+
+        def cond(carry: tuple) -> jax.Array:
+            step, _, _, _, done, _, _ = carry
+            return (step < n_steps) & ~jnp.all(done)
+
+        def body(carry: tuple) -> tuple:
+            step, cache, tok, pos, done, out, capture = carry
+            logits, cache, captured = forward(model, tok[:, None], cache, pos[:, None], executor=self.executor,
+                                              capture=self.capture, capture_hidden=self.capture_hidden,
+                                              last_only=True)
+            nxt = sample(logits, jax.random.fold_in(key, step), params)
+            nxt = jnp.where(done, pad, nxt)
+            out = out.at[:, step + 1].set(nxt)
+            if capture is not None:
+                capture = Captured(
+                    experts=capture.experts.at[step].set(captured.experts[:, :, 0]),
+                    weights=capture.weights.at[step].set(captured.weights[:, :, 0]),
+                    hidden=None if capture.hidden is None else
+                    capture.hidden.at[step].set(captured.hidden[:, :, 0].astype(capture.hidden.dtype)))
+            return step + 1, cache, nxt, pos + 1, done | (nxt == eos), out, capture
+
+        carry = (jnp.zeros((), jnp.int32), cache, first, next_pos, done, out, capture)
+        step, _, _, _, _, out, capture = jax.lax.while_loop(cond, body, carry)
+        return out, step, capture
+
+    # ---- public -----------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 sampling: SamplingParams = SamplingParams(), eos_token_id: Optional[int] = None,
+                 pad_token_id: Optional[int] = None) -> GenerationOutput:
+        """Generate up to `max_new_tokens` per prompt (stopping a row at `eos_token_id` when given)."""
+        prompts = [list(map(int, p)) for p in prompts]
+        self._check(prompts, max_new_tokens)
+        pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+        eos = -1 if eos_token_id is None else int(eos_token_id)
+        P = bucket(max(len(p) for p in prompts), self.prompt_bucket)
+        capacity = bucket(P + max_new_tokens, self.cache_bucket)
+        tokens, valid = left_pad(prompts, P, pad)
+        key = jax.random.PRNGKey(sampling.seed)
+        cache = init_cache(self._model(self.state), len(prompts), capacity, self.cache_dtype)
+        t0 = time.perf_counter()
+        first, next_pos, cache, pre_cap = self._prefill(self.state, cache, jnp.asarray(tokens), jnp.asarray(valid),
+                                                        jax.random.fold_in(key, 1 << 30), params=sampling)
+        first.block_until_ready()
+        t1 = time.perf_counter()
+        n_buffer = bucket(max(max_new_tokens - 1, 1), 32)
+        out, steps, dec_cap = self._decode(self.state, cache, first, next_pos, jnp.int32(max_new_tokens - 1),
+                                           jnp.int32(eos), jnp.int32(pad), key, params=sampling, n_buffer=n_buffer)
+        out = np.asarray(jax.device_get(out))[:, :max_new_tokens]
+        t2 = time.perf_counter()
+        return GenerationOutput(tokens=out, lengths=self._lengths(out, eos), prompt_lengths=np.array([len(p) for p in prompts]),
+                                padded_prompt_len=P, prefill_s=t1 - t0, decode_s=t2 - t1,
+                                prefill_capture=jax.device_get(pre_cap) if pre_cap is not None else None,
+                                decode_capture=_trim(jax.device_get(dec_cap), int(steps)) if dec_cap is not None else None)
+
+    def _check(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        if not prompts:
+            raise ValueError("generate: empty batch (no prompts)")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"generate: prompt {i} is empty")
+            bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"generate: prompt {i} holds token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
+        if max_new_tokens < 1:
+            raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.cfg.max_position_embeddings:
+            raise ValueError(f"generate: prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                             f"model's context (max_position_embeddings={self.cfg.max_position_embeddings})")
+
+    @staticmethod
+    def _lengths(tokens: np.ndarray, eos: int) -> np.ndarray:
+        hit = tokens == eos
+        first = np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, tokens.shape[1])
+        return first.astype(np.int64)
+
+
+def _trim(captured: Captured, steps: int) -> Captured:
+    return dataclasses.replace(captured, experts=captured.experts[:steps], weights=captured.weights[:steps],
+                               hidden=None if captured.hidden is None else captured.hidden[:steps])

@@ -1,0 +1,394 @@
+"""HF checkpoints: config.json <-> `ModelConfig`, safetensors <-> the NNX model.
+
+`load_hf(path)` reads a folder holding config.json and either `model.safetensors` or a sharded
+`model.safetensors.index.json`, in the per-expert layout that `save_pretrained` writes
+(`block_sparse_moe.experts.E.w1`, `mlp.experts.E.gate_proj`, ...) or the fused transformers-v5
+layout (`mlp.experts.gate_up_proj` [E, 2F, H], `mlp.experts.down_proj` [E, H, F]). Every model
+parameter has one `TensorSource` naming the HF tensors it is built from; a missing, unexpected or
+mis-shaped tensor is an error that names it and the shape expected.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from models import deepseek, mixtral, olmoe, phimoe, qwen3_moe  # noqa: F401  (register the families)
+from models.config import Family, ModelConfig, NormKind, QKNorm
+from models.family import FAMILIES, FamilySpec
+from models.transformer import MoETransformer, abstract_model
+
+SUPPORTED_MODEL_TYPES = {spec.model_type: spec for spec in FAMILIES.values()}
+# Tensors some checkpoints carry that the model does not use.
+_IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose files, config or tensors are not what the model needs."""
+
+
+def family_spec(model_type: str, where: str = "config.json") -> FamilySpec:
+    spec = SUPPORTED_MODEL_TYPES.get(model_type)
+    if spec is None:
+        raise CheckpointError(f"{where}: unknown model family model_type={model_type!r}; "
+                              f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+    return spec
+
+
+def config_from_hf(d: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """`ModelConfig` from the dict of an HF config.json (dispatch on `model_type`)."""
+    spec = family_spec(str(d.get("model_type")), where)
+    try:
+        return spec.from_hf(d)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return FAMILIES[cfg.family].to_hf(cfg)
+
+
+# ---- the tensor map ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One HF tensor (or the `index`-th slice of a fused [E, ...] tensor) with its full HF shape."""
+
+    name: str
+    shape: tuple[int, ...]
+    index: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """A model parameter (its path in the pure state dict) built from HF pieces: each piece is
+    transposed when `transpose` (HF Linear [out, in] -> kernel [in, out]), then all are
+    concatenated along the last axis. `expert` is (decoder layer, expert) for routed experts."""
+
+    path: tuple[Any, ...]
+    pieces: tuple[Piece, ...]
+    transpose: bool
+    expert: Optional[tuple[int, int]] = None
+
+
+def _linear(path: tuple, name: str, d_in: int, d_out: int, bias: bool) -> list[TensorSource]:
+    out = [TensorSource(path + ("kernel",), (Piece(f"{name}.weight", (d_out, d_in)),), True)]
+    if bias:
+        out.append(TensorSource(path + ("bias",), (Piece(f"{name}.bias", (d_out,)),), False))
+    return out
+
+
+def _norm(path: tuple, name: str, dim: int, with_bias: bool) -> list[TensorSource]:
+    out = [TensorSource(path + ("weight",), (Piece(f"{name}.weight", (dim,)),), False)]
+    if with_bias:
+        out.append(TensorSource(path + ("bias",), (Piece(f"{name}.bias", (dim,)),), False))
+    return out
+
+
+def _swiglu(path: tuple, name: str, hidden: int, inter: int) -> list[TensorSource]:
+    return [TensorSource(path + ("gate_up",), (Piece(f"{name}.gate_proj.weight", (inter, hidden)),
+                                               Piece(f"{name}.up_proj.weight", (inter, hidden))), True),
+            TensorSource(path + ("down",), (Piece(f"{name}.down_proj.weight", (hidden, inter)),), True)]
+
+
+def _attention(cfg: ModelConfig, path: tuple, name: str) -> list[TensorSource]:
+    H, b = cfg.hidden_size, cfg.attention_bias
+    if cfg.uses_mla:
+        nh = cfg.num_attention_heads
+        q_out = nh * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        out: list[TensorSource] = []
+        if cfg.q_lora_rank is None:
+            out += _linear(path + ("q",), f"{name}.q_proj", H, q_out, False)
+        else:
+            out += _linear(path + ("q_a",), f"{name}.q_a_proj", H, cfg.q_lora_rank, b)
+            out += _norm(path + ("q_a_norm",), f"{name}.q_a_layernorm", cfg.q_lora_rank, False)
+            out += _linear(path + ("q_b",), f"{name}.q_b_proj", cfg.q_lora_rank, q_out, False)
+        out += _linear(path + ("kv_a",), f"{name}.kv_a_proj_with_mqa", H, cfg.kv_lora_rank + cfg.qk_rope_head_dim, b)
+        out += _norm(path + ("kv_a_norm",), f"{name}.kv_a_layernorm", cfg.kv_lora_rank, False)
+        out += _linear(path + ("kv_b",), f"{name}.kv_b_proj", cfg.kv_lora_rank,
+                       nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), False)
+        out += _linear(path + ("o",), f"{name}.o_proj", nh * cfg.v_head_dim, H, b)
+        return out
+    d, nq, nkv = cfg.attn_head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    parts = (("q_proj", nq * d), ("k_proj", nkv * d), ("v_proj", nkv * d))
+    out = [TensorSource(path + ("qkv", "kernel"), tuple(Piece(f"{name}.{p}.weight", (n, H)) for p, n in parts), True)]
+    if b:
+        out.append(TensorSource(path + ("qkv", "bias"), tuple(Piece(f"{name}.{p}.bias", (n,)) for p, n in parts), False))
+    out += _linear(path + ("o",), f"{name}.o_proj", nq * d, H, b)
+    if cfg.qk_norm is QKNorm.per_head:
+        out += _norm(path + ("q_norm",), f"{name}.q_norm", d, False) + _norm(path + ("k_norm",), f"{name}.k_norm", d, False)
+    elif cfg.qk_norm is QKNorm.full:
+        out += _norm(path + ("q_norm",), f"{name}.q_norm", nq * d, False)
+        out += _norm(path + ("k_norm",), f"{name}.k_norm", nkv * d, False)
+    return out
+
+
+def _moe(cfg: ModelConfig, spec: FamilySpec, layer: int, path: tuple, prefix: str, fused: bool) -> list[TensorSource]:
+    H, F, E = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+    moe = f"{prefix}.mlp" if fused else f"{prefix}.{spec.legacy_moe_prefix}"
+    router = spec.fused_router if fused else spec.legacy_router
+    out = [TensorSource(path + ("router", "kernel"), (Piece(f"{moe}.{router}.weight", (E, H)),), True)]
+    if cfg.family is Family.deepseek_v3:
+        out.append(TensorSource(path + ("router", "bias"),
+                                (Piece(f"{moe}.{router}.e_score_correction_bias", (E,)),), False))
+    names = spec.expert_names
+    for e in range(E):
+        if fused:
+            gate_up = (Piece(f"{moe}.experts.gate_up_proj", (E, 2 * F, H), e),)
+            down = (Piece(f"{moe}.experts.down_proj", (E, H, F), e),)
+        else:
+            base = f"{moe}.experts.{e}"
+            gate_up = (Piece(f"{base}.{names.gate}.weight", (F, H)), Piece(f"{base}.{names.up}.weight", (F, H)))
+            down = (Piece(f"{base}.{names.down}.weight", (H, F)),)
+        out.append(TensorSource(path + ("experts", "gate_up", e), gate_up, True, expert=(layer, e)))
+        out.append(TensorSource(path + ("experts", "down", e), down, True, expert=(layer, e)))
+    if cfg.n_shared_experts:
+        out += _swiglu(path + ("shared",), f"{moe}.shared_experts", H, F * cfg.n_shared_experts)
+    return out
+
+
+def tensor_sources(cfg: ModelConfig, fused: bool = False) -> list[TensorSource]:
+    """Every parameter of `cfg`'s model with the HF tensors it comes from (per-expert or fused layout)."""
+    spec = FAMILIES[cfg.family]
+    H, V = cfg.hidden_size, cfg.vocab_size
+    ln_bias = cfg.norm is NormKind.layernorm
+    out = [TensorSource(("embed",), (Piece("model.embed_tokens.weight", (V, H)),), False)]
+    for i in range(cfg.num_hidden_layers):
+        path, prefix = ("layers", i), f"model.layers.{i}"
+        out += _norm(path + ("input_norm",), f"{prefix}.input_layernorm", H, ln_bias)
+        out += _attention(cfg, path + ("attn",), f"{prefix}.self_attn")
+        out += _norm(path + ("post_norm",), f"{prefix}.post_attention_layernorm", H, ln_bias)
+        if cfg.is_moe_layer(i):
+            out += _moe(cfg, spec, i, path + ("moe",), prefix, fused)
+        else:
+            out += _swiglu(path + ("mlp",), f"{prefix}.mlp", H, cfg.intermediate_size)
+    out += _norm(("norm",), "model.norm", H, ln_bias)
+    if not cfg.tie_word_embeddings:
+        out += _linear(("lm_head",), "lm_head", H, V, cfg.lm_head_bias)
+    return out
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+def _to_numpy(tensor: Any) -> np.ndarray:
+    """A torch tensor as numpy, bfloat16 kept as ml_dtypes.bfloat16 (no upcast)."""
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of a single-file or sharded safetensors checkpoint."""
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        single = self.folder / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+            files = sorted(set(weight_map.values()))
+        elif single.is_file():
+            files = [single.name]
+            weight_map = None
+        else:
+            raise CheckpointError(f"{self.folder}: neither model.safetensors nor model.safetensors.index.json")
+        self._handles: dict[str, Any] = {}
+        self._where: dict[str, str] = {}
+        for fname in files:
+            path = self.folder / fname
+            if not path.is_file():
+                raise CheckpointError(f"{path}: shard named in the index is missing")
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
+            self._handles[fname] = handle
+            for key in handle.keys():
+                self._where[key] = fname
+        if weight_map is not None:
+            for key, fname in weight_map.items():
+                if key not in self._where:
+                    raise CheckpointError(f"{self.folder / fname}: tensor {key!r} listed in the index is absent")
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
+    def read(self, piece: Piece) -> np.ndarray:
+        handle = self._handles[self._where[piece.name]]
+        if piece.index is None:
+            return _to_numpy(handle.get_tensor(piece.name))
+        return _to_numpy(handle.get_slice(piece.name)[piece.index])
+
+
+def detect_fused(names: Iterable[str]) -> bool:
+    """True for the transformers-v5 fused expert layout."""
+    return any(n.endswith("experts.gate_up_proj") for n in names)
+
+
+def validate_checkpoint(reader: CheckpointReader, sources: list[TensorSource], cfg: ModelConfig) -> None:
+    """Raise CheckpointError naming every missing / unexpected / mis-shaped tensor (first few of each)."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for src in sources:
+        for piece in src.pieces:
+            expected[piece.name] = piece.shape
+    present = set(reader.keys())
+    problems: list[str] = []
+    missing = [n for n in expected if n not in present]
+    if missing:
+        problems += [f"missing tensor {n} (expected shape {list(expected[n])})" for n in missing[:8]]
+        if len(missing) > 8:
+            problems.append(f"... and {len(missing) - 8} more missing")
+    extra = [n for n in sorted(present - set(expected)) if not _ignorable(n, cfg)]
+    if extra:
+        problems += [f"unexpected tensor {n} (shape {list(reader.shape(n))})" for n in extra[:8]]
+        if len(extra) > 8:
+            problems.append(f"... and {len(extra) - 8} more unexpected")
+    for name, shape in expected.items():
+        if name in present and reader.shape(name) != shape:
+            problems.append(f"tensor {name} has shape {list(reader.shape(name))}, expected {list(shape)}")
+    if problems:
+        raise CheckpointError(f"{reader.folder}: checkpoint does not match its config.json:\n  " + "\n  ".join(problems))
+
+
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
+    if any(p.match(name) for p in _IGNORED):
+        return True
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    # DeepSeek-V3 multi-token-prediction layers sit after the last decoder layer; inference ignores them.
+    return bool(m) and cfg.family is Family.deepseek_v3 and int(m.group(1)) >= cfg.num_hidden_layers
+
+
+def assemble(reader: CheckpointReader, src: TensorSource, dtype: Any) -> np.ndarray:
+    """The parameter `src` describes, as a numpy array of `dtype`."""
+    parts = [reader.read(p) for p in src.pieces]
+    if src.transpose:
+        parts = [p.T for p in parts]
+    arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+    return np.ascontiguousarray(arr.astype(dtype, copy=False))
+
+
+def read_config(folder: str | Path) -> ModelConfig:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not found")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
+    return config_from_hf(d, where=str(path))
+
+
+def _set_path(tree: dict, path: tuple, value: Any) -> None:
+    node = tree
+    for key in path[:-1]:
+        node = node[key]
+    if path[-1] not in node:
+        raise KeyError(f"model has no parameter {'.'.join(map(str, path))}")
+    node[path[-1]] = value
+
+
+def load_hf(folder: str | Path, dtype: Any = jnp.float32, with_experts: bool = True
+            ) -> tuple[ModelConfig, MoETransformer]:
+    """Load an HF MoE checkpoint folder into an NNX model (routed experts skipped when `with_experts` is False,
+    e.g. for the offload executor, which keeps them in host memory)."""
+    cfg = read_config(folder)
+    reader = CheckpointReader(folder)
+    sources = tensor_sources(cfg, fused=detect_fused(reader.keys()))
+    validate_checkpoint(reader, sources, cfg)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, with_experts=with_experts))
+    pure = nnx.to_pure_dict(state)
+    for src in sources:
+        if src.expert is not None and not with_experts:
+            continue
+        _set_path(pure, src.path, jnp.asarray(assemble(reader, src, np_dtype)))
+    unfilled = [jax.tree_util.keystr(p) for p, leaf in jax.tree_util.tree_leaves_with_path(pure)
+                if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if unfilled:
+        raise CheckpointError(f"{folder}: no tensor for model parameters {unfilled[:8]}")
+    nnx.replace_by_pure_dict(state, pure)
+    return cfg, nnx.merge(graphdef, state)
+
+
+def iter_expert_arrays(reader: CheckpointReader, cfg: ModelConfig, dtype: Any = np.float32
+                       ) -> Iterator[tuple[int, int, str, np.ndarray]]:
+    """(decoder layer, expert, "gate_up" | "down", host array) for every routed expert, read one at a time."""
+    for src in tensor_sources(cfg, fused=detect_fused(reader.keys())):
+        if src.expert is not None:
+            yield src.expert[0], src.expert[1], str(src.path[-2]), assemble(reader, src, np.dtype(dtype))
+
+
+# ---- writing ----------------------------------------------------------------------------------------
+
+
+def state_to_hf_tensors(cfg: ModelConfig, model: MoETransformer, fused: bool = False, dtype: Any = None
+                        ) -> dict[str, np.ndarray]:
+    """The model's parameters as HF-named numpy arrays (per-expert layout unless `fused`)."""
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    out: dict[str, np.ndarray] = {}
+    fused_parts: dict[str, dict[int, np.ndarray]] = {}
+    for src in tensor_sources(cfg, fused=fused):
+        node: Any = pure
+        for key in src.path:
+            node = node[key]
+        arr = np.asarray(jax.device_get(node))
+        if dtype is not None:
+            arr = arr.astype(dtype)
+        sizes = [p.shape[-2] if src.transpose else p.shape[-1] for p in src.pieces]  # widths along our last axis
+        chunks = np.split(arr, np.cumsum(sizes)[:-1], axis=-1) if len(sizes) > 1 else [arr]
+        for piece, chunk in zip(src.pieces, chunks):
+            chunk = np.ascontiguousarray(chunk.T if src.transpose else chunk)
+            if piece.index is None:
+                out[piece.name] = chunk
+            else:
+                fused_parts.setdefault(piece.name, {})[piece.index] = chunk
+    for name, parts in fused_parts.items():
+        out[name] = np.stack([parts[e] for e in sorted(parts)])
+    return out
+
+
+def save_hf(cfg: ModelConfig, model: MoETransformer, folder: str | Path, fused: bool = False,
+            dtype: Any = None, extra_config: Optional[dict[str, Any]] = None) -> Path:
+    """Write config.json + model.safetensors loadable by `load_hf` and by transformers."""
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.telemetry import atomic_write_text
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, arr in state_to_hf_tensors(cfg, model, fused=fused, dtype=dtype).items():
+        if arr.dtype == ml_dtypes.bfloat16:
+            tensors[name] = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        else:
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
+    tmp = folder / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(folder / "model.safetensors")
+    hf_cfg = config_to_hf(cfg)
+    hf_cfg["dtype"] = "bfloat16" if dtype is ml_dtypes.bfloat16 else "float32"
+    hf_cfg.update(extra_config or {})
+    atomic_write_text(folder / "config.json", json.dumps(hf_cfg, indent=2) + "\n")
+    return folder

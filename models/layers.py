@@ -1,0 +1,183 @@
+"""Shared Flax NNX layers: norms, linear maps, SwiGLU MLPs, grouped-query attention with a KV cache.
+
+Kernels are stored [in, out] (x @ W). HF stores Linear weights [out, in]; the converters in
+`models/hf.py` transpose on the way in and out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig, NormKind, QKNorm
+from models.rope import RopeTables, apply_rope
+
+NEG_INF = -1e30
+
+
+def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02) -> jax.Array:
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias). kernel: [in, out]."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        self.kernel = nnx.Param(_init(rngs, (d_in, d_out), dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        return y + self.bias[...] if self.bias is not None else y
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype = jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype = jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int, dtype: jnp.dtype) -> nnx.Module:
+    return LayerNorm(dim, cfg.rms_norm_eps, dtype) if cfg.norm is NormKind.layernorm else RMSNorm(dim, cfg.rms_norm_eps, dtype)
+
+
+def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """SwiGLU MLP with a fused [H, 2F] gate|up kernel and a [F, H] down kernel. x: [T, H]."""
+    h = x @ gate_up
+    f = down.shape[0]
+    return (jax.nn.silu(h[..., :f]) * h[..., f:]) @ down
+
+
+class SwiGLU(nnx.Module):
+    """Dense SwiGLU MLP (also one shared expert group of DeepSeek)."""
+
+    def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        self.gate_up = nnx.Param(_init(rngs, (hidden, 2 * intermediate), dtype))
+        self.down = nnx.Param(_init(rngs, (intermediate, hidden), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return swiglu(x, self.gate_up[...], self.down[...])
+
+
+# ---- attention --------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionInputs:
+    """Per-forward attention context shared by every layer (built once by the transformer).
+
+    positions [B, S]: positions of the S new tokens; write_index: scalar cache slot where they
+    start; valid [B, C]: cache slots holding real tokens after this write; slot_positions [B, C]:
+    the position of the token in each slot; cos/sin: {rot_dim: [B, S, rot_dim/2]}; total_len:
+    scalar, the longest sequence after this forward (selects longrope tables).
+    """
+
+    positions: jax.Array
+    write_index: jax.Array
+    valid: jax.Array
+    slot_positions: jax.Array
+    cos: dict
+    sin: dict
+    total_len: jax.Array
+
+
+def attention_mask(ai: AttentionInputs, sliding_window: Optional[int]) -> jax.Array:
+    """bool [B, S, C]: query s may attend cache slot c."""
+    q_pos = ai.positions[:, :, None]
+    k_pos = ai.slot_positions[:, None, :]
+    mask = ai.valid[:, None, :] & (k_pos <= q_pos)
+    if sliding_window is not None:
+        mask = mask & (q_pos - k_pos < sliding_window)
+    return mask
+
+
+def sdpa(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """q [B, S, Hq, D]; k, v [B, Hkv, C, D(v)]; mask [B, S, C] -> [B, S, Hq, Dv]. GQA by grouping."""
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[1]
+    r = Hq // Hkv
+    qg = q.reshape(B, S, Hkv, r, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, r * S, D)
+    scores = jnp.einsum("bgqd,bgcd->bgqc", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = scores.reshape(B, Hkv, r, S, -1)
+    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, Hkv, r * S, -1)
+    out = jnp.einsum("bgqc,bgcd->bgqd", probs, v)
+    return out.reshape(B, Hkv, r, S, -1).transpose(0, 3, 1, 2, 4).reshape(B, S, Hq, -1)
+
+
+def write_cache(cache: jax.Array, new: jax.Array, write_index: jax.Array) -> jax.Array:
+    """cache [B, Hkv, C, D] <- new [B, S, Hkv, D] at slots [write_index, write_index + S)."""
+    return jax.lax.dynamic_update_slice(cache, new.transpose(0, 2, 1, 3).astype(cache.dtype),
+                                        (0, 0, write_index, 0))
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with optional q/k norms (Qwen3 per head, OLMoE full), biases, clipping."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        self.cfg = cfg
+        d = cfg.attn_head_dim
+        self.n_q, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.qkv = Linear(cfg.hidden_size, (self.n_q + 2 * self.n_kv) * d, bias=cfg.attention_bias, rngs=rngs, dtype=dtype)
+        self.o = Linear(self.n_q * d, cfg.hidden_size, bias=cfg.attention_bias, rngs=rngs, dtype=dtype)
+        if cfg.qk_norm is QKNorm.per_head:
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype), RMSNorm(d, cfg.rms_norm_eps, dtype)
+        elif cfg.qk_norm is QKNorm.full:
+            self.q_norm = RMSNorm(self.n_q * d, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.n_kv * d, cfg.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = d ** -0.5
+
+    @property
+    def rot_dim(self) -> int:
+        return self.head_dim
+
+    def cache_shape(self, batch: int, length: int) -> dict[str, tuple[int, ...]]:
+        return {"k": (batch, self.n_kv, length, self.head_dim), "v": (batch, self.n_kv, length, self.head_dim)}
+
+    def __call__(self, x: jax.Array, ai: AttentionInputs, cache: dict, rope: RopeTables
+                 ) -> tuple[jax.Array, dict]:
+        B, S, _ = x.shape
+        d, nq, nkv = self.head_dim, self.n_q, self.n_kv
+        qkv = self.qkv(x)
+        q, k, v = qkv[..., : nq * d], qkv[..., nq * d: (nq + nkv) * d], qkv[..., (nq + nkv) * d:]
+        if self.cfg.qk_norm is QKNorm.full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.cfg.clip_qkv is not None:
+            c = self.cfg.clip_qkv
+            q, k, v = jnp.clip(q, -c, c), jnp.clip(k, -c, c), jnp.clip(v, -c, c)
+        q, k, v = q.reshape(B, S, nq, d), k.reshape(B, S, nkv, d), v.reshape(B, S, nkv, d)
+        if self.cfg.qk_norm is QKNorm.per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = ai.cos[d], ai.sin[d]
+        q = apply_rope(q, cos, sin, rope.interleave)
+        k = apply_rope(k, cos, sin, rope.interleave)
+        ck = write_cache(cache["k"], k, ai.write_index)
+        cv = write_cache(cache["v"], v, ai.write_index)
+        out = sdpa(q, ck, cv, attention_mask(ai, self.cfg.sliding_window), self.scale)
+        return self.o(out.reshape(B, S, nq * d)), {"k": ck, "v": cv}

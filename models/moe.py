@@ -1,0 +1,264 @@
+"""The MoE block, split in two: a router (which experts, what weights) and an expert executor.
+
+`Routing` is what the router returns for T tokens. An `ExpertExecutor` turns (tokens, routing)
+into the weighted sum of expert outputs; the default `InMemoryExperts` computes it from the
+block's own expert weights inside the jitted forward. The offload executor (`engine/offload`) and
+the expert-parallel executor (`engine/serverless`) plug in through the same call.
+
+Expert weights are stored as one array per expert (not stacked [E, ...]): on XLA:CPU, slicing
+experts out of a stacked array copies them (notes-cpu-performance.md), which dominates decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig, ScoringFunc, TopkMethod
+from models.layers import SwiGLU, _init, swiglu
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Routing:
+    """experts [T, k] int32; weights [T, k] float32 (what multiplies each expert's output);
+    logits [T, E] float32 (raw router logits, for auxiliary losses and statistics); valid bool [T]
+    or None: False for padding rows, whose outputs are discarded (executors may skip them)."""
+
+    experts: jax.Array
+    weights: jax.Array
+    logits: jax.Array
+    valid: Optional[jax.Array] = None
+
+
+# ---- routers ------------------------------------------------------------------------------------
+
+
+def _topk(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    values, idx = jax.lax.top_k(scores, k)
+    return values, idx.astype(jnp.int32)
+
+
+def route(cfg: ModelConfig, logits: jax.Array, bias: Optional[jax.Array] = None,
+          jitter_key: Optional[jax.Array] = None) -> Routing:
+    """Routing of T tokens from router logits [T, E] as the family's HF implementation does it."""
+    logits = logits.astype(jnp.float32)
+    k = cfg.num_experts_per_tok
+    if cfg.scoring_func is ScoringFunc.sparsemixer:
+        return sparsemixer_route(cfg, logits)
+    if cfg.scoring_func is ScoringFunc.sigmoid:
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    if cfg.topk_method is TopkMethod.greedy:
+        weights, experts = _topk(scores, k)
+    else:
+        choice = scores if bias is None else scores + bias[None, :]
+        experts = grouped_topk(cfg, choice)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.norm_topk_prob and k > 1:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + (1e-20 if cfg.scoring_func is ScoringFunc.sigmoid else 0.0))
+    weights = weights * cfg.routed_scaling_factor
+    return Routing(experts=experts, weights=weights, logits=logits)
+
+
+def sparsemixer_route(cfg: ModelConfig, logits: jax.Array) -> Routing:
+    """PhiMoE's sparsemixer top-2 at inference: the best expert, then the best of the rest.
+
+    Each pick's weight is a softmax over the logits that lie within a relative distance
+    2 * router_jitter_noise of that pick (the others are masked to -inf).
+    """
+    eps = cfg.router_jitter_noise
+    T = logits.shape[0]
+    rows = jnp.arange(T)
+
+    def pick(candidates: jax.Array) -> tuple[jax.Array, jax.Array]:
+        best = jnp.argmax(candidates, axis=-1).astype(jnp.int32)
+        threshold = candidates[rows, best][:, None]
+        factor = jnp.maximum(jnp.abs(logits), threshold)
+        keep = ~(((threshold - logits) / factor) > 2 * eps)  # written as HF does, so NaN (0/0) keeps
+        gates = jax.nn.softmax(jnp.where(keep, candidates, -jnp.inf), axis=-1)
+        return best, gates[rows, best]
+
+    first, w_first = pick(logits)
+    second, w_second = pick(logits.at[rows, first].set(-jnp.inf))
+    return Routing(experts=jnp.stack([first, second], axis=-1), weights=jnp.stack([w_first, w_second], axis=-1),
+                   logits=logits)
+
+
+def grouped_topk(cfg: ModelConfig, scores: jax.Array) -> jax.Array:
+    """Group-limited top-k (DeepSeek): keep the best `topk_group` of `n_group` expert groups, then top-k.
+
+    Group score: max of the group for group_limited_greedy (V2), sum of the group's top-2 for noaux_tc (V3).
+    """
+    T, E = scores.shape
+    g = cfg.n_group
+    grouped = scores.reshape(T, g, E // g)
+    if cfg.topk_method is TopkMethod.noaux_tc:
+        group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, E // g))[0], axis=-1)
+    else:
+        group_scores = jnp.max(grouped, axis=-1)
+    _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+    keep = jnp.zeros((T, g), bool).at[jnp.arange(T)[:, None], top_groups].set(True)
+    # HF masks dropped groups with -inf for V3 (biased sigmoid scores) and 0.0 for V2 (softmax scores).
+    masked = jnp.where(jnp.repeat(keep, E // g, axis=1), scores, -jnp.inf if cfg.topk_method is TopkMethod.noaux_tc else 0.0)
+    return _topk(masked, cfg.num_experts_per_tok)[1]
+
+
+class Router(nnx.Module):
+    """Router of one MoE layer: kernel [H, E] (+ DeepSeek-V3's e_score_correction_bias [E])."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        self.cfg = cfg
+        self.kernel = nnx.Param(_init(rngs, (cfg.hidden_size, cfg.num_experts), dtype))
+        self.bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32)) \
+            if cfg.topk_method is TopkMethod.noaux_tc else None
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """x [T, H] -> float32 [T, E] (computed in float32 whatever the weights' dtype)."""
+        return x.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32)
+
+    def __call__(self, x: jax.Array) -> Routing:
+        """x [T, H] -> Routing for T tokens."""
+        return route(self.cfg, self.logits(x), None if self.bias is None else self.bias[...])
+
+
+# ---- experts ------------------------------------------------------------------------------------
+
+
+class RoutedExperts(nnx.Module):
+    """The routed experts of one layer: per expert a fused gate|up kernel [H, 2F] and down [F, H]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, rngs: nnx.Rngs,
+                 dtype: jnp.dtype = jnp.float32):
+        self.gate_up = nnx.List([nnx.Param(_init(rngs, (hidden, 2 * intermediate), dtype)) for _ in range(num_experts)])
+        self.down = nnx.List([nnx.Param(_init(rngs, (intermediate, hidden), dtype)) for _ in range(num_experts)])
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_up)
+
+    def arrays(self) -> tuple[list[jax.Array], list[jax.Array]]:
+        return [p[...] for p in self.gate_up], [p[...] for p in self.down]
+
+
+class ExpertExecutor(Protocol):
+    """Computes sum_j weights[t, j] * Expert_{experts[t, j]}(x[t]) for one MoE layer."""
+
+    def __call__(self, layer: int, x: jax.Array, routing: Routing, experts: Optional[RoutedExperts]) -> jax.Array:
+        """x [T, H], routing for T tokens -> [T, H]. `layer` is the decoder-layer index."""
+        ...
+
+
+def combine_matrix(routing: Routing, num_experts: int) -> jax.Array:
+    """[T, E] float32: the weight of expert e in token t's output (0 where not routed)."""
+    T, k = routing.experts.shape
+    return jnp.zeros((T, num_experts), jnp.float32).at[jnp.arange(T)[:, None], routing.experts].add(routing.weights)
+
+
+def experts_per_slot(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array], down: Sequence[jax.Array]
+                     ) -> jax.Array:
+    """Few tokens: one `lax.switch` per (token, slot) so only the chosen experts' weights are read."""
+    T, k = routing.experts.shape
+    branches = [lambda row, gu=gu, dn=dn: swiglu(row, gu, dn) for gu, dn in zip(gate_up, down)]
+    rows = []
+    for t in range(T):
+        acc = jnp.zeros((1, x.shape[-1]), jnp.float32)
+        for j in range(k):
+            y = jax.lax.switch(routing.experts[t, j], branches, x[t:t + 1])
+            acc = acc + routing.weights[t, j] * y.astype(jnp.float32)
+        rows.append(acc)
+    return jnp.concatenate(rows, axis=0).astype(x.dtype)
+
+
+def experts_dense_skip(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array], down: Sequence[jax.Array]
+                       ) -> jax.Array:
+    """Moderate token counts: every used expert runs on all T tokens (weights read once), unused skipped."""
+    comb = combine_matrix(routing, len(gate_up))
+    out = jnp.zeros(x.shape, jnp.float32)
+    for e, (gu, dn) in enumerate(zip(gate_up, down)):
+        w = comb[:, e:e + 1]
+        out = jax.lax.cond(jnp.any(w > 0), lambda o, gu=gu, dn=dn, w=w: o + swiglu(x, gu, dn).astype(jnp.float32) * w,
+                           lambda o: o, out)
+    return out.astype(x.dtype)
+
+
+def experts_grouped(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array], down: Sequence[jax.Array],
+                    chunk: Optional[int] = None) -> jax.Array:
+    """Many tokens (prefill): tokens sorted by expert, each expert runs over its own rows in chunks.
+
+    Exact for any routing: an expert with n rows runs ceil(n / chunk) times; unused experts never run.
+    """
+    T, k = routing.experts.shape
+    E, H = len(gate_up), x.shape[-1]
+    n = T * k
+    chunk = chunk or max(8, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(n / E))))))
+    flat_e = routing.experts.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    tok = (jnp.arange(n, dtype=jnp.int32) // k)[order]
+    wts = routing.weights.reshape(-1)[order]
+    counts = jnp.bincount(flat_e, length=E)
+    starts = jnp.cumsum(counts) - counts
+    pad = chunk
+    tok = jnp.concatenate([tok, jnp.zeros((pad,), jnp.int32)])
+    wts = jnp.concatenate([wts, jnp.zeros((pad,), wts.dtype)])
+    xs = jnp.concatenate([x[tok[:n]], jnp.zeros((pad, H), x.dtype)])
+    out = jnp.zeros((T, H), jnp.float32)
+    for e, (gu, dn) in enumerate(zip(gate_up, down)):
+        def body(i, acc, e=e, gu=gu, dn=dn):
+            start = starts[e] + i * chunk
+            rows = jax.lax.dynamic_slice(xs, (start, 0), (chunk, H))
+            live = (jnp.arange(chunk) + i * chunk) < counts[e]
+            w = jnp.where(live, jax.lax.dynamic_slice(wts, (start,), (chunk,)), 0.0)
+            y = swiglu(rows, gu, dn).astype(jnp.float32) * w[:, None]
+            return acc.at[jax.lax.dynamic_slice(tok, (start,), (chunk,))].add(y)
+        out = jax.lax.fori_loop(0, (counts[e] + chunk - 1) // chunk, body, out)
+    return out.astype(x.dtype)
+
+
+class InMemoryExperts:
+    """Default executor: the layer's own expert weights, strategy chosen by token count at trace time."""
+
+    def __init__(self, slot_limit: int = 4, dense_limit: int = 64):
+        self.slot_limit = slot_limit  # T * k at or below this: per-slot switch
+        self.dense_limit = dense_limit  # T at or below this: dense over tokens, unused experts skipped
+
+    def __call__(self, layer: int, x: jax.Array, routing: Routing, experts: Optional[RoutedExperts]) -> jax.Array:
+        if experts is None:
+            raise ValueError(f"layer {layer}: the model holds no expert weights; pass an expert executor")
+        gate_up, down = experts.arrays()
+        T, k = routing.experts.shape
+        if T * k <= self.slot_limit:
+            return experts_per_slot(x, routing, gate_up, down)
+        if T <= self.dense_limit:
+            return experts_dense_skip(x, routing, gate_up, down)
+        return experts_grouped(x, routing, gate_up, down)
+
+
+DEFAULT_EXECUTOR = InMemoryExperts()
+
+
+class MoEBlock(nnx.Module):
+    """Router + routed experts (+ shared experts). Holds no expert weights when `with_experts` is False."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32, with_experts: bool = True):
+        self.cfg = cfg
+        self.router = Router(cfg, rngs=rngs, dtype=dtype)
+        self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size, rngs=rngs,
+                                     dtype=dtype) if with_experts else None
+        self.shared = SwiGLU(cfg.hidden_size, cfg.expert_intermediate_size * cfg.n_shared_experts, rngs=rngs,
+                             dtype=dtype) if cfg.n_shared_experts else None
+
+    def __call__(self, layer: int, x: jax.Array, executor: ExpertExecutor, valid: Optional[jax.Array] = None
+                 ) -> tuple[jax.Array, Routing]:
+        """x [T, H] (the gate input), valid bool [T] -> (MoE output [T, H], routing)."""
+        routing = dataclasses.replace(self.router(x), valid=valid)
+        y = executor(layer, x, routing, self.experts)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y, routing

@@ -1,0 +1,209 @@
+"""The decoder-only MoE transformer shared by every family, its KV cache and its forward pass.
+
+Families differ only in configuration (`ModelConfig`) and HF naming (`models/<family>.py`); the
+module tree is the same: embed -> N x DecoderLayer -> norm -> lm_head. A decoder layer is
+pre-norm attention (GQA or MLA) and a pre-norm feed-forward that is a dense SwiGLU or a
+`MoEBlock` (router + expert executor + optional shared experts).
+
+`forward` is a pure function of the model (use it under `nnx.jit` or with split state) that
+returns the logits, the updated cache and, on request, the routing of every MoE layer (the
+capture hook): per MoE layer the experts, their weights and optionally the gate input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.layers import Attention, AttentionInputs, Linear, SwiGLU, _init, make_norm
+from models.mla import MLAttention
+from models.moe import DEFAULT_EXECUTOR, ExpertExecutor, MoEBlock, Routing
+from models.rope import RopeTables, cos_sin, rope_tables
+
+
+@functools.lru_cache(maxsize=64)
+def model_rope(cfg: ModelConfig) -> RopeTables:
+    """The rotary tables of `cfg` (MLA rotates only qk_rope_head_dim dimensions)."""
+    return rope_tables(cfg, cfg.qk_rope_head_dim if cfg.uses_mla else cfg.attn_head_dim)
+
+
+# ---- cache ------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Per-layer attention caches plus the slot bookkeeping shared by all layers.
+
+    layers: one dict per decoder layer ({"k", "v"} [B, Hkv, C, D] for GQA, {"ckv" [B, C, r],
+    "kpe" [B, C, d_r]} for MLA); valid bool [B, C]: slot holds a real token; positions int32
+    [B, C]: that token's position; index int32 []: the next free slot (all rows advance together;
+    prompts are left-padded so they end on the same slot).
+    """
+
+    layers: list
+    valid: jax.Array
+    positions: jax.Array
+    index: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        return int(self.valid.shape[1])
+
+
+def init_cache(model: "MoETransformer", batch: int, length: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
+    """An empty cache of `length` slots for `batch` rows."""
+    layers = [{name: jnp.zeros(shape, dtype) for name, shape in layer.attn.cache_shape(batch, length).items()}
+              for layer in model.layers]
+    return KVCache(layers=layers, valid=jnp.zeros((batch, length), bool),
+                   positions=jnp.zeros((batch, length), jnp.int32), index=jnp.zeros((), jnp.int32))
+
+
+# ---- modules ------------------------------------------------------------------------------------
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention + pre-norm feed-forward (dense SwiGLU or MoE), both residual."""
+
+    def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32,
+                 with_experts: bool = True):
+        self.index = index
+        self.input_norm = make_norm(cfg, cfg.hidden_size, dtype)
+        self.attn = MLAttention(cfg, rngs=rngs, dtype=dtype) if cfg.uses_mla else Attention(cfg, rngs=rngs, dtype=dtype)
+        self.post_norm = make_norm(cfg, cfg.hidden_size, dtype)
+        if cfg.is_moe_layer(index):
+            self.moe = MoEBlock(cfg, rngs=rngs, dtype=dtype, with_experts=with_experts)
+            self.mlp = None
+        else:
+            self.moe = None
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def attend(self, x: jax.Array, ai: AttentionInputs, cache: dict, rope: RopeTables) -> tuple[jax.Array, dict]:
+        """x [B, S, H] -> x + attention(norm(x)), updated layer cache."""
+        h, cache = self.attn(self.input_norm(x), ai, cache, rope)
+        return x + h, cache
+
+    def __call__(self, x: jax.Array, ai: AttentionInputs, cache: dict, rope: RopeTables,
+                 executor: ExpertExecutor, token_valid: jax.Array
+                 ) -> tuple[jax.Array, dict, Optional[Routing], jax.Array]:
+        """x [B, S, H] -> (output [B, S, H], cache, routing of the B*S tokens or None, gate input [B, S, H])."""
+        x, cache = self.attend(x, ai, cache, rope)
+        g = self.post_norm(x)
+        B, S, H = g.shape
+        if self.moe is None:
+            return x + self.mlp(g), cache, None, g
+        y, routing = self.moe(self.index, g.reshape(B * S, H), executor, token_valid.reshape(B * S))
+        return x + y.reshape(B, S, H), cache, routing, g
+
+
+class MoETransformer(nnx.Module):
+    """A decoder-only MoE language model of any supported family."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32, with_experts: bool = True):
+        self.cfg = cfg
+        self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, with_experts=with_experts)
+                                for i in range(cfg.num_hidden_layers)])
+        self.norm = make_norm(cfg, cfg.hidden_size, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else \
+            Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias, rngs=rngs, dtype=dtype)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self.cfg.moe_layers
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final norm and LM head: x [..., H] -> float32 logits [..., V]."""
+        h = self.norm(x)
+        out = h @ self.embed[...].T if self.lm_head is None else self.lm_head(h)
+        return out.astype(jnp.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Captured:
+    """Routing of every MoE layer for one forward: experts int32 [L, B, S, k], weights float32
+    [L, B, S, k], hidden (gate inputs) [L, B, S, H] or None. L counts MoE layers only."""
+
+    experts: jax.Array
+    weights: jax.Array
+    hidden: Optional[jax.Array] = None
+
+
+def attention_inputs(cfg: ModelConfig, cache: KVCache, positions: jax.Array, token_valid: jax.Array
+                     ) -> tuple[AttentionInputs, KVCache]:
+    """Write the slot bookkeeping of S new tokens into `cache` and build the attention context."""
+    index = cache.index
+    valid = jax.lax.dynamic_update_slice(cache.valid, token_valid, (0, index))
+    slot_positions = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), (0, index))
+    total_len = jnp.max(jnp.where(token_valid, positions, 0)) + 1
+    tables = model_rope(cfg)
+    cos, sin = cos_sin(tables, positions, total_len)
+    ai = AttentionInputs(positions=positions, write_index=index, valid=valid, slot_positions=slot_positions,
+                         cos={tables.rot_dim: cos}, sin={tables.rot_dim: sin}, total_len=total_len)
+    cache = KVCache(layers=cache.layers, valid=valid, positions=slot_positions, index=index)
+    return ai, cache
+
+
+def forward(model: MoETransformer, tokens: jax.Array, cache: KVCache, positions: jax.Array,
+            token_valid: Optional[jax.Array] = None, *, executor: ExpertExecutor = DEFAULT_EXECUTOR,
+            capture: bool = False, capture_hidden: bool = False, last_only: bool = False
+            ) -> tuple[jax.Array, KVCache, Optional[Captured]]:
+    """Run S new tokens per row through the model.
+
+    tokens, positions: int32 [B, S]; token_valid: bool [B, S] (False for padding; default all True).
+    Returns logits float32 [B, S, V] ([B, V] with `last_only`), the cache advanced by S slots and,
+    with `capture`, the routing of every MoE layer.
+    """
+    cfg = model.cfg
+    B, S = tokens.shape
+    if token_valid is None:
+        token_valid = jnp.ones((B, S), bool)
+    ai, cache = attention_inputs(cfg, cache, positions, token_valid)
+    rope = model_rope(cfg)
+    x = model.embed[...][tokens]
+    new_layers, experts, weights, hidden = [], [], [], []
+    for layer, layer_cache in zip(model.layers, cache.layers):
+        x, layer_cache, routing, gate_in = layer(x, ai, layer_cache, rope, executor, token_valid)
+        new_layers.append(layer_cache)
+        if routing is not None and capture:
+            k = routing.experts.shape[-1]
+            experts.append(routing.experts.reshape(B, S, k))
+            weights.append(routing.weights.reshape(B, S, k))
+            if capture_hidden:
+                hidden.append(gate_in)
+    out = KVCache(layers=new_layers, valid=cache.valid, positions=cache.positions, index=cache.index + S)
+    logits = model.logits(x[:, -1] if last_only else x)
+    captured = None
+    if capture and experts:
+        captured = Captured(experts=jnp.stack(experts), weights=jnp.stack(weights),
+                            hidden=jnp.stack(hidden) if capture_hidden else None)
+    return logits, out, captured
+
+
+def build_model(cfg: ModelConfig, *, seed: int = 0, dtype: jnp.dtype = jnp.float32, with_experts: bool = True
+                ) -> MoETransformer:
+    """A randomly initialised model (std 0.02 weights, unit norms)."""
+    return MoETransformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, with_experts=with_experts)
+
+
+def abstract_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.float32, with_experts: bool = True) -> MoETransformer:
+    """The model's structure with `jax.ShapeDtypeStruct` leaves: nothing is allocated."""
+    return nnx.eval_shape(lambda: MoETransformer(cfg, rngs=nnx.Rngs(params=0), dtype=dtype, with_experts=with_experts))
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Total parameters of `cfg`'s model, counted on the abstract model (nothing allocated)."""
+    state = nnx.state(abstract_model(cfg), nnx.Param)
+    return int(sum(int(jnp.prod(jnp.array(leaf.shape))) if leaf.shape else 1
+                   for leaf in jax.tree_util.tree_leaves(state)))
