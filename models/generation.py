@@ -99,7 +99,7 @@ class Generator:
         self.capture, self.capture_hidden = capture, capture_hidden
         self.prompt_bucket, self.cache_bucket = prompt_bucket, cache_bucket
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("params",), donate_argnames=("cache",))
-        self._decode = jax.jit(self._decode_impl, static_argnames=("params", "n_buffer"), donate_argnames=("cache",))
+        self._decode = jax.jit(self._decode_impl, static_argnames=("params", "n_buffer"))
 
     # ---- compiled pieces --------------------------------------------------------------------
     def _model(self, state: Any) -> MoETransformer:

@@ -383,7 +383,7 @@ def save_hf(cfg: ModelConfig, model: MoETransformer, folder: str | Path, fused: 
         if arr.dtype == ml_dtypes.bfloat16:
             tensors[name] = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
         else:
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
+            tensors[name] = torch.from_numpy(np.array(arr, copy=True))
     tmp = folder / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(folder / "model.safetensors")

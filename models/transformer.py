@@ -207,3 +207,7 @@ def count_params(cfg: ModelConfig) -> int:
     state = nnx.state(abstract_model(cfg), nnx.Param)
     return int(sum(int(jnp.prod(jnp.array(leaf.shape))) if leaf.shape else 1
                    for leaf in jax.tree_util.tree_leaves(state)))
+
+
+forward_jit = nnx.jit(forward, static_argnames=("executor", "capture", "capture_hidden", "last_only"))
+"""`forward` compiled once per input shape (the model passes as an NNX argument)."""
