@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import logging
 import typing
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
@@ -111,7 +112,13 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
     schemas.register_all()
 
     def wrap(task: Callable[[Any], Any]) -> Callable[[], Any]:
-        main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(task)
+        @functools.wraps(task)
+        def quiet_task(cfg: Any) -> Any:
+            # Hydra logs at INFO; jax's backend probing (no TPU/GPU here) is noise at that level.
+            logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+            return task(cfg)
+
+        main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(quiet_task)
 
         @functools.wraps(task)
         def entry() -> Any:

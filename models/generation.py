@@ -71,19 +71,23 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tupl
     return tokens, valid
 
 
-def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
-    """Next tokens int32 [B] from logits [B, V]."""
-    if params.temperature <= 0.0:
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Next tokens int32 [B] from logits [B, V]; temperature <= 0 is greedy (traced values: no recompiles)."""
+
+    def greedy(logits: jax.Array) -> jax.Array:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / params.temperature
-    if params.top_p < 1.0:
+
+    def nucleus(logits: jax.Array) -> jax.Array:
+        logits = logits / temperature
         order = jnp.argsort(-logits, axis=-1)
         sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
-        sorted_logits = jnp.where(before < params.top_p, sorted_logits, -jnp.inf)
-        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens; the best always stays
+        sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)
+        kept = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+        return jax.random.categorical(key, kept, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(temperature <= 0.0, greedy, nucleus, logits)
 
 
 class Generator:
@@ -98,24 +102,24 @@ class Generator:
         self.cache_dtype = cache_dtype or model.embed[...].dtype
         self.capture, self.capture_hidden = capture, capture_hidden
         self.prompt_bucket, self.cache_bucket = prompt_bucket, cache_bucket
-        self._prefill = jax.jit(self._prefill_impl, static_argnames=("params",), donate_argnames=("cache",))
-        self._decode = jax.jit(self._decode_impl, static_argnames=("params", "n_buffer"))
+        self._prefill = jax.jit(self._prefill_impl, donate_argnames=("cache",))
+        self._decode = jax.jit(self._decode_impl, static_argnames=("n_buffer",))
 
     # ---- compiled pieces --------------------------------------------------------------------
     def _model(self, state: Any) -> MoETransformer:
         return nnx.merge(self.graphdef, state)
 
     def _prefill_impl(self, state: Any, cache: KVCache, tokens: jax.Array, valid: jax.Array, key: jax.Array,
-                      params: SamplingParams) -> tuple[jax.Array, jax.Array, KVCache, Optional[Captured]]:
+                      params: jax.Array) -> tuple[jax.Array, jax.Array, KVCache, Optional[Captured]]:
         positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
         logits, cache, captured = forward(self._model(state), tokens, cache, positions, valid,
                                           executor=self.executor, capture=self.capture,
                                           capture_hidden=self.capture_hidden, last_only=True)
-        first = sample(logits, key, params)
+        first = sample(logits, key, params[0], params[1])
         return first, positions[:, -1] + 1, cache, captured
 
     def _decode_impl(self, state: Any, cache: KVCache, first: jax.Array, next_pos: jax.Array, n_steps: jax.Array,
-                     eos: jax.Array, pad: jax.Array, key: jax.Array, params: SamplingParams, n_buffer: int
+                     eos: jax.Array, pad: jax.Array, key: jax.Array, params: jax.Array, n_buffer: int
                      ) -> tuple[jax.Array, jax.Array, Optional[Captured]]:
         model = self._model(state)
         B = first.shape[0]
@@ -138,7 +142,7 @@ class Generator:
             logits, cache, captured = forward(model, tok[:, None], cache, pos[:, None], executor=self.executor,
                                               capture=self.capture, capture_hidden=self.capture_hidden,
                                               last_only=True)
-            nxt = sample(logits, jax.random.fold_in(key, step), params)
+            nxt = sample(logits, jax.random.fold_in(key, step), params[0], params[1])
             nxt = jnp.where(done, pad, nxt)
             out = out.at[:, step + 1].set(nxt)
             if capture is not None:
@@ -166,15 +170,16 @@ class Generator:
         capacity = bucket(P + max_new_tokens, self.cache_bucket)
         tokens, valid = left_pad(prompts, P, pad)
         key = jax.random.PRNGKey(sampling.seed)
+        params = jnp.asarray([sampling.temperature, sampling.top_p], jnp.float32)  # [temperature, top_p]
         cache = init_cache(self._model(self.state), len(prompts), capacity, self.cache_dtype)
         t0 = time.perf_counter()
         first, next_pos, cache, pre_cap = self._prefill(self.state, cache, jnp.asarray(tokens), jnp.asarray(valid),
-                                                        jax.random.fold_in(key, 1 << 30), params=sampling)
+                                                        jax.random.fold_in(key, 1 << 30), params)
         first.block_until_ready()
         t1 = time.perf_counter()
         n_buffer = bucket(max(max_new_tokens - 1, 1), 32)
         out, steps, dec_cap = self._decode(self.state, cache, first, next_pos, jnp.int32(max_new_tokens - 1),
-                                           jnp.int32(eos), jnp.int32(pad), key, params=sampling, n_buffer=n_buffer)
+                                           jnp.int32(eos), jnp.int32(pad), key, params, n_buffer=n_buffer)
         out = np.asarray(jax.device_get(out))[:, :max_new_tokens]
         t2 = time.perf_counter()
         return GenerationOutput(tokens=out, lengths=self._lengths(out, eos), prompt_lengths=np.array([len(p) for p in prompts]),

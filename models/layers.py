@@ -19,7 +19,18 @@ from models.rope import RopeTables, apply_rope
 NEG_INF = -1e30
 
 
-def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02) -> jax.Array:
+class AbstractRngs:
+    """Stands in for `nnx.Rngs` to build a model whose parameters are `jax.ShapeDtypeStruct`s.
+
+    Faster than `nnx.eval_shape` for models with thousands of expert arrays (each `rngs.params()`
+    call under tracing costs time linear in the trace so far) and allocates nothing.
+    """
+
+
+def _init(rngs: nnx.Rngs | AbstractRngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02
+          ) -> jax.Array | jax.ShapeDtypeStruct:
+    if isinstance(rngs, AbstractRngs):
+        return jax.ShapeDtypeStruct(shape, dtype)
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import Attention, AttentionInputs, Linear, SwiGLU, _init, make_norm
+from models.layers import AbstractRngs, Attention, AttentionInputs, Linear, SwiGLU, _init, make_norm
 from models.mla import MLAttention
 from models.moe import DEFAULT_EXECUTOR, ExpertExecutor, MoEBlock, Routing
 from models.rope import RopeTables, cos_sin, rope_tables
@@ -199,14 +200,13 @@ def build_model(cfg: ModelConfig, *, seed: int = 0, dtype: jnp.dtype = jnp.float
 
 def abstract_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.float32, with_experts: bool = True) -> MoETransformer:
     """The model's structure with `jax.ShapeDtypeStruct` leaves: nothing is allocated."""
-    return nnx.eval_shape(lambda: MoETransformer(cfg, rngs=nnx.Rngs(params=0), dtype=dtype, with_experts=with_experts))
+    return MoETransformer(cfg, rngs=AbstractRngs(), dtype=dtype, with_experts=with_experts)
 
 
 def count_params(cfg: ModelConfig) -> int:
     """Total parameters of `cfg`'s model, counted on the abstract model (nothing allocated)."""
     state = nnx.state(abstract_model(cfg), nnx.Param)
-    return int(sum(int(jnp.prod(jnp.array(leaf.shape))) if leaf.shape else 1
-                   for leaf in jax.tree_util.tree_leaves(state)))
+    return int(sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(state)))
 
 
 forward_jit = nnx.jit(forward, static_argnames=("executor", "capture", "capture_hidden", "last_only"))
