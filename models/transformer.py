@@ -134,11 +134,13 @@ class MoETransformer(nnx.Module):
 @dataclasses.dataclass
 class Captured:
     """Routing of every MoE layer for one forward: experts int32 [L, B, S, k], weights float32
-    [L, B, S, k], hidden (gate inputs) [L, B, S, H] or None. L counts MoE layers only."""
+    [L, B, S, k], hidden (gate inputs) [L, B, S, H] or None, router logits float32 [L, B, S, E] or
+    None. L counts MoE layers only."""
 
     experts: jax.Array
     weights: jax.Array
     hidden: Optional[jax.Array] = None
+    logits: Optional[jax.Array] = None
 
 
 def attention_inputs(cfg: ModelConfig, cache: KVCache, positions: jax.Array, token_valid: jax.Array
@@ -158,8 +160,8 @@ def attention_inputs(cfg: ModelConfig, cache: KVCache, positions: jax.Array, tok
 
 def forward(model: MoETransformer, tokens: jax.Array, cache: KVCache, positions: jax.Array,
             token_valid: Optional[jax.Array] = None, *, executor: ExpertExecutor = DEFAULT_EXECUTOR,
-            capture: bool = False, capture_hidden: bool = False, last_only: bool = False
-            ) -> tuple[jax.Array, KVCache, Optional[Captured]]:
+            capture: bool = False, capture_hidden: bool = False, capture_logits: bool = False,
+            last_only: bool = False) -> tuple[jax.Array, KVCache, Optional[Captured]]:
     """Run S new tokens per row through the model.
 
     tokens, positions: int32 [B, S]; token_valid: bool [B, S] (False for padding; default all True).
@@ -173,7 +175,7 @@ def forward(model: MoETransformer, tokens: jax.Array, cache: KVCache, positions:
     ai, cache = attention_inputs(cfg, cache, positions, token_valid)
     rope = model_rope(cfg)
     x = model.embed[...][tokens]
-    new_layers, experts, weights, hidden = [], [], [], []
+    new_layers, experts, weights, hidden, router_logits = [], [], [], [], []
     for layer, layer_cache in zip(model.layers, cache.layers):
         x, layer_cache, routing, gate_in = layer(x, ai, layer_cache, rope, executor, token_valid)
         new_layers.append(layer_cache)
@@ -183,12 +185,15 @@ def forward(model: MoETransformer, tokens: jax.Array, cache: KVCache, positions:
             weights.append(routing.weights.reshape(B, S, k))
             if capture_hidden:
                 hidden.append(gate_in)
+            if capture_logits:
+                router_logits.append(routing.logits.reshape(B, S, -1))
     out = KVCache(layers=new_layers, valid=cache.valid, positions=cache.positions, index=cache.index + S)
     logits = model.logits(x[:, -1] if last_only else x)
     captured = None
     if capture and experts:
         captured = Captured(experts=jnp.stack(experts), weights=jnp.stack(weights),
-                            hidden=jnp.stack(hidden) if capture_hidden else None)
+                            hidden=jnp.stack(hidden) if capture_hidden else None,
+                            logits=jnp.stack(router_logits) if capture_logits else None)
     return logits, out, captured
 
 
@@ -209,5 +214,5 @@ def count_params(cfg: ModelConfig) -> int:
     return int(sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(state)))
 
 
-forward_jit = nnx.jit(forward, static_argnames=("executor", "capture", "capture_hidden", "last_only"))
+forward_jit = nnx.jit(forward, static_argnames=("executor", "capture", "capture_hidden", "capture_logits", "last_only"))
 """`forward` compiled once per input shape (the model passes as an NNX argument)."""
