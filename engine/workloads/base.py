@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 SHAREGPT_PATH = DATA_DIR / "sharegpt" / "ShareGPT_V3_filtered_500.json"
@@ -45,13 +45,3 @@ def encode_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     ids = getattr(out, "ids", out)
     return [int(i) for i in ids]
 
-
-def encode_all(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of many texts; uses the tokenizer's parallel `encode_batch` when it has one."""
-    batch = getattr(tokenizer, "encode_batch", None)
-    if callable(batch) and texts:
-        try:
-            return [[int(i) for i in enc.ids] for enc in batch(list(texts), add_special_tokens=False)]
-        except (TypeError, AttributeError):
-            pass
-    return [encode_ids(tokenizer, t) for t in texts]

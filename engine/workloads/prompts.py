@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from conf.schemas.workload import LengthPolicy
-from engine.workloads.base import TextPrompt, Tokenizer, encode_all
+from engine.workloads.base import TextPrompt, Tokenizer, encode_ids
 
 
 @dataclass(frozen=True)
@@ -50,30 +50,41 @@ class PromptBatch:
 class TokenStream:
     """An endless, seeded stream of tokenised prompts: epochs of random permutations.
 
-    `next_prompt()` returns the next whole prompt; `take(n)` returns exactly n tokens that start at
-    the beginning of a fresh prompt and run on into the following ones (separator between).
+    Prompts are encoded when first drawn (then cached), so a large prompt set costs only what is
+    used. Prompts with fewer than `min_tokens` tokens are skipped. `next_prompt()` returns the next
+    whole prompt; `take(n)` returns exactly n tokens that start at the beginning of a fresh prompt
+    and run on into the following ones (`separator_id` between).
     """
 
-    def __init__(self, prompt_ids: Sequence[str], encoded: Sequence[Sequence[int]], seed: int,
-                 separator_id: Optional[int] = None):
-        if len(prompt_ids) != len(encoded) or not encoded:
-            raise ValueError("TokenStream: need as many encodings as prompt ids, and at least one")
-        if all(len(e) == 0 for e in encoded):
-            raise ValueError("TokenStream: every prompt encodes to zero tokens")
-        self._ids = list(prompt_ids)
-        self._enc = [tuple(int(t) for t in e) for e in encoded]
+    def __init__(self, prompts: Sequence[TextPrompt], tokenizer: Tokenizer, seed: int,
+                 separator_id: Optional[int] = None, min_tokens: int = 1):
+        if not prompts:
+            raise ValueError("TokenStream: no prompts")
+        self._prompts = list(prompts)
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[int, ...]] = {}
         self._rng = np.random.default_rng(seed)
         self._order: list[int] = []
         self._sep = () if separator_id is None else (int(separator_id),)
+        self._min = max(int(min_tokens), 1)
 
-    def next_index(self) -> int:
-        if not self._order:
-            self._order = self._rng.permutation(len(self._enc)).tolist()[::-1]
-        return self._order.pop()
+    def _encoded(self, i: int) -> tuple[int, ...]:
+        if i not in self._cache:
+            self._cache[i] = tuple(encode_ids(self._tokenizer, self._prompts[i].text))
+        return self._cache[i]
 
     def next_prompt(self) -> tuple[str, tuple[int, ...]]:
-        i = self.next_index()
-        return self._ids[i], self._enc[i]
+        skipped: set[int] = set()
+        while True:
+            if not self._order:
+                self._order = self._rng.permutation(len(self._prompts)).tolist()[::-1]
+            i = self._order.pop()
+            toks = self._encoded(i)
+            if len(toks) >= self._min:
+                return self._prompts[i].id, toks
+            skipped.add(i)
+            if len(skipped) == len(self._prompts):
+                raise ValueError(f"no prompt has >= {self._min} tokens (of {len(self._prompts)} prompts)")
 
     def take(self, n: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """Exactly n tokens (n >= 1) and the ids of the prompts they came from."""
@@ -83,8 +94,6 @@ class TokenStream:
         out: list[int] = []
         while len(out) < n:
             pid, toks = self.next_prompt()
-            if not toks:
-                continue
             if out:
                 out.extend(self._sep)
             ids.append(pid)
@@ -96,7 +105,7 @@ class PromptSampler:
     """Deterministic batches of a text workload under a length policy.
 
     prompts: the workload's text prompts; tokenizer: anything with `encode` (see `base.encode_ids`);
-    prompts with fewer than `min_prompt_tokens` tokens are left out (truncate / pad policies).
+    prompts with fewer than `min_prompt_tokens` tokens are skipped (truncate / pad policies).
     `separator_id` (usually EOS) goes between prompts joined by the pack policy.
     """
 
@@ -110,12 +119,8 @@ class PromptSampler:
         if policy is not LengthPolicy.pack and min_prompt_tokens > prompt_len:
             raise ValueError(f"min_prompt_tokens ({min_prompt_tokens}) > prompt_len ({prompt_len})")
         self.batch_size, self.prompt_len, self.gen_len, self.policy = batch_size, prompt_len, gen_len, policy
-        encoded = encode_all(tokenizer, [p.text for p in prompts])
-        keep = [i for i, e in enumerate(encoded) if len(e) >= (1 if policy is LengthPolicy.pack else min_prompt_tokens)]
-        if not keep:
-            raise ValueError(f"no prompt has >= {min_prompt_tokens} tokens (of {len(prompts)} prompts)")
-        self.num_prompts = len(keep)
-        self._stream = TokenStream([prompts[i].id for i in keep], [encoded[i] for i in keep], seed, separator_id)
+        min_tokens = 1 if policy is LengthPolicy.pack else min_prompt_tokens
+        self._stream = TokenStream(prompts, tokenizer, seed, separator_id, min_tokens)
         self._next_index = 0
 
     def next_batch(self) -> PromptBatch:

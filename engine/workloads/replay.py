@@ -19,7 +19,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from engine.workloads.azure import AzureTrace, RequestBatch, RequestBatches
-from engine.workloads.base import TextPrompt, Tokenizer, encode_all
+from engine.workloads.base import TextPrompt, Tokenizer
 from engine.workloads.prompts import TokenStream
 
 
@@ -56,17 +56,14 @@ class TraceReplay:
                  interval_s: float = 1.0, seed: int = 0, separator_id: Optional[int] = None):
         self.trace = trace
         self.batches: RequestBatches = trace.per_interval(interval_s)
-        encoded = encode_all(tokenizer, [p.text for p in prompts])
-        self._ids = [p.id for p in prompts]
-        self._encoded = encoded
-        self._seed = seed
-        self._sep = separator_id
+        self._prompts, self._tokenizer = list(prompts), tokenizer
+        self._seed, self._sep = seed, separator_id
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[ReplayBatch]:
-        stream = TokenStream(self._ids, self._encoded, self._seed, self._sep)
+        stream = TokenStream(self._prompts, self._tokenizer, self._seed, self._sep)
         for req in self.batches:
             taken = [stream.take(int(n)) for n in req.context_tokens]
             yield ReplayBatch(req, tuple(t[0] for t in taken), tuple(t[1] for t in taken))
