@@ -78,6 +78,11 @@ def stdlib_docstrings(root: Optional[Path] = None) -> list[TextPrompt]:
 
     Modules whose source does not parse with this interpreter, or without docstrings, are skipped.
     """
+    return list(_stdlib_docstrings(root))
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_docstrings(root: Optional[Path]) -> tuple[TextPrompt, ...]:
     docs = []
     for rel, text in stdlib_sources(root):
         try:
@@ -93,7 +98,7 @@ def stdlib_docstrings(root: Optional[Path] = None) -> list[TextPrompt]:
                     parts.append(f"{title}\n{doc}")
         if parts:
             docs.append(TextPrompt(f"doc:{rel}", "\n\n".join(parts)))
-    return docs
+    return tuple(docs)
 
 
 def pydoc_topics() -> list[TextPrompt]:
