@@ -116,6 +116,7 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
         def quiet_task(cfg: Any) -> Any:
             # Hydra logs at INFO; jax's backend probing (no TPU/GPU here) is noise at that level.
             logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+            logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
             return task(cfg)
 
         main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(quiet_task)
