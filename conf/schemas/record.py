@@ -1,0 +1,26 @@
+"""Schema of `python -m engine.record`: routing traces of a model serving a workload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+from conf.schemas import store
+from conf.schemas.common import DType, ModelSpec, WandbConfig
+from conf.schemas.workload import WorkloadConfig
+
+
+@dataclass
+class RecordConfig:
+    model: ModelSpec = MISSING
+    workload: WorkloadConfig = MISSING
+    keep_hidden: bool = True  # store the gate inputs (float16) for predictor training
+    out: Optional[str] = None  # trace file; default: <run dir>/trace.npz
+    dtype: DType = DType.float32
+    seed: int = 0
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+store(RecordConfig, name="base_record")
