@@ -1,0 +1,194 @@
+"""Expert replicas over G devices: the plan every expert-parallel policy returns, and its metrics.
+
+A `Placement` says, for one MoE layer, which replica of which expert sits on which device. The
+serverless executor (`engine/serverless`) and the simulator both consume it; an expert's tokens
+are split evenly over its replicas (MoEless §3.2 step 4), so a replica of expert e serves
+W_e / R_e tokens and a device serves the sum over the replicas it holds.
+
+Every policy (`MoElessPolicy`, `EPLBPolicy`, `StaticEPPolicy`, `OracleBalancePolicy`) follows
+`ReplicaPolicy`: per layer, forecast loads in, a `Placement` out; `observe` feeds the loads that
+actually occurred (history-based policies learn from it). Policy only: numpy, no device, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, runtime_checkable
+
+import numpy as np
+
+
+def coefficient_of_variation(values: np.ndarray) -> float:
+    """Population std / mean of `values` (0.0 for an empty or all-zero set)."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:
+        return 0.0
+    mean = v.mean()
+    return float(v.std() / mean) if mean > 0 else 0.0
+
+
+def balancedness(device_loads: np.ndarray) -> float:
+    """mean / max of the per-device loads (1.0 = perfectly balanced; vLLM / SGLang report it)."""
+    v = np.asarray(device_loads, dtype=np.float64)
+    peak = v.max() if v.size else 0.0
+    return float(v.mean() / peak) if peak > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The replicas of one MoE layer: replica r is a copy of expert `replica_expert[r]` on device
+    `replica_device[r]`. Every expert with load must have at least one replica.
+
+    `lossy` marks a placement whose policy changes the routing (Oracle): outputs differ from the
+    model's.
+    """
+
+    num_experts: int
+    num_devices: int
+    replica_expert: np.ndarray  # int64 [R]
+    replica_device: np.ndarray  # int64 [R]
+    lossy: bool = False
+
+    def __post_init__(self) -> None:
+        e = np.asarray(self.replica_expert, dtype=np.int64).reshape(-1)
+        d = np.asarray(self.replica_device, dtype=np.int64).reshape(-1)
+        if e.shape != d.shape:
+            raise ValueError(f"placement: replica_expert {e.shape} and replica_device {d.shape} differ in length")
+        if e.size and (e.min() < 0 or e.max() >= self.num_experts):
+            raise ValueError(f"placement: expert ids must lie in [0, {self.num_experts}), got [{e.min()}, {e.max()}]")
+        if d.size and (d.min() < 0 or d.max() >= self.num_devices):
+            raise ValueError(f"placement: device ids must lie in [0, {self.num_devices}), got [{d.min()}, {d.max()}]")
+        object.__setattr__(self, "replica_expert", e)
+        object.__setattr__(self, "replica_device", d)
+
+    @classmethod
+    def from_lists(cls, num_experts: int, num_devices: int, pairs: list[tuple[int, int]], lossy: bool = False
+                   ) -> "Placement":
+        """From (expert, device) pairs."""
+        arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+        return cls(num_experts, num_devices, arr[:, 0], arr[:, 1], lossy)
+
+    # ---- shape ------------------------------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        return int(self.replica_expert.shape[0])
+
+    def replica_counts(self) -> np.ndarray:
+        """int64 [E]: R_e, the number of replicas of each expert."""
+        return np.bincount(self.replica_expert, minlength=self.num_experts).astype(np.int64)
+
+    def replicas_per_device(self) -> np.ndarray:
+        """int64 [G]: replica slots each device uses."""
+        return np.bincount(self.replica_device, minlength=self.num_devices).astype(np.int64)
+
+    def devices_of(self, expert: int) -> np.ndarray:
+        """Devices holding a replica of `expert` (with repeats if a device holds two)."""
+        return self.replica_device[self.replica_expert == expert]
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """Sorted (expert, device) pairs: two placements with equal pairs are the same plan."""
+        return sorted(zip(self.replica_expert.tolist(), self.replica_device.tolist()))
+
+    # ---- loads ------------------------------------------------------------------------------
+    def replica_loads(self, loads: np.ndarray) -> np.ndarray:
+        """float64 [R]: tokens each replica serves, W_e / R_e (loads: [E] tokens per expert)."""
+        loads = np.asarray(loads, dtype=np.float64)
+        counts = self.replica_counts()
+        per = np.divide(loads, counts, out=np.zeros_like(loads), where=counts > 0)
+        return per[self.replica_expert]
+
+    def device_loads(self, loads: np.ndarray) -> np.ndarray:
+        """float64 [G]: tokens each device serves (sum over its replicas)."""
+        return np.bincount(self.replica_device, weights=self.replica_loads(loads),
+                           minlength=self.num_devices).astype(np.float64)
+
+    def check_serves(self, loads: np.ndarray) -> None:
+        """Raise if an expert with load has no replica (its tokens would have nowhere to go)."""
+        missing = np.flatnonzero((np.asarray(loads) > 0) & (self.replica_counts() == 0))
+        if missing.size:
+            raise ValueError(f"placement: experts {missing.tolist()} have tokens but no replica")
+
+    def check_capacity(self, capacity: int) -> None:
+        """Raise if a device holds more than `capacity` replicas."""
+        per = self.replicas_per_device()
+        over = np.flatnonzero(per > capacity)
+        if over.size:
+            raise ValueError(f"placement: devices {over.tolist()} hold {per[over].tolist()} replicas, "
+                             f"capacity {capacity}")
+
+
+def replica_table(placement: Placement) -> np.ndarray:
+    """int64 [E, max R_e]: the replica ids of each expert in order, -1 padded."""
+    counts = placement.replica_counts()
+    table = np.full((placement.num_experts, max(int(counts.max(initial=0)), 1)), -1, dtype=np.int64)
+    order = np.argsort(placement.replica_expert, kind="stable")
+    ranks = np.arange(order.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    table[placement.replica_expert[order], ranks] = order
+    return table
+
+
+def assign_tokens(experts: np.ndarray, placement: Placement) -> np.ndarray:
+    """int64 [T, k]: the replica serving each (token, slot), split evenly per expert.
+
+    The n-th assignment to expert e (row-major over [T, k]) goes to e's replica n mod R_e, so the
+    replicas of an expert get counts that differ by at most one. The JAX dispatch in
+    `engine/serverless` computes the same mapping on device.
+    """
+    ex = np.asarray(experts, dtype=np.int64)
+    flat = ex.reshape(-1)
+    counts = placement.replica_counts()
+    if flat.size and np.any(counts[flat] == 0):
+        missing = sorted(set(flat[counts[flat] == 0].tolist()))
+        raise ValueError(f"assign_tokens: experts {missing} are routed to but have no replica")
+    order = np.argsort(flat, kind="stable")
+    per_expert = np.bincount(flat, minlength=placement.num_experts)
+    rank = np.empty(flat.size, dtype=np.int64)
+    rank[order] = np.arange(flat.size) - np.repeat(np.cumsum(per_expert) - per_expert, per_expert)
+    table = replica_table(placement)
+    return table[flat, rank % np.maximum(counts[flat], 1)].reshape(ex.shape)
+
+
+@dataclass
+class PlacementStats:
+    """What a policy reports about one decision (for results and ablations)."""
+
+    hit_memory_cap: bool = False  # scaler stopped at the memory cap before reaching the CV target
+    forecast_cv: float = 0.0  # CV of the forecast replica loads after scaling
+    warm_replicas: int = 0  # replicas placed on a device that already held that expert
+    cold_replicas: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class ReplicaPolicy(Protocol):
+    """Per MoE layer: forecast loads -> replicas and their devices."""
+
+    name: str
+    serverless: bool  # memory billed per layer while it runs (MoEless) vs resident all the time
+    lossy: bool  # changes the routing (Oracle)
+
+    def plan(self, layer: int, forecast: np.ndarray, live: Optional[Placement], now_s: Optional[float] = None
+             ) -> Placement:
+        """forecast: float [E] tokens per expert expected at `layer`; live: the replicas of `layer`
+        alive on the devices now (warm-start candidates), None before the first plan; now_s: trace
+        time (periodic policies)."""
+        ...
+
+    def observe(self, layer: int, actual: np.ndarray, now_s: float) -> None:
+        """The loads that actually occurred at `layer` (int [E]) at trace time `now_s`."""
+        ...
+
+    def effective_loads(self, actual: np.ndarray) -> np.ndarray:
+        """The loads the experts really serve (the routing's, or a lossy policy's re-routing)."""
+        ...
+
+    @property
+    def last_stats(self) -> PlacementStats:
+        ...
+
+
+def check_devices_experts(num_experts: int, num_devices: int, where: str) -> None:
+    if num_experts < 1:
+        raise ValueError(f"{where}: num_experts must be >= 1, got {num_experts}")
+    if num_devices < 1:
+        raise ValueError(f"{where}: num_devices must be >= 1, got {num_devices}")

@@ -1,0 +1,83 @@
+"""MoEless Expert Placer (MoEless §4.3, Algorithm 2): warm starts first, else Join-the-Shortest-Queue.
+
+Replicas are taken most-loaded first (a replica of expert e carries W_e / R_e). A replica whose
+expert is still alive on some device from the previous placement (a kept-alive function) is
+placed there: a warm start moves no weights. Otherwise it joins the device with the smallest
+aggregated load so far. Devices offer `capacity` replica slots each; a full device is skipped.
+
+Two details the pseudo-code leaves open, fixed here: among several warm devices of the same
+expert the least-loaded one is taken; each live replica warm-starts at most one new replica.
+Ties go to the lowest expert id, then the lowest device id, so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from schedulers.ep_placement import Placement
+
+
+@dataclass(frozen=True)
+class PlacementResult:
+    placement: Placement
+    warm: int  # replicas placed on a device that already held their expert
+    cold: int  # replicas that need weights moved in
+
+
+def replica_order(counts: np.ndarray, loads: np.ndarray) -> list[tuple[float, int]]:
+    """(load per replica, expert) for every replica, most loaded first, ties by expert id."""
+    counts = np.asarray(counts, dtype=np.int64)
+    loads = np.asarray(loads, dtype=np.float64)
+    items = []
+    for e in range(counts.size):
+        share = loads[e] / counts[e] if counts[e] > 0 else 0.0
+        items.extend([(share, e)] * int(counts[e]))
+    items.sort(key=lambda it: (-it[0], it[1]))
+    return items
+
+
+def place_replicas(counts: np.ndarray, loads: np.ndarray, num_devices: int, capacity: int,
+                   live: Optional[Placement] = None, warm_start: bool = True) -> PlacementResult:
+    """Algorithm 2 on one layer.
+
+    counts: int [E] replicas per expert (the scaler's output); loads: float [E] forecast tokens per
+    expert; capacity: replica slots per device; live: the replicas alive now (None: cold start);
+    warm_start False gives plain JSQ (an ablation).
+    """
+    counts = np.asarray(counts, dtype=np.int64).reshape(-1)
+    E = counts.size
+    if num_devices < 1 or capacity < 1:
+        raise ValueError(f"place_replicas: need num_devices >= 1 and capacity >= 1, got {num_devices}, {capacity}")
+    if counts.sum() > num_devices * capacity:
+        raise ValueError(f"place_replicas: {int(counts.sum())} replicas exceed {num_devices} devices x "
+                         f"{capacity} slots")
+    if live is not None and (live.num_experts != E or live.num_devices != num_devices):
+        raise ValueError(f"place_replicas: live placement is for {live.num_experts} experts on {live.num_devices} "
+                         f"devices, expected {E} on {num_devices}")
+    warm_devices: dict[int, list[int]] = {}
+    if live is not None and warm_start:
+        for e, g in zip(live.replica_expert.tolist(), live.replica_device.tolist()):
+            warm_devices.setdefault(e, []).append(g)
+    device_load = np.zeros(num_devices, dtype=np.float64)
+    used = np.zeros(num_devices, dtype=np.int64)
+    experts_out, devices_out = [], []
+    warm = cold = 0
+    for share, e in replica_order(counts, loads):
+        candidates = [g for g in warm_devices.get(e, []) if used[g] < capacity]
+        if candidates:
+            g = min(candidates, key=lambda d: (device_load[d], d))
+            warm_devices[e].remove(g)
+            warm += 1
+        else:
+            free = np.flatnonzero(used < capacity)
+            g = int(free[np.argmin(device_load[free])])  # argmin returns the first (lowest id) of ties
+            cold += 1
+        device_load[g] += share
+        used[g] += 1
+        experts_out.append(e)
+        devices_out.append(g)
+    placement = Placement(E, num_devices, np.asarray(experts_out, np.int64), np.asarray(devices_out, np.int64))
+    return PlacementResult(placement=placement, warm=warm, cold=cold)

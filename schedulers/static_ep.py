@@ -1,0 +1,49 @@
+"""Static expert parallelism (Megatron-LM): E / G contiguous experts per device, one replica each.
+
+Megatron requires `num_experts % ep_size == 0` and gives rank r the experts
+[r * E / G, (r + 1) * E / G). The placement never changes; every expert's memory stays resident.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from schedulers.ep_placement import Placement, PlacementStats, check_devices_experts
+
+
+def static_placement(num_experts: int, num_devices: int) -> Placement:
+    """Expert e on device e // (E / G)."""
+    check_devices_experts(num_experts, num_devices, "static_ep")
+    if num_experts % num_devices:
+        raise ValueError(f"static_ep: num_experts={num_experts} is not a multiple of num_devices={num_devices} "
+                         "(Megatron-LM expert parallelism needs E % G == 0)")
+    experts = np.arange(num_experts, dtype=np.int64)
+    return Placement(num_experts, num_devices, experts, experts // (num_experts // num_devices))
+
+
+class StaticEPPolicy:
+    """The Megatron-LM baseline of MoEless §6.1: no load balancing."""
+
+    serverless = False
+    lossy = False
+
+    def __init__(self, num_experts: int, num_devices: int, name: str = "Megatron-LM"):
+        self.name = name
+        self.placement = static_placement(num_experts, num_devices)
+        self._stats = PlacementStats()
+
+    @property
+    def last_stats(self) -> PlacementStats:
+        return self._stats
+
+    def plan(self, layer: int, forecast: np.ndarray, live: Optional[Placement], now_s: Optional[float] = None
+             ) -> Placement:
+        return self.placement
+
+    def observe(self, layer: int, actual: np.ndarray, now_s: float) -> None:
+        """Static: history is ignored."""
+
+    def effective_loads(self, actual: np.ndarray) -> np.ndarray:
+        return np.asarray(actual)
