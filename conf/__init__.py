@@ -39,7 +39,12 @@ def unfrozen(cls: type) -> type:
             kwargs["default"] = f.default
         elif f.default_factory is not dataclasses.MISSING:
             factory = f.default_factory
-            kwargs["default_factory"] = unfrozen(factory) if dataclasses.is_dataclass(factory) else factory
+            if dataclasses.is_dataclass(factory):
+                kwargs["default_factory"] = unfrozen(factory)
+            elif dataclasses.is_dataclass(probe := factory()) and not isinstance(probe, type):
+                kwargs["default_factory"] = functools.partial(_thaw, probe)  # a factory of frozen instances
+            else:
+                kwargs["default_factory"] = factory
         else:
             kwargs["default"] = "???"
         specs.append((f.name, ftype, dataclasses.field(**kwargs)))
@@ -47,6 +52,13 @@ def unfrozen(cls: type) -> type:
     schema.__doc__ = cls.__doc__
     _UNFROZEN[cls] = schema
     return schema
+
+
+def _thaw(instance: Any) -> Any:
+    """The `unfrozen` copy of a frozen dataclass instance (nested dataclasses thawed too)."""
+    values = {f.name: getattr(instance, f.name) for f in dataclasses.fields(instance)}
+    values = {k: _thaw(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v for k, v in values.items()}
+    return unfrozen(type(instance))(**values)
 
 
 def _unfreeze_type(tp: Any) -> Any:

@@ -1,0 +1,176 @@
+"""Schema of the `hardware` group: one machine (GPU(s), host CPU, host link, device interconnect).
+
+A profile is a YAML file in `conf/hardware/` whose every number carries its source in a comment
+(vendor datasheet, LayerScope §5.1 / Table 2, MoEless §5). The cost model of the schedulers
+(`schedulers/cost.py`) and the simulators read it; `calibrate` (later) writes measured profiles in
+the same schema. Units are in the field names: GB/s = 1e9 bytes per second, GiB = 2**30 bytes,
+TFLOP/s = 1e12, µs / ms as named.
+
+| block          | field                       | meaning                                                      |
+|----------------|-----------------------------|--------------------------------------------------------------|
+| (top)          | name                        | profile id (the YAML file's stem)                            |
+|                | num_devices                 | accelerators in the machine (expert parallelism spans them)  |
+| `gpu`          | name                        | product name                                                 |
+|                | memory_gib                  | physical device memory                                       |
+|                | usable_memory_gib           | cap the experiments impose (LayerScope §5.1: 24 GB); None = physical |
+|                | bf16_tflops                 | dense bf16 tensor-core peak (V100: fp16, it has no bf16 units) |
+|                | hbm_gbps                    | device-memory bandwidth peak                                 |
+|                | matmul_efficiency           | achieved fraction of bf16_tflops on expert / attention GEMMs |
+|                | hbm_efficiency              | achieved fraction of hbm_gbps on weight-streaming GEMVs      |
+|                | kernel_overhead_us          | fixed cost of one expert (or one attention block) on the GPU: launches + framework dispatch |
+|                | reserved_gib                | memory held by the runtime (CUDA context, allocator slack, activation workspace) |
+| `cpu`          | name, sockets, cores        | the host processor(s) that run CPU experts                   |
+|                | peak_gflops                 | fp32 FMA peak of the cores used, all sockets                 |
+|                | memory_gbps                 | DRAM bandwidth peak, all sockets                             |
+|                | matmul_efficiency           | achieved fraction of peak_gflops by CPU expert GEMMs         |
+|                | memory_efficiency           | achieved fraction of memory_gbps when streaming expert weights |
+|                | expert_overhead_us          | fixed cost of one CPU expert call (thread-pool wake-up, dispatch) |
+| `host_link`    | name                        | e.g. "PCIe 3.0 x16"                                          |
+|                | peak_gbps                   | theoretical one-direction bandwidth host -> device           |
+|                | efficiency                  | fraction of peak a pinned, chunked, asynchronous copy reaches |
+|                | latency_us                  | fixed cost per expert transfer (issue, chunk synchronisation) |
+|                | sync_copy_slowdown          | how much longer a synchronous pageable copy takes (no AsyncIO) |
+| `interconnect` | name                        | device-to-device fabric ("none" on one device)               |
+|                | gbps_per_device             | one-direction bandwidth each device gets in an all-to-all    |
+|                | latency_us                  | per-message latency of a collective step                     |
+|                | pair_gbps                   | one-direction bandwidth to a directly bridged peer (NVLink pairs); 0 if none |
+| `measured`     | {model name: ExpertTimes}   | measured per-expert times that override the modelled ones    |
+
+The expert transfer time is `latency_us + bytes / (peak_gbps * efficiency)`: with the fitted
+numbers of `v100_pcie3` / `a100_pcie4` it reproduces LayerScope Table 2 (Mixtral 26.7 / 13.98 ms,
+DeepSeek 1.39 / 0.76 ms, Qwen3 0.79 / 0.44 ms on PCIe 3.0 / 4.0) within 3%.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from omegaconf import MISSING
+
+from conf import unfrozen
+from conf.schemas import store
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str = "gpu"
+    memory_gib: float = 24.0
+    usable_memory_gib: Optional[float] = None
+    bf16_tflops: float = 100.0
+    hbm_gbps: float = 1000.0
+    matmul_efficiency: float = 0.6
+    hbm_efficiency: float = 0.8
+    kernel_overhead_us: float = 30.0
+    reserved_gib: float = 1.5
+
+    @property
+    def budget_bytes(self) -> float:
+        """Device memory the engine may use: the usable cap (or the physical size) minus the reserve."""
+        cap = self.usable_memory_gib if self.usable_memory_gib is not None else self.memory_gib
+        return (cap - self.reserved_gib) * 2**30
+
+
+@dataclass(frozen=True)
+class CpuSpec:
+    name: str = "cpu"
+    sockets: int = 1
+    cores: int = 8
+    peak_gflops: float = 500.0
+    memory_gbps: float = 50.0
+    matmul_efficiency: float = 0.3
+    memory_efficiency: float = 0.7
+    expert_overhead_us: float = 100.0
+
+
+@dataclass(frozen=True)
+class HostLink:
+    name: str = "PCIe 4.0 x16"
+    peak_gbps: float = 31.5
+    efficiency: float = 0.8
+    latency_us: float = 50.0
+    sync_copy_slowdown: float = 1.7
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Seconds to move `nbytes` host -> device with pinned asynchronous chunked copies."""
+        return self.latency_us * 1e-6 + nbytes / (self.peak_gbps * 1e9 * self.efficiency)
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    name: str = "none"
+    gbps_per_device: float = 0.0
+    latency_us: float = 0.0
+    pair_gbps: float = 0.0
+
+
+@dataclass(frozen=True)
+class ExpertTimes:
+    """Measured per-expert times of one model on this machine (None: use the modelled value)."""
+
+    transfer_ms: Optional[float] = None  # t_io
+    gpu_ms: Optional[float] = None  # t_g at one token
+    cpu_beta_ms: Optional[float] = None  # eq. 2 slope per token
+    cpu_startup_ms: Optional[float] = None  # eq. 2 intercept C
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str = MISSING
+    num_devices: int = 1
+    gpu: GpuSpec = field(default_factory=GpuSpec)
+    cpu: CpuSpec = field(default_factory=CpuSpec)
+    host_link: HostLink = field(default_factory=HostLink)
+    interconnect: Interconnect = field(default_factory=Interconnect)
+    measured: Dict[str, ExpertTimes] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        measured = {str(k): v if isinstance(v, ExpertTimes) else ExpertTimes(**dict(v)) for k, v in self.measured.items()}
+        object.__setattr__(self, "measured", measured)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the key of a physically impossible number."""
+
+        def need(cond: bool, key: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"hardware {self.name}: {key}: {msg}")
+
+        need(self.num_devices >= 1, "num_devices", f"must be >= 1, got {self.num_devices}")
+        for key in ("gpu.memory_gib", "gpu.bf16_tflops", "gpu.hbm_gbps", "cpu.cores", "cpu.peak_gflops",
+                    "cpu.memory_gbps", "host_link.peak_gbps"):
+            block, attr = key.split(".")
+            value = getattr(getattr(self, block), attr)
+            need(value > 0, key, f"must be positive, got {value}")
+        for key in ("gpu.matmul_efficiency", "gpu.hbm_efficiency", "cpu.matmul_efficiency",
+                    "cpu.memory_efficiency", "host_link.efficiency"):
+            block, attr = key.split(".")
+            value = getattr(getattr(self, block), attr)
+            need(0 < value <= 1, key, f"must lie in (0, 1], got {value}")
+        if self.gpu.usable_memory_gib is not None:
+            need(0 < self.gpu.usable_memory_gib <= self.gpu.memory_gib, "gpu.usable_memory_gib",
+                 f"{self.gpu.usable_memory_gib} must lie in (0, memory_gib={self.gpu.memory_gib}]")
+        need(self.gpu.budget_bytes > 0, "gpu.reserved_gib", "leaves no device memory")
+        need(self.host_link.sync_copy_slowdown >= 1, "host_link.sync_copy_slowdown", "must be >= 1")
+        if self.num_devices > 1:
+            need(self.interconnect.gbps_per_device > 0, "interconnect.gbps_per_device",
+                 f"must be positive with num_devices={self.num_devices}")
+
+
+store(unfrozen(HardwareProfile), name="base_hardware", group="hardware")
+
+
+def load_hardware(name: str) -> HardwareProfile:
+    """The profile `conf/hardware/<name>.yaml` as a frozen `HardwareProfile` (tests, notebooks)."""
+    from omegaconf import OmegaConf
+
+    from conf import CONF_DIR, to_frozen
+
+    path = CONF_DIR / "hardware" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (CONF_DIR / "hardware").glob("*.yaml"))
+        raise FileNotFoundError(f"hardware={name}: no {path}; known profiles: {known}")
+    schema = OmegaConf.structured(unfrozen(HardwareProfile))
+    node = OmegaConf.load(path)
+    node.pop("defaults", None)
+    return to_frozen(OmegaConf.merge(schema, node), HardwareProfile)

@@ -1,0 +1,75 @@
+"""Schema of `python -m engine.simulate`: one offloaded generation replayed in the discrete-event simulator."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+from conf import unfrozen
+from conf.schemas import store
+from conf.schemas.common import ModelSpec, WandbConfig
+from conf.schemas.hardware import HardwareProfile
+from conf.schemas.routing import RoutingConfig
+from schedulers.base import SchedulerSettings
+
+
+class PredictorKind(enum.Enum):
+    oracle = "oracle"  # the true routing of the target layer, each (token, expert) kept with probability hit_rate
+    none = "none"  # no forecasts (LayerScope ablation "no LLaPor")
+
+
+@dataclass
+class SimPredictorConfig:
+    kind: PredictorKind = PredictorKind.oracle
+    hit_rate: float = 0.95  # LayerScope Table 4: LLaPor top-4 hit rate >= 94%
+    distance_decay: float = 0.9  # hit rate multiplier per layer of distance beyond the first
+    seed: int = 0
+
+
+@dataclass
+class HotTableConfig:
+    """Profiling runs that rank experts for the hot-expert table (LayerScope §4.1 Counter)."""
+
+    profile_batches: int = 2  # synthetic: fresh batches of the same model; traces: the first batches are held out
+    seed: int = 1000  # synthetic profiling traffic seed (added to the run seed)
+
+
+@dataclass
+class TimelineConfig:
+    plot: bool = True  # per-layer GPU / CPU / PCIe lanes of one forward pass (LayerScope Figure 3)
+    step: int = 1  # forward pass to draw (0 = prefill, 1 = first decode step)
+    max_layers: Optional[int] = 8  # MoE layers drawn (None: all)
+
+
+@dataclass
+class BoundsConfig:
+    lower_bound: bool = True  # a bound no schedule can beat (engine.sim.bounds)
+    oracle: bool = False  # exact best schedule by search: small instances only
+
+
+@dataclass
+class SimulateConfig:
+    model: ModelSpec = MISSING
+    hardware: unfrozen(HardwareProfile) = MISSING  # type: ignore[valid-type]
+    scheduler: unfrozen(SchedulerSettings) = MISSING  # type: ignore[valid-type]
+    routing: RoutingConfig = MISSING
+    batch_size: int = 16
+    prompt_len: int = 512
+    gen_len: int = 64  # tokens generated per sequence (the prefill yields the first)
+    num_batches: int = 1
+    bytes_per_param: int = 2  # bf16 experts (LayerScope Table 3)
+    async_io: bool = True  # False: synchronous pageable copies (LayerScope ablation "no AsyncIO")
+    predictor: SimPredictorConfig = field(default_factory=SimPredictorConfig)
+    hot_table: HotTableConfig = field(default_factory=HotTableConfig)
+    timeline: TimelineConfig = field(default_factory=TimelineConfig)
+    bounds: BoundsConfig = field(default_factory=BoundsConfig)
+    check_invariants: bool = False  # assert the mechanism's invariants while simulating (tests)
+    seed: int = 0
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    notes: Optional[str] = None
+
+
+store(SimulateConfig, name="base_simulate")

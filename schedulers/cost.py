@@ -1,0 +1,255 @@
+"""Cost model of offloaded MoE inference (LayerScope §4.3.2) and the device-memory budget.
+
+Built from a `ModelConfig` and a `HardwareProfile`; every time is in seconds.
+
+- `t_io`: one expert host -> device, `latency + bytes / (peak * efficiency)` (pinned, asynchronous,
+  chunked: AsyncIO) or a measured value; `t_io_sync` the synchronous pageable copy (no AsyncIO).
+- `t_g(m)`: one expert on the GPU for m tokens, a roofline over the expert GEMMs plus a fixed
+  launch/dispatch cost.
+- `t_c(m) = beta * m + C` (eq. 2): one expert on the CPU; beta from the CPU's achieved GEMM rate,
+  C = dispatch overhead + streaming the expert's weights from DRAM once.
+- `t_attn(batch, ctx, phase)`: a decoder layer's attention block (projections + attention over the
+  KV cache + gate) on the GPU; prefill and decode variants differ in tokens and KV traffic.
+- `update_*`: the executor's Timer feeds measured times; eq. 2 is refitted by running least squares,
+  the fixed costs by an exponential moving average.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
+
+import numpy as np
+
+from models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from conf.schemas.hardware import HardwareProfile
+
+ArrayLike = Union[int, float, np.ndarray]
+
+
+# ---- parameter counts ------------------------------------------------------------------------
+def attention_params(cfg: ModelConfig) -> int:
+    """Parameters of one decoder layer's attention block (projections, no norms)."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.uses_mla:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        q = h * heads * qk if cfg.q_lora_rank is None else h * cfg.q_lora_rank + cfg.q_lora_rank * heads * qk
+        kv_a = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        kv_b = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        return q + kv_a + kv_b + heads * cfg.v_head_dim * h
+    hd = cfg.attn_head_dim
+    return h * heads * hd + 2 * h * cfg.num_key_value_heads * hd + heads * hd * h
+
+
+def kv_bytes_per_token(cfg: ModelConfig, bytes_per_param: int = 2) -> int:
+    """KV-cache bytes per token per decoder layer (MLA caches the compressed latent + rope key)."""
+    if cfg.uses_mla:
+        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * bytes_per_param
+    return 2 * cfg.num_key_value_heads * cfg.attn_head_dim * bytes_per_param
+
+
+def shared_expert_params(cfg: ModelConfig) -> int:
+    """Parameters of the always-on shared expert(s) of one MoE layer (0 where the family has none)."""
+    if cfg.shared_expert_intermediate_size:
+        return 3 * cfg.hidden_size * cfg.shared_expert_intermediate_size
+    return cfg.n_shared_experts * cfg.expert_params
+
+
+def non_expert_params(cfg: ModelConfig) -> int:
+    """Everything but the routed experts: embeddings, head, attention, dense MLPs, shared experts, gates."""
+    n_moe = len(cfg.moe_layers)
+    n_dense = cfg.num_hidden_layers - n_moe
+    embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    layers = cfg.num_hidden_layers * attention_params(cfg)
+    dense = n_dense * 3 * cfg.hidden_size * cfg.intermediate_size
+    moe = n_moe * (shared_expert_params(cfg) + cfg.num_experts * cfg.hidden_size)
+    return embed + layers + dense + moe
+
+
+# ---- memory ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where the device memory goes for one batch shape (bytes); `cache_slots` experts fit the rest."""
+
+    budget_bytes: float
+    non_expert_bytes: float
+    kv_cache_bytes: float
+    activation_bytes: float
+    staging_bytes: float
+    expert_bytes: int
+    cache_slots: int
+
+    @property
+    def expert_cache_bytes(self) -> float:
+        return self.cache_slots * self.expert_bytes
+
+
+def memory_plan(cfg: ModelConfig, hw: "HardwareProfile", batch: int, prompt_len: int, gen_len: int,
+                staging_slots: int = 2, bytes_per_param: int = 2) -> MemoryPlan:
+    """Expert-cache capacity left on one device after weights, KV cache, activations and staging."""
+    budget = hw.gpu.budget_bytes
+    non_expert = non_expert_params(cfg) * bytes_per_param
+    kv = batch * (prompt_len + gen_len) * cfg.num_hidden_layers * kv_bytes_per_token(cfg, bytes_per_param)
+    prefill_tokens = batch * prompt_len
+    per_expert_tokens = math.ceil(prefill_tokens * cfg.num_experts_per_tok / cfg.num_experts)
+    # live hidden states (residual, normed, expert output, attention output) + one expert's intermediates
+    activation = (4 * prefill_tokens * cfg.hidden_size + 3 * per_expert_tokens * cfg.expert_intermediate_size) * bytes_per_param
+    e_bytes = cfg.expert_bytes(bytes_per_param)
+    staging = staging_slots * e_bytes
+    free = budget - non_expert - kv - activation - staging
+    slots = int(free // e_bytes)
+    if slots < 0:
+        raise ValueError(
+            f"memory: {hw.name} ({budget / 2**30:.1f} GiB usable) cannot hold {cfg.family.value} at batch {batch}: "
+            f"non-expert {non_expert / 2**30:.2f} GiB + KV {kv / 2**30:.2f} GiB + activations {activation / 2**30:.2f} GiB "
+            f"+ staging {staging / 2**30:.2f} GiB")
+    total = cfg.num_experts * len(cfg.moe_layers)
+    return MemoryPlan(budget, non_expert, kv, activation, staging, e_bytes, min(slots, total))
+
+
+# ---- times -----------------------------------------------------------------------------------
+class _RunningFit:
+    """Least squares y = a * x + b over a window of observations (the Timer's eq. 2 refit)."""
+
+    def __init__(self, window: int = 256):
+        self.window = window
+        self.xs: list[float] = []
+        self.ys: list[float] = []
+
+    def add(self, x: float, y: float) -> Optional[tuple[float, float]]:
+        self.xs.append(float(x))
+        self.ys.append(float(y))
+        if len(self.xs) > self.window:
+            self.xs.pop(0)
+            self.ys.pop(0)
+        xs = np.asarray(self.xs)
+        if len(xs) < 2 or np.ptp(xs) == 0:
+            return None
+        a, b = np.polyfit(xs, np.asarray(self.ys), 1)
+        return float(max(a, 0.0)), float(max(b, 0.0))
+
+
+class CostModel:
+    """Per-operation times of one model on one machine (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, hw: "HardwareProfile", model_name: str = "", bytes_per_param: int = 2,
+                 ema: float = 0.2):
+        self.cfg, self.hw = cfg, hw
+        self.bytes_per_param = bytes_per_param
+        self.ema = ema
+        self.expert_bytes = cfg.expert_bytes(bytes_per_param)
+        self.expert_flops = 2 * cfg.expert_params  # per token
+        measured = hw.measured.get(model_name) if model_name else None
+        gpu, cpu, link = hw.gpu, hw.cpu, hw.host_link
+        self._gpu_flops = gpu.bf16_tflops * 1e12 * gpu.matmul_efficiency
+        self._gpu_bw = gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency
+        self.gpu_overhead_s = gpu.kernel_overhead_us * 1e-6
+        self.t_io = link.transfer_s(self.expert_bytes)
+        self.beta_s = self.expert_flops / (cpu.peak_gflops * 1e9 * cpu.matmul_efficiency)
+        self.cpu_startup_s = cpu.expert_overhead_us * 1e-6 + self.expert_bytes / (cpu.memory_gbps * 1e9 * cpu.memory_efficiency)
+        if measured is not None:
+            self.t_io = measured.transfer_ms * 1e-3 if measured.transfer_ms is not None else self.t_io
+            self.beta_s = measured.cpu_beta_ms * 1e-3 if measured.cpu_beta_ms is not None else self.beta_s
+            self.cpu_startup_s = measured.cpu_startup_ms * 1e-3 if measured.cpu_startup_ms is not None else self.cpu_startup_s
+            if measured.gpu_ms is not None:
+                self.gpu_overhead_s = max(measured.gpu_ms * 1e-3 - self._gpu_roofline(1), 0.0)
+        self._cpu_fit = _RunningFit()
+        self._attn_params = attention_params(cfg)
+        self._kv_bytes = kv_bytes_per_token(cfg, bytes_per_param)
+        self._shared_params = shared_expert_params(cfg)
+
+    # eq. 2 and friends --------------------------------------------------------------------------
+    @property
+    def t_io_sync(self) -> float:
+        """One expert through PyTorch's synchronous pageable copy (LayerScope ablation "no AsyncIO")."""
+        return self.t_io * self.hw.host_link.sync_copy_slowdown
+
+    def t_c(self, m: ArrayLike) -> ArrayLike:
+        """CPU time of one expert for m tokens (eq. 2); 0 where m == 0. Vectorised over arrays."""
+        m_arr = np.asarray(m, dtype=np.float64)
+        out = np.where(m_arr > 0, self.beta_s * m_arr + self.cpu_startup_s, 0.0)
+        return float(out) if out.ndim == 0 else out
+
+    def t_c_sum(self, ms: np.ndarray) -> float:
+        """CPU time of a list of experts run one after another on the CPU pool."""
+        ms = np.asarray(ms, dtype=np.float64)
+        ms = ms[ms > 0]
+        return float(self.beta_s * ms.sum() + self.cpu_startup_s * ms.size)
+
+    def _gpu_roofline(self, m: ArrayLike) -> ArrayLike:
+        m_arr = np.asarray(m, dtype=np.float64)
+        return np.maximum(m_arr * self.expert_flops / self._gpu_flops, self.expert_bytes / self._gpu_bw)
+
+    def t_g(self, m: ArrayLike) -> ArrayLike:
+        """GPU time of one resident expert for m tokens; 0 where m == 0. Vectorised over arrays."""
+        m_arr = np.asarray(m, dtype=np.float64)
+        out = np.where(m_arr > 0, self.gpu_overhead_s + self._gpu_roofline(m_arr), 0.0)
+        return float(out) if out.ndim == 0 else out
+
+    def _gpu_block(self, flops: float, nbytes: float, kernels: int = 1) -> float:
+        return kernels * self.gpu_overhead_s + max(flops / self._gpu_flops, nbytes / self._gpu_bw)
+
+    def t_attn(self, batch: int, ctx: int, prefill: bool = False, prompt_len: int = 0) -> float:
+        """Attention block of one decoder layer, gate included.
+
+        Decode: `batch` new tokens attend over `ctx` cached positions each. Prefill: `batch`
+        sequences of `prompt_len` tokens attend causally (ctx is ignored).
+        """
+        cfg, bpp = self.cfg, self.bytes_per_param
+        if cfg.uses_mla:
+            qk_dim, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+        else:
+            qk_dim = v_dim = cfg.attn_head_dim
+        heads = cfg.num_attention_heads
+        if prefill:
+            tokens = batch * prompt_len
+            pairs = batch * prompt_len * (prompt_len + 1) / 2
+            kv_read = tokens * self._kv_bytes
+        else:
+            tokens = batch
+            pairs = batch * ctx
+            kv_read = batch * ctx * self._kv_bytes
+        params = self._attn_params + cfg.num_experts * cfg.hidden_size
+        flops = 2 * params * tokens + 2 * pairs * heads * (qk_dim + v_dim)
+        nbytes = params * bpp + kv_read + 2 * tokens * cfg.hidden_size * bpp
+        return self._gpu_block(flops, nbytes, kernels=2)
+
+    def t_dense_mlp(self, tokens: int) -> float:
+        """The dense MLP of a non-MoE decoder layer (DeepSeek's first layer)."""
+        params = 3 * self.cfg.hidden_size * self.cfg.intermediate_size
+        return self._gpu_block(2 * params * tokens, params * self.bytes_per_param)
+
+    def t_shared(self, tokens: int) -> float:
+        """The shared expert(s) of one MoE layer on the GPU (0 where the family has none)."""
+        if not self._shared_params:
+            return 0.0
+        return self._gpu_block(2 * self._shared_params * tokens, self._shared_params * self.bytes_per_param)
+
+    def t_head(self, tokens: int) -> float:
+        """Final norm + LM head for `tokens` output positions."""
+        params = self.cfg.vocab_size * self.cfg.hidden_size
+        return self._gpu_block(2 * params * tokens, params * self.bytes_per_param)
+
+    # online calibration (the Timer of LayerScope §4.1) -----------------------------------------
+    def update_transfer(self, seconds: float) -> None:
+        """A measured expert transfer time."""
+        self.t_io = (1 - self.ema) * self.t_io + self.ema * float(seconds)
+
+    def update_cpu(self, tokens: int, seconds: float) -> None:
+        """A measured CPU expert time for `tokens` tokens; refits eq. 2 once two token counts are seen."""
+        fit = self._cpu_fit.add(tokens, seconds)
+        if fit is not None:
+            self.beta_s, self.cpu_startup_s = fit
+
+    def update_gpu(self, tokens: int, seconds: float) -> None:
+        """A measured GPU expert time; the fixed part absorbs the error of the roofline."""
+        overhead = max(float(seconds) - float(self._gpu_roofline(tokens)), 0.0)
+        self.gpu_overhead_s = (1 - self.ema) * self.gpu_overhead_s + self.ema * overhead
+
+    def summary(self) -> dict[str, float]:
+        """The per-expert numbers in milliseconds (results.json, reports)."""
+        return {"t_io_ms": self.t_io * 1e3, "t_g_1_ms": self.t_g(1) * 1e3, "cpu_beta_ms": self.beta_s * 1e3,
+                "cpu_startup_ms": self.cpu_startup_s * 1e3, "expert_mib": self.expert_bytes / 2**20}
