@@ -32,6 +32,7 @@ class StatsConfig:
     trace: Optional[str] = None  # source=trace: the file (pkg: paths allowed)
     trace_format: TraceFileFormat = TraceFileFormat.auto
     num_experts: Optional[int] = None  # vLLM logs: experts per layer; None: largest id seen + 1
+    drop_incomplete: bool = False  # vLLM logs: drop tokens missing some layer (default: fail naming the line)
     distances: List[int] = field(default_factory=lambda: [1, 2, 3, 4])  # layer distances d (l -> l+d)
     hot_factor: float = 2.0  # an expert is hot when its load share >= hot_factor / num_experts
     test_fraction: float = 0.25  # predictability: share of sequences held out to test the tables

@@ -1,0 +1,114 @@
+"""`python -m engine.stats` (`moescope-stats`): per-MoE-layer routing statistics, printed and plotted.
+
+    python -m engine.stats source=trace trace=runs/.../trace.npz        # a moescope routing trace
+    python -m engine.stats source=trace trace=routing.jsonl num_experts=8  # a public vLLM routing log
+    python -m engine.stats model=tiny_mixtral workload=sharegpt           # a model on a workload (see below)
+
+Writes results.json (trace facts, summary, one row per MoE layer, expert loads) and PNG figures
+(expert_load, load_cv, gate_similarity when the trace has hidden states, predictability) into the
+run folder. Statistics: `engine.routing_stats`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from rich.table import Table
+
+from conf import hydra_main, resolve_path
+from conf.schemas.stats import StatsConfig, StatsSource, TraceFileFormat
+from conf.schemas.workload import WorkloadConfig
+from engine.routing_stats import routing_report
+from engine.stats_plots import plot_report
+from engine.telemetry import Telemetry, console
+from engine.trace import RoutingTrace, load_trace
+from engine.trace_import import import_vllm_jsonl
+
+
+class ModelSourceUnavailable(RuntimeError):
+    """source=model was asked for, but recording routing from a model is not wired into engine.stats yet."""
+
+
+def load_trace_file(path: str | Path, fmt: TraceFileFormat = TraceFileFormat.auto,
+                    num_experts: Optional[int] = None, drop_incomplete: bool = False) -> RoutingTrace:
+    """A routing trace from a file: a moescope `.npz` trace or a vLLM routing log (`.jsonl`)."""
+    path = Path(path)
+    if fmt is TraceFileFormat.auto:
+        suffix = path.suffix.lower()
+        if suffix not in (".npz", ".jsonl", ".json"):
+            raise ValueError(f"trace: cannot tell the format of {path} from its suffix; set trace_format=npz|vllm_jsonl")
+        fmt = TraceFileFormat.npz if suffix == ".npz" else TraceFileFormat.vllm_jsonl
+    if fmt is TraceFileFormat.npz:
+        return load_trace(path)
+    return import_vllm_jsonl(path, num_experts=num_experts, drop_incomplete=drop_incomplete)
+
+
+def trace_from_model(model_spec: Any, workload: WorkloadConfig) -> RoutingTrace:
+    """Extension point: serve `workload` with the model `model_spec` names and record its routing.
+
+    To be wired when the model package exposes routing capture: load the model and its tokenizer
+    (`models.loading`), build the workload (`engine.workloads.build_workload`), generate every
+    batch with a `TraceRecorder` attached, and return the recorder's trace. Until then it raises.
+    """
+    raise ModelSourceUnavailable(
+        f"source=model: recording the routing of model {model_spec.get('name')!r} on workload {workload.name!r} "
+        "is not wired into engine.stats yet (engine.stats.trace_from_model). Run with source=trace "
+        "trace=<file.npz | vLLM routing log .jsonl>.")
+
+
+def obtain_trace(cfg: StatsConfig, node: DictConfig) -> RoutingTrace:
+    """The trace the config names: a file (source=trace) or a model run (source=model)."""
+    if cfg.source is StatsSource.trace:
+        if not cfg.trace:
+            raise ValueError("trace: source=trace needs trace=<file> (a .npz routing trace or a vLLM .jsonl log)")
+        return load_trace_file(resolve_path(cfg.trace), cfg.trace_format, cfg.num_experts, cfg.drop_incomplete)
+    return trace_from_model(node.model, cfg.workload)
+
+
+def layer_table(report: dict[str, Any]) -> Table:
+    """A rich table, one row per MoE layer, of the headline statistics at distance 1."""
+    table = Table(title=f"routing statistics: {report['trace']['model']}", header_style="bold")
+    for name in ("layer", "CV", "step CV", "max share", "hot experts", "top-1 w", "cos d=1", "hit d=1",
+                 "freq d=1"):
+        table.add_column(name, justify="right")
+
+    def fmt(x: Any) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    for r in report["layers"]:
+        hit = r["hit_rate"].get("1", {})
+        hot = r["hot_experts"]
+        table.add_row(str(r["moe_layer"]), fmt(r["cv"]), fmt(r["step_cv_mean"]), fmt(r["max_share"]),
+                      ",".join(map(str, hot[:6])) + ("…" if len(hot) > 6 else ""), fmt(r["top1_weight_mean"]),
+                      fmt(r["similarity"].get("1")), fmt(hit.get("transition")), fmt(hit.get("frequency")))
+    return table
+
+
+def run_stats(cfg: StatsConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
+    trace = obtain_trace(cfg, node)
+    if cfg.source is StatsSource.model and cfg.save_trace:
+        trace.save(tm.run_dir / "trace.npz")
+    report = routing_report(trace, cfg.distances, cfg.hot_factor, cfg.test_fraction, cfg.split_seed)
+    report["plots"] = [p.name for p in plot_report(report, tm.save_figure)] if cfg.plots else []
+    return report
+
+
+@hydra_main("stats")
+def main(node: DictConfig) -> dict[str, Any]:
+    cfg: StatsConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
+    with Telemetry(node, task="stats") as tm:
+        report = run_stats(cfg, node, tm)
+        tm.write_results(report)
+        tm.log(report["summary"])
+        console.print(layer_table(report))
+        for note in report["notes"]:
+            console.print(f"[yellow]note:[/] {note}")
+        tm.summary("stats", {"rows": report["trace"]["rows"], "sequences": report["trace"]["sequences"],
+                             **report["summary"]})
+    return report
+
+
+if __name__ == "__main__":
+    main()
