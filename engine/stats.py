@@ -2,7 +2,7 @@
 
     python -m engine.stats source=trace trace=runs/.../trace.npz        # a moescope routing trace
     python -m engine.stats source=trace trace=routing.jsonl num_experts=8  # a public vLLM routing log
-    python -m engine.stats model=tiny_mixtral workload=sharegpt           # a model on a workload (see below)
+    python -m engine.stats model.checkpoint=<folder> workload=code        # a trained model on a workload
 
 Writes results.json (trace facts, summary, one row per MoE layer, expert loads) and PNG figures
 (expert_load, load_cv, gate_similarity when the trace has hidden states, predictability) into the
@@ -19,16 +19,11 @@ from rich.table import Table
 
 from conf import hydra_main, resolve_path
 from conf.schemas.stats import StatsConfig, StatsSource, TraceFileFormat
-from conf.schemas.workload import WorkloadConfig
 from engine.routing_stats import routing_report
 from engine.stats_plots import plot_report
 from engine.telemetry import Telemetry, console
 from engine.trace import RoutingTrace, load_trace
 from engine.trace_import import import_vllm_jsonl
-
-
-class ModelSourceUnavailable(RuntimeError):
-    """source=model was asked for, but recording routing from a model is not wired into engine.stats yet."""
 
 
 def load_trace_file(path: str | Path, fmt: TraceFileFormat = TraceFileFormat.auto,
@@ -45,26 +40,24 @@ def load_trace_file(path: str | Path, fmt: TraceFileFormat = TraceFileFormat.aut
     return import_vllm_jsonl(path, num_experts=num_experts, drop_incomplete=drop_incomplete)
 
 
-def trace_from_model(model_spec: Any, workload: WorkloadConfig) -> RoutingTrace:
-    """Extension point: serve `workload` with the model `model_spec` names and record its routing.
+def trace_from_model(model_node: Any, workload_node: Any, progress: Any = None) -> RoutingTrace:
+    """Serve a prompt workload with the model and record its routing, gate inputs included.
 
-    To be wired when the model package exposes routing capture: load the model and its tokenizer
-    (`models.loading`), build the workload (`engine.workloads.build_workload`), generate every
-    batch with a `TraceRecorder` attached, and return the recorder's trace. Until then it raises.
+    The model needs a tokenizer next to its checkpoint (the shipped trained models have one);
+    prompt workloads only (sharegpt, code), as `engine.record` serves them.
     """
-    raise ModelSourceUnavailable(
-        f"source=model: recording the routing of model {model_spec.get('name')!r} on workload {workload.name!r} "
-        "is not wired into engine.stats yet (engine.stats.trace_from_model). Run with source=trace "
-        "trace=<file.npz | vLLM routing log .jsonl>.")
+    from engine.record import record_trace  # imports jax and the model package: only for source=model
+
+    return record_trace(model_node, workload_node, keep_hidden=True, progress=progress)
 
 
-def obtain_trace(cfg: StatsConfig, node: DictConfig) -> RoutingTrace:
+def obtain_trace(cfg: StatsConfig, node: DictConfig, progress: Any = None) -> RoutingTrace:
     """The trace the config names: a file (source=trace) or a model run (source=model)."""
     if cfg.source is StatsSource.trace:
         if not cfg.trace:
             raise ValueError("trace: source=trace needs trace=<file> (a .npz routing trace or a vLLM .jsonl log)")
         return load_trace_file(resolve_path(cfg.trace), cfg.trace_format, cfg.num_experts, cfg.drop_incomplete)
-    return trace_from_model(node.model, cfg.workload)
+    return trace_from_model(node.model, node.workload, progress=progress)
 
 
 def layer_table(report: dict[str, Any]) -> Table:
@@ -87,7 +80,7 @@ def layer_table(report: dict[str, Any]) -> Table:
 
 
 def run_stats(cfg: StatsConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
-    trace = obtain_trace(cfg, node)
+    trace = obtain_trace(cfg, node, tm.progress)
     if cfg.source is StatsSource.model and cfg.save_trace:
         trace.save(tm.run_dir / "trace.npz")
     report = routing_report(trace, cfg.distances, cfg.hot_factor, cfg.test_fraction, cfg.split_seed)

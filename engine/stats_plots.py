@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 
 def _layer_series(report: dict[str, Any], key: str, d: str, sub: str | None = None) -> tuple[list[int], list[float]]:
@@ -42,6 +43,7 @@ def load_cv_figure(report: dict[str, Any]) -> Figure:
     ax.bar(x, [r["cv"] for r in rows], color="tab:blue", alpha=0.7, label="CV, whole trace")
     ax.plot(x, [r["step_cv_mean"] for r in rows], "o-", color="tab:red", label="CV per step (mean)")
     ax.set_xlabel("MoE layer")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("coefficient of variation")
     twin = ax.twinx()
     twin.plot(x, [r["top1_weight_mean"] for r in rows], "s--", color="tab:green", label="top-1 gate weight")
@@ -61,6 +63,7 @@ def similarity_figure(report: dict[str, Any]) -> Figure:
         xs, ys = _layer_series(report, "similarity", str(d))
         ax.plot(xs, ys, "o-", label=f"d = {d}")
     ax.set_xlabel("MoE layer l")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("cos(gate input l, l + d)")
     ax.legend(fontsize=8)
     ax.set_title("Gate-input similarity across layers")
@@ -79,9 +82,10 @@ def predictability_figure(report: dict[str, Any]) -> Figure:
         ax.plot(xs, ys, ":", color=color, label=f"frequency, d = {d}")
     ax.axhline(report["summary"]["random_hit_rate"], color="grey", ls="--", label="random (k / E)")
     ax.set_xlabel("source MoE layer l")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("top-k hit rate at l + d")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.set_title("Predictability of the next layers' experts (held-out sequences)")
     return fig
 

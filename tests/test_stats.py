@@ -18,8 +18,8 @@ from conf import REPO_ROOT, compose
 from engine.routing_stats import (TransitionTable, coefficient_of_variation, gate_input_similarity, hit_rate,
                                   hot_experts, load_accuracy, load_stats, routing_report, split_by_sequence,
                                   step_loads)
-from engine.stats import ModelSourceUnavailable, obtain_trace
-from engine.trace import DECODE, PREFILL, RoutingTrace, TraceMeta, TraceRecorder
+from engine.stats import obtain_trace
+from engine.trace import PREFILL, RoutingTrace, TraceMeta, TraceRecorder
 from predictors.base import HitStats
 
 DATA = Path(__file__).parent / "data" / "vllm_routing"
@@ -175,15 +175,41 @@ def test_report_on_vllm_fixture_without_hidden_notes_what_is_skipped() -> None:
 
 
 # ---- entry point ---------------------------------------------------------------------------------------
-def test_model_source_raises_a_clear_error_until_wired() -> None:
-    cfg = compose("stats", ["wandb.mode=disabled"])
+def test_trace_source_without_a_file_names_the_key() -> None:
     from omegaconf import OmegaConf
 
-    with pytest.raises(ModelSourceUnavailable, match="source=trace trace="):
-        obtain_trace(OmegaConf.to_object(cfg), cfg)
     cfg = compose("stats", ["source=trace"])
     with pytest.raises(ValueError, match="source=trace needs trace="):
         obtain_trace(OmegaConf.to_object(cfg), cfg)
+    cfg = compose("stats", ["source=trace", "trace=routing.csv"])
+    with pytest.raises(ValueError, match="trace_format"):
+        obtain_trace(OmegaConf.to_object(cfg), cfg)
+
+
+@pytest.mark.slow
+def test_model_source_records_a_checkpoint_serving_a_workload(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from engine.stats import run_stats
+    from engine.telemetry import Telemetry
+    from engine.workloads import load_sharegpt
+    from models.hf import save_hf
+    from models.loading import resolve_model_config
+    from models.tokenizer import save_hf_tokenizer, train_bpe
+    from models.transformer import build_model
+
+    arch = resolve_model_config(compose("stats").model)
+    folder = save_hf(arch, build_model(arch, seed=0), tmp_path / "ckpt")
+    save_hf_tokenizer(train_bpe([p.text for p in load_sharegpt()], vocab_size=arch.vocab_size), folder)
+    cfg = compose("stats", [f"model.checkpoint={folder}", "workload=sharegpt", "workload.num_batches=2",
+                            "workload.batch_size=3", "workload.prompt_len=12", "workload.gen_len=4",
+                            "workload.min_prompt_tokens=4", "distances=[1]", "plots=false", "wandb.mode=disabled"])
+    with Telemetry(cfg, task="stats", run_dir=tmp_path / "run") as tm:
+        report = run_stats(OmegaConf.to_object(cfg), cfg, tm)
+    facts = report["trace"]
+    assert facts["sequences"] == 6 and facts["has_hidden"] and facts["moe_layers"] == list(range(arch.num_hidden_layers))
+    assert RoutingTrace.load(tmp_path / "run" / "trace.npz").num_rows == facts["rows"]
+    assert "similarity_d1_mean" in report["summary"] and "hit_transition_d1_mean" in report["summary"]
 
 
 def test_entry_point_writes_results_figures_and_offline_wandb(tmp_path: Path) -> None:
