@@ -20,6 +20,7 @@ Transfer semantics every mechanism implements (LayerScope Premises 3 and 4):
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, runtime_checkable
 
@@ -82,7 +83,7 @@ class LayerState:
     phase: Phase
     tokens: np.ndarray  # int64 [E]: tokens routed to each expert of this layer (0 = inactive)
     scores: np.ndarray  # float64 [E]: sum of routing weights per expert of this layer
-    predicted: dict[int, np.ndarray]  # target layer (> layer) -> float64 [E] predicted tokens per expert
+    predicted: Mapping[int, np.ndarray]  # target layer (> layer) -> float64 [E] predicted tokens per expert (lazy)
     resident: np.ndarray  # bool [L, E]: weights on the GPU (landed)
     inflight: tuple[Transfer, ...]  # started, not interruptible
     queued: tuple[Transfer, ...]  # issued by earlier plans, not started: dropped unless listed again
@@ -93,6 +94,8 @@ class LayerState:
     context_len: int  # mean KV length of the sequences
     hit_rate: dict[int, float]  # distance -> predictor's measured hit rate (eq. 6 R_hit)
     cost: CostModel
+    t_io_s: float  # one expert transfer as the mechanism runs it now (synchronous copies are slower)
+    t_attn_next_s: float  # the next layer's attention block (eq. 3 / eq. 5 t_attn)
     tokens_by_microbatch: Optional[np.ndarray] = None  # int64 [M, E] when the mechanism splits the batch
 
     @property
@@ -108,12 +111,16 @@ class LayerState:
         return {t.expert for t in self.inflight if t.layer == layer}
 
     def available(self, layer: int) -> np.ndarray:
-        """bool [E]: resident or landing (started transfer) at `layer`."""
-        avail = self.resident[layer].copy()
-        for t in self.inflight:
-            if t.layer == layer:
-                avail[t.expert] = True
-        return avail
+        """bool [E]: resident or landing (started transfer) at `layer` (do not modify the result)."""
+        cache = self.__dict__.setdefault("_available", {})
+        if layer not in cache:
+            avail = self.resident[layer]
+            landing = [t.expert for t in self.inflight if t.layer == layer]
+            if landing:
+                avail = avail.copy()
+                avail[landing] = True
+            cache[layer] = avail
+        return cache[layer]
 
 
 @dataclass(frozen=True)
@@ -216,9 +223,19 @@ def register(kind: SchedulerKind) -> Callable[[type], type]:
     return deco
 
 
+_POLICY_MODULES = ("presched", "layerwise", "hybrimoe", "fiddler", "klotski", "fate", "ktransformers", "ondemand", "lru")
+
+
+def _load_policies() -> None:
+    import importlib
+
+    for module in _POLICY_MODULES:  # each registers itself on import
+        importlib.import_module(f"schedulers.{module}")
+
+
 def build_scheduler(settings: SchedulerSettings, setup: SchedulerSetup) -> OffloadScheduler:
     """The scheduler that `settings.kind` names, built for `setup`."""
-    import schedulers  # noqa: F401  (imports every policy module, which registers itself)
+    _load_policies()
 
     try:
         cls = _REGISTRY[settings.kind]
@@ -228,6 +245,6 @@ def build_scheduler(settings: SchedulerSettings, setup: SchedulerSetup) -> Offlo
 
 
 def registered_kinds() -> list[SchedulerKind]:
-    import schedulers  # noqa: F401
+    _load_policies()
 
     return sorted(_REGISTRY, key=lambda k: k.value)

@@ -169,6 +169,8 @@ class CostModel:
 
     def t_c(self, m: ArrayLike) -> ArrayLike:
         """CPU time of one expert for m tokens (eq. 2); 0 where m == 0. Vectorised over arrays."""
+        if np.ndim(m) == 0:
+            return self.beta_s * float(m) + self.cpu_startup_s if m > 0 else 0.0
         m_arr = np.asarray(m, dtype=np.float64)
         out = np.where(m_arr > 0, self.beta_s * m_arr + self.cpu_startup_s, 0.0)
         return float(out) if out.ndim == 0 else out
@@ -185,6 +187,11 @@ class CostModel:
 
     def t_g(self, m: ArrayLike) -> ArrayLike:
         """GPU time of one resident expert for m tokens; 0 where m == 0. Vectorised over arrays."""
+        if np.ndim(m) == 0:
+            if m <= 0:
+                return 0.0
+            return self.gpu_overhead_s + max(float(m) * self.expert_flops / self._gpu_flops,
+                                             self.expert_bytes / self._gpu_bw)
         m_arr = np.asarray(m, dtype=np.float64)
         out = np.where(m_arr > 0, self.gpu_overhead_s + self._gpu_roofline(m_arr), 0.0)
         return float(out) if out.ndim == 0 else out

@@ -1,0 +1,88 @@
+"""Forecasts for the simulator: lazily asked predictors, scored once the truth is known.
+
+A scheduler reads `state.predicted[target]` (predicted tokens per expert of MoE layer `target`);
+only then is the predictor for distance `target - layer` run, so policies that never look ahead cost
+nothing. Every forecast made is scored against the true routing when the target layer's gate runs
+(`Predictor.observe`), which is what the measured hit rate of PreSched eq. 6 is built from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Iterator, Optional
+
+import numpy as np
+
+from engine.trace import RoutingTrace
+from predictors.base import LayerContext, Predictor, topk_experts
+
+
+class ForecastBook:
+    """The predictors of one run (by distance) and the forecasts awaiting their truth."""
+
+    def __init__(self, trace: RoutingTrace, predictors: dict[int, Predictor]):
+        self.trace = trace
+        self.predictors = dict(predictors)
+        self.k = trace.meta.top_k
+        self.E = trace.meta.num_experts
+        self._pending: dict[int, list[tuple[Predictor, LayerContext, np.ndarray]]] = {}
+
+    @property
+    def max_distance(self) -> int:
+        return max(self.predictors, default=0)
+
+    def context(self, layer: int, step: int, rows: np.ndarray) -> LayerContext:
+        return LayerContext(layer=layer, step=step, experts=self.trace.experts[layer, rows],
+                            weights=self.trace.weights[layer, rows], rows=rows)
+
+    def forecast(self, ctx: LayerContext, distance: int) -> np.ndarray:
+        """float64 [E]: predicted tokens per expert of layer `ctx.layer + distance`."""
+        pred = self.predictors[distance]
+        topk = getattr(pred, "predict_topk", None)
+        experts = topk(ctx) if topk is not None else topk_experts(pred.predict(ctx), self.k)
+        self._pending.setdefault(ctx.layer + distance, []).append((pred, ctx, experts))
+        return np.bincount(experts.reshape(-1), minlength=self.E).astype(np.float64)
+
+    def settle(self, layer: int, rows: np.ndarray) -> None:
+        """Score every forecast made for `layer` against its true routing (called at its gate)."""
+        for pred, ctx, experts in self._pending.pop(layer, []):
+            actual = self.trace.experts[layer, ctx.rows]
+            try:
+                pred.observe(layer, ctx, actual, predicted=experts)  # type: ignore[call-arg]
+            except TypeError:
+                pred.observe(layer, ctx, actual)
+
+    def drop_pending(self) -> None:
+        """Forget forecasts whose target never ran (the end of a forward pass)."""
+        self._pending.clear()
+
+    def hit_rates(self) -> dict[int, float]:
+        return {d: float(p.hit_rate()) for d, p in self.predictors.items()}
+
+
+class LazyForecasts(Mapping):
+    """`LayerState.predicted` of one layer: target layer -> predicted loads, computed on first access."""
+
+    def __init__(self, book: ForecastBook, layer: int, step: int, rows: np.ndarray, num_layers: int):
+        self._book, self._layer, self._step, self._rows = book, layer, step, rows
+        self._targets = [layer + d for d in sorted(book.predictors) if layer + d < num_layers]
+        self._ctx: Optional[LayerContext] = None
+        self._cache: dict[int, np.ndarray] = {}
+
+    def __getitem__(self, target: int) -> np.ndarray:
+        if target not in self._targets:
+            raise KeyError(target)
+        if target not in self._cache:
+            if self._ctx is None:
+                self._ctx = self._book.context(self._layer, self._step, self._rows)
+            self._cache[target] = self._book.forecast(self._ctx, target - self._layer)
+        return self._cache[target]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._targets)
+
+    def __len__(self) -> int:
+        return len(self._targets)
+
+    def __contains__(self, target: object) -> bool:
+        return target in self._targets

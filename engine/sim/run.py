@@ -1,0 +1,173 @@
+"""One simulated run from plain settings: routing, memory plan, cost model, scheduler, predictors.
+
+`RunSpec` is what the Hydra entry point (`engine.simulate`) and the sweep benchmark both build;
+`prepare_routing` is cached by the sweep so every system replays the same routing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import numpy as np
+
+from conf.schemas.hardware import HardwareProfile
+from engine.sim.pipeline import PipelineSim, SimOptions
+from engine.sim.predictions import ForecastBook
+from engine.sim.workload import ForwardPass, forward_passes, profile_loads
+from engine.synthetic_routing import SyntheticRouter, SyntheticRoutingParams
+from engine.trace import RoutingTrace
+from models.config import ModelConfig
+from predictors.oracle import NoisyOraclePredictor
+from schedulers.base import SchedulerKind, SchedulerSettings, SchedulerSetup, build_scheduler
+from schedulers.cost import CostModel, MemoryPlan, memory_plan
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    source: str = "synthetic"  # synthetic | trace | jsonl
+    name: str = "synthetic"
+    path: Optional[str] = None
+    model_seed: int = 0
+    synthetic: SyntheticRoutingParams = field(default_factory=SyntheticRoutingParams)
+
+
+@dataclass(frozen=True)
+class PredictorSpec:
+    kind: str = "oracle"  # oracle | none
+    hit_rate: float = 0.95
+    distance_decay: float = 0.9
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model: ModelConfig
+    model_name: str
+    hardware: HardwareProfile
+    scheduler: SchedulerSettings
+    routing: RoutingSpec = field(default_factory=RoutingSpec)
+    batch_size: int = 16
+    prompt_len: int = 512
+    gen_len: int = 64
+    num_batches: int = 1
+    bytes_per_param: int = 2
+    async_io: bool = True
+    predictor: PredictorSpec = field(default_factory=PredictorSpec)
+    profile_batches: int = 2
+    profile_seed: int = 1000
+    seed: int = 0
+    check_invariants: bool = False
+
+    def with_scheduler(self, settings: SchedulerSettings) -> "RunSpec":
+        return replace(self, scheduler=settings)
+
+
+@dataclass
+class PreparedRouting:
+    trace: RoutingTrace
+    passes: list[ForwardPass]
+    profile: np.ndarray  # int64 [L, E] profiling loads for the hot table
+
+
+def prepare_routing(spec: RunSpec) -> PreparedRouting:
+    """The routing to replay and the profiling loads, from the spec's routing source."""
+    cfg, r = spec.model, spec.routing
+    if r.source == "synthetic":
+        router = SyntheticRouter.for_model(cfg, r.synthetic, model_seed=r.model_seed, model_name=spec.model_name)
+        trace = router.trace(spec.batch_size, spec.prompt_len, spec.gen_len, seed=spec.seed,
+                             num_batches=spec.num_batches)
+        prof = router.trace(spec.batch_size, spec.prompt_len, spec.gen_len, seed=spec.seed + spec.profile_seed,
+                            num_batches=max(spec.profile_batches, 1))
+        return PreparedRouting(trace, forward_passes(trace), profile_loads(prof))
+    trace = load_routing_file(r, cfg)
+    passes = forward_passes(trace, batch=spec.batch_size)
+    batches = sorted({p.batch_id for p in passes})
+    held = set(batches[:spec.profile_batches]) if len(batches) > spec.profile_batches else set()
+    prof_rows = [p.rows for p in passes if p.batch_id in held]
+    replay = [p for p in passes if p.batch_id not in held]
+    profile = trace.expert_loads(np.concatenate(prof_rows)) if prof_rows else trace.expert_loads()
+    for i, p in enumerate(replay):
+        p.index = i
+    return PreparedRouting(trace, replay, profile)
+
+
+def load_routing_file(r: RoutingSpec, cfg: ModelConfig) -> RoutingTrace:
+    """A recorded (.npz) or imported (JSONL) trace, checked against the model's shape."""
+    from conf import resolve_path
+    from engine.trace import load_trace
+
+    if r.path is None:
+        raise ValueError(f"routing.path: required for routing.source={r.source}")
+    path = resolve_path(r.path)
+    if r.source == "jsonl":
+        from engine.trace_import import import_vllm_jsonl
+
+        trace = import_vllm_jsonl(path, num_experts=cfg.num_experts)
+    else:
+        trace = load_trace(path, with_hidden=False)
+    if trace.meta.num_experts != cfg.num_experts or trace.meta.top_k != cfg.num_experts_per_tok:
+        raise ValueError(f"routing.path: {path} routes {trace.meta.num_experts} experts top-{trace.meta.top_k}, "
+                         f"the model has {cfg.num_experts} top-{cfg.num_experts_per_tok}")
+    if trace.num_layers != len(cfg.moe_layers):
+        trace = tile_layers(trace, len(cfg.moe_layers))
+    return trace
+
+
+def tile_layers(trace: RoutingTrace, num_layers: int) -> RoutingTrace:
+    """A trace with `num_layers` MoE layers made by cycling the recorded layers (a shallow model's
+    routing replayed on a deeper model of the same expert count and top-k); meta notes it."""
+    from engine.trace import TraceMeta
+
+    idx = np.arange(num_layers) % trace.num_layers
+    meta = TraceMeta(model=trace.meta.model, num_experts=trace.meta.num_experts, top_k=trace.meta.top_k,
+                     moe_layers=tuple(range(num_layers)), hidden_size=trace.meta.hidden_size,
+                     family=trace.meta.family, source=trace.meta.source,
+                     extra={**trace.meta.extra, "tiled_from_layers": trace.num_layers})
+    return RoutingTrace(meta=meta, experts=trace.experts[idx], weights=trace.weights[idx], step=trace.step,
+                        batch=trace.batch, seq=trace.seq, pos=trace.pos, token=trace.token, phase=trace.phase)
+
+
+def make_predictors(spec: RunSpec, trace: RoutingTrace) -> dict[int, Any]:
+    """Predictor objects by distance: the noisy oracle for as far as the scheduler may look."""
+    p, s = spec.predictor, spec.scheduler
+    if p.kind == "none" or not s.use_predictor:
+        return {}
+    window = max(s.max_window, 1) if s.kind is SchedulerKind.presched else 1
+    return {d: NoisyOraclePredictor(trace, distance=d, hit_rate=p.hit_rate * p.distance_decay ** (d - 1),
+                                    seed=p.seed + 7919 * d) for d in range(1, window + 1)}
+
+
+@dataclass
+class RunOutcome:
+    spec: RunSpec
+    summary: dict[str, Any]
+    memory: MemoryPlan
+    cost: CostModel
+    sim: PipelineSim
+
+
+def simulate(spec: RunSpec, routing: Optional[PreparedRouting] = None, record: bool = False,
+             record_passes: Optional[set[int]] = None) -> RunOutcome:
+    """Run one simulation; `routing` reuses a prepared replay (sweeps)."""
+    routing = routing or prepare_routing(spec)
+    mem = memory_plan(spec.model, spec.hardware, spec.batch_size, spec.prompt_len, spec.gen_len,
+                      staging_slots=spec.scheduler.staging_slots, bytes_per_param=spec.bytes_per_param)
+    cost = CostModel(spec.model, spec.hardware, model_name=spec.model_name, bytes_per_param=spec.bytes_per_param)
+    setup = SchedulerSetup(num_layers=len(spec.model.moe_layers), num_experts=spec.model.num_experts,
+                           top_k=spec.model.num_experts_per_tok, cache_slots=mem.cache_slots, cost=cost,
+                           profile_loads=routing.profile)
+    scheduler = build_scheduler(spec.scheduler, setup)
+    predictors = make_predictors(spec, routing.trace)
+    book = ForecastBook(routing.trace, predictors) if predictors else None
+    sim = PipelineSim(cfg=spec.model, cost=cost, scheduler=scheduler, cache_slots=mem.cache_slots,
+                      staging_slots=spec.scheduler.staging_slots, trace=routing.trace, forecasts=book,
+                      options=SimOptions(async_io=spec.async_io, check_invariants=spec.check_invariants,
+                                         record=record, record_passes=record_passes))
+    metrics = sim.run(routing.passes)
+    generated = sum(p.num_seqs for p in routing.passes)  # every pass yields one token per sequence
+    summary = metrics.summary(generated)
+    summary["cache_slots"] = mem.cache_slots
+    summary["experts_total"] = spec.model.num_experts * len(spec.model.moe_layers)
+    summary["cost"] = cost.summary()
+    return RunOutcome(spec, summary, mem, cost, sim)

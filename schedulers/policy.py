@@ -1,0 +1,131 @@
+"""What every offload policy shares: the hot-table start, LRU stamps, eviction choice, plan assembly.
+
+Cache organisations used by the policies:
+- *pinned + dynamic* (LayerScope, Fiddler, Klotski, Fate, kTransformers, on-demand): the hot table
+  fills all cache slots but `dynamic_slots`; hot experts stay; the dynamic region holds prefetched
+  or cached loads and evicts least-recently-used first.
+- *per-layer slots* (HybriMoE, mixtral-offloading): each layer owns an equal share of the slots,
+  initialised with its hottest experts; evictions stay inside the layer (`layer_victims`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+
+from schedulers.base import LayerPlan, LayerState, SchedulerSettings, SchedulerSetup
+from schedulers.hot_table import hot_table, per_layer_hot_table, per_layer_slots
+
+
+class OffloadPolicy:
+    """Base class of the offload schedulers (see `schedulers.base.OffloadScheduler`)."""
+
+    per_layer_cache = False  # True: per-layer slots (HybriMoE, LRU) instead of pinned + dynamic
+
+    def __init__(self, settings: SchedulerSettings, setup: SchedulerSetup):
+        self.settings, self.setup = settings, setup
+        self.name = settings.label
+        self.L, self.E, self.k = setup.num_layers, setup.num_experts, setup.top_k
+        self.cost = setup.cost
+        self._clock = 0
+        self.last_used = np.zeros((self.L, self.E), dtype=np.int64)
+        profile = setup.profile_loads if setup.profile_loads.size else np.zeros((self.L, self.E), dtype=np.int64)
+        if profile.shape != (self.L, self.E):
+            raise ValueError(f"{self.name}: profile loads have shape {profile.shape}, expected ({self.L}, {self.E})")
+        self.profile = profile
+        if self.per_layer_cache:
+            self.layer_slots = per_layer_slots(self.L, setup.cache_slots)
+            self.pinned = np.zeros((self.L, self.E), dtype=bool)
+            self._initial = per_layer_hot_table(profile, self.layer_slots) if settings.hot_table \
+                else np.zeros((self.L, self.E), dtype=bool)
+        else:
+            self.pinned = hot_table(profile, setup.cache_slots - self.dynamic_slots) if settings.hot_table \
+                else np.zeros((self.L, self.E), dtype=bool)
+            self._initial = self.pinned
+
+    @property
+    def micro_batches(self) -> int:
+        return 1
+
+    @property
+    def dynamic_slots(self) -> int:
+        """Cache slots outside the hot table (all of them without a hot table)."""
+        if not self.settings.hot_table:
+            return self.setup.cache_slots
+        want = self.settings.dynamic_slots if self.settings.dynamic_slots is not None else self.E
+        return int(min(max(want, 0), self.setup.cache_slots))
+
+    def initial_residency(self) -> np.ndarray:
+        return self._initial.copy()
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    def touch(self, layer: int, experts: Iterable[int]) -> None:
+        """Mark experts of `layer` as used now (LRU)."""
+        self._clock += 1
+        ids = list(experts)
+        if ids:
+            self.last_used[layer, ids] = self._clock
+
+    # ---- eviction -------------------------------------------------------------------------------
+    def victims(self, state: LayerState, need: int, protect: set[tuple[int, int]],
+                key: Optional[Callable[[np.ndarray, np.ndarray], np.ndarray]] = None) -> list[tuple[int, int]]:
+        """Up to `need` evictable experts of the dynamic region, least recently used first."""
+        if need <= 0:
+            return []
+        cand = state.resident & ~self.pinned
+        for t in state.inflight:
+            cand[t.layer, t.expert] = False
+        for layer, e in protect:
+            cand[layer, e] = False
+        layers, experts = np.nonzero(cand)
+        if layers.size == 0:
+            return []
+        rank = self.last_used[layers, experts] if key is None else key(layers, experts)
+        order = np.argsort(rank, kind="stable")[:need]
+        return list(zip(layers[order].tolist(), experts[order].tolist()))
+
+    def layer_victims(self, state: LayerState, layer: int, need: int, protect: set[int],
+                      rank: np.ndarray) -> list[tuple[int, int]]:
+        """Up to `need` resident experts of `layer` (not in `protect`, not landing), lowest `rank` first."""
+        if need <= 0:
+            return []
+        flying = state.inflight_experts(layer)
+        cand = [e for e in np.flatnonzero(state.resident[layer]).tolist() if e not in protect and e not in flying]
+        cand.sort(key=lambda e: (rank[e], e))
+        return [(layer, e) for e in cand[:need]]
+
+    def layer_room(self, state: LayerState, layer: int, extra_evicted: int = 0) -> int:
+        """Free slots of a per-layer cache: its share minus resident and reserved experts."""
+        used = int(state.resident[layer].sum()) + sum(1 for t in state.inflight if t.layer == layer and t.retain)
+        return int(self.layer_slots[layer]) - used + extra_evicted
+
+    def room_for(self, state: LayerState, want: int, protect: set[tuple[int, int]]) -> tuple[int, list[tuple[int, int]]]:
+        """How many of `want` new cache entries fit (pinned + dynamic), and the evictions that make room."""
+        free = max(state.free_slots, 0)
+        if want <= free:
+            return want, []
+        evict = self.victims(state, want - free, protect)
+        return min(want, free + len(evict)), evict
+
+
+def split_by_availability(state: LayerState) -> tuple[np.ndarray, np.ndarray]:
+    """(ready, missing): active experts of this layer that are / are not resident or landing."""
+    active = state.active
+    avail = state.available(state.layer)[active]
+    return active[avail], active[~avail]
+
+
+def by_tokens(experts: np.ndarray, tokens: np.ndarray, descending: bool = False) -> np.ndarray:
+    """`experts` sorted by `tokens[experts]` (stable: ties keep expert-id order)."""
+    key = -tokens[experts] if descending else tokens[experts]
+    return experts[np.argsort(key, kind="stable")]
+
+
+def gpu_only_plan(state: LayerState, order: np.ndarray, retain: bool = False,
+                  prefetch: tuple[tuple[int, int], ...] = (), evict: tuple[tuple[int, int], ...] = ()) -> LayerPlan:
+    """Every active expert on the GPU; the missing ones loaded in `order`."""
+    ready, _ = split_by_availability(state)
+    loads = tuple(int(e) for e in order)
+    return LayerPlan(cpu=(), gpu=tuple(int(e) for e in ready) + loads, ondemand=loads,
+                     retain=(retain,) * len(loads), prefetch=prefetch, evict=evict)
