@@ -185,6 +185,7 @@ class EPLBPolicy:
         self.settings = settings
         self.window_s = settings.history_window_s if settings.history_window_s is not None else settings.rebalance_interval_s
         self._history: dict[int, Deque[tuple[float, np.ndarray]]] = {}
+        self._history_sum: dict[int, np.ndarray] = {}  # running sum of the window, per layer
         self._current: dict[int, Placement] = {}
         self._rebalanced_at: dict[int, Optional[float]] = {}
         self._now = 0.0
@@ -208,26 +209,20 @@ class EPLBPolicy:
         return Placement(self.num_experts, self.num_devices, phy2log, devices)
 
     def _history_weight(self, layer: int) -> Optional[np.ndarray]:
-        hist = self._history.get(layer)
-        if not hist:
-            return None
-        return np.sum([loads for _, loads in hist], axis=0)
+        return self._history_sum.get(layer) if self._history.get(layer) else None
 
     def plan(self, layer: int, forecast: np.ndarray, live: Optional[Placement], now_s: Optional[float] = None
              ) -> Placement:
         now = self._now if now_s is None else float(now_s)
         last = self._rebalanced_at.get(layer)
-        weight = self._history_weight(layer)
         rebalanced = False
-        if layer not in self._current:
-            self._current[layer] = self.placement_from_weights(
-                weight if weight is not None else np.ones(self.num_experts))
-            self._rebalanced_at[layer] = now if weight is not None else None
-            rebalanced = weight is not None
-        elif weight is not None and (last is None or now - last >= self.settings.rebalance_interval_s):
-            self._current[layer] = self.placement_from_weights(weight)
-            self._rebalanced_at[layer] = now
-            rebalanced = True
+        if layer not in self._current or last is None or now - last >= self.settings.rebalance_interval_s:
+            weight = self._history_weight(layer)
+            if layer not in self._current or weight is not None:
+                self._current[layer] = self.placement_from_weights(
+                    weight if weight is not None else np.ones(self.num_experts))
+                self._rebalanced_at[layer] = now if weight is not None else None
+                rebalanced = weight is not None
         self.rebalances += int(rebalanced)
         self._stats = PlacementStats(extra={"rebalanced": rebalanced})
         return self._current[layer]
@@ -235,9 +230,13 @@ class EPLBPolicy:
     def observe(self, layer: int, actual: np.ndarray, now_s: float) -> None:
         self._now = float(now_s)
         hist = self._history.setdefault(layer, deque())
-        hist.append((self._now, np.asarray(actual, dtype=np.float64).copy()))
+        loads = np.asarray(actual, dtype=np.float64).copy()
+        hist.append((self._now, loads))
+        total = self._history_sum.get(layer)
+        self._history_sum[layer] = loads.copy() if total is None else total + loads
         while hist and self._now - hist[0][0] > self.window_s:
-            hist.popleft()
+            _, old = hist.popleft()
+            self._history_sum[layer] -= old
 
     def effective_loads(self, actual: np.ndarray) -> np.ndarray:
         return np.asarray(actual)

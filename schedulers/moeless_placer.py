@@ -61,19 +61,19 @@ def place_replicas(counts: np.ndarray, loads: np.ndarray, num_devices: int, capa
     if live is not None and warm_start:
         for e, g in zip(live.replica_expert.tolist(), live.replica_device.tolist()):
             warm_devices.setdefault(e, []).append(g)
-    device_load = np.zeros(num_devices, dtype=np.float64)
-    used = np.zeros(num_devices, dtype=np.int64)
+    # plain lists: E and G are small and this runs per layer per iteration
+    device_load = [0.0] * num_devices
+    used = [0] * num_devices
     experts_out, devices_out = [], []
     warm = cold = 0
     for share, e in replica_order(counts, loads):
-        candidates = [g for g in warm_devices.get(e, []) if used[g] < capacity]
+        candidates = [g for g in warm_devices.get(e, ()) if used[g] < capacity]
         if candidates:
             g = min(candidates, key=lambda d: (device_load[d], d))
             warm_devices[e].remove(g)
             warm += 1
         else:
-            free = np.flatnonzero(used < capacity)
-            g = int(free[np.argmin(device_load[free])])  # argmin returns the first (lowest id) of ties
+            g = min((d for d in range(num_devices) if used[d] < capacity), key=lambda d: (device_load[d], d))
             cold += 1
         device_load[g] += share
         used[g] += 1

@@ -1,0 +1,223 @@
+"""The expert-parallel MoE layer: `jax.shard_map` over a mesh axis of G devices holding replica slots.
+
+Tokens arrive data-parallel (each device owns T / G rows, as attention and the gate left them).
+Every device holds S replica slots of this layer; `ReplicaTables` say which (device, slot) hosts
+each replica of each expert. Per device:
+
+1. each (token, k) assignment picks a replica of its expert: the n-th assignment to expert e over
+   the whole batch (row-major, device-major) goes to replica n mod R_e, so an expert's tokens split
+   evenly over its replicas (`schedulers.ep_placement.assign_tokens` is the numpy reference);
+2. dispatch: the rows travel to their replica's device (`all_to_all`, padded to a static capacity
+   per device pair; or `ragged_all_to_all` where the backend implements it, not on XLA:CPU);
+3. each device runs its slots over the rows it received (grouped by slot, unused slots skipped);
+4. combine: the outputs travel back by the inverse collective and each token sums its k expert
+   outputs times the routing weights.
+
+Exact (dropless) as long as `capacity` is at least the largest count of assignments one device
+sends to another (`required_capacity` computes it on the host); the layer returns the number of
+assignments that did not fit, which the executor checks is zero.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.moe import Routing, experts_grouped
+from schedulers.ep_placement import Placement, assign_tokens
+
+EP_AXIS = "ep"
+
+
+class Dispatch(enum.Enum):
+    auto = "auto"  # ragged where the backend has it, padded otherwise
+    padded = "padded"  # all_to_all of [G, capacity, H] buffers
+    ragged = "ragged"  # ragged_all_to_all (GPU/TPU; XLA:CPU leaves it unimplemented)
+
+
+def resolve_dispatch(mode: Dispatch, platform: str) -> Dispatch:
+    if mode is Dispatch.auto:
+        return Dispatch.padded if platform == "cpu" else Dispatch.ragged
+    if mode is Dispatch.ragged and platform == "cpu":
+        raise ValueError("serverless.dispatch=ragged: ragged_all_to_all is not implemented on XLA:CPU; "
+                         "use padded or auto")
+    return mode
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class ReplicaTables:
+    """Where the replicas of one layer live (replicated on every device).
+
+    device int32 [E, R_max] and slot int32 [E, R_max]: replica r of expert e sits in slot
+    `slot[e, r]` of device `device[e, r]` (entries r >= count[e] unused); count int32 [E]: R_e.
+    """
+
+    device: jax.Array
+    slot: jax.Array
+    count: jax.Array
+
+
+def tables_from_slots(placement: Placement, slot_of_replica: np.ndarray, max_replicas: int) -> dict[str, np.ndarray]:
+    """Numpy tables for `ReplicaTables` from a placement and the slot each of its replicas occupies.
+
+    Replica order per expert follows the placement's replica order (the order `assign_tokens` uses).
+    """
+    E = placement.num_experts
+    counts = placement.replica_counts()
+    if counts.max(initial=0) > max_replicas:
+        raise ValueError(f"replica tables: an expert has {int(counts.max())} replicas, table width {max_replicas}")
+    device = np.zeros((E, max_replicas), np.int32)
+    slot = np.zeros((E, max_replicas), np.int32)
+    seen = np.zeros(E, np.int64)
+    for r, (e, g) in enumerate(zip(placement.replica_expert.tolist(), placement.replica_device.tolist())):
+        device[e, seen[e]] = g
+        slot[e, seen[e]] = slot_of_replica[r]
+        seen[e] += 1
+    return {"device": device, "slot": slot, "count": counts.astype(np.int32)}
+
+
+def required_capacity(experts: np.ndarray, valid: np.ndarray, placement: Placement) -> int:
+    """Largest number of assignments one device sends to one device (rows of experts [T, k], T = G * t)."""
+    G = placement.num_devices
+    T = experts.shape[0]
+    if T % G:
+        raise ValueError(f"required_capacity: {T} tokens do not split over {G} devices")
+    live = np.asarray(valid, bool).reshape(-1)
+    if not live.any():
+        return 0
+    rep = assign_tokens(experts[live], placement)
+    dst = placement.replica_device[rep].reshape(-1)
+    src = np.repeat(np.flatnonzero(live) // (T // G), experts.shape[1])
+    return int(np.bincount(src * G + dst, minlength=G * G).max())
+
+
+def _replica_choice(e: jax.Array, ok: jax.Array, tables: ReplicaTables, num_devices: int
+                    ) -> tuple[jax.Array, jax.Array]:
+    """(destination device, slot) of each local assignment; e, ok: [n]. Inside shard_map."""
+    E = tables.count.shape[0]
+    onehot = jax.nn.one_hot(e, E, dtype=jnp.int32) * ok[:, None].astype(jnp.int32)  # [n, E]
+    local_rank = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)  # rank among same-expert rows
+    counts = jnp.sum(onehot, axis=0)  # [E]
+    all_counts = jax.lax.all_gather(counts, EP_AXIS)  # [G, E]
+    me = jax.lax.axis_index(EP_AXIS)
+    before = jnp.sum(jnp.where(jnp.arange(num_devices)[:, None] < me, all_counts, 0), axis=0)  # [E]
+    rank = before[e] + local_rank
+    r = rank % jnp.maximum(tables.count[e], 1)
+    return tables.device[e, r], tables.slot[e, r]
+
+
+def _local_experts(rows: jax.Array, slot: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """rows [N, H], slot int32 [N] (S for rows to skip), local slot weights [S, H, 2F], [S, F, H] -> [N, H]."""
+    S = gate_up.shape[0]
+    routing = Routing(experts=slot[:, None], weights=(slot < S).astype(jnp.float32)[:, None],
+                      logits=jnp.zeros((rows.shape[0], S), jnp.float32))
+    return experts_grouped(rows, routing, [gate_up[s] for s in range(S)], [down[s] for s in range(S)])
+
+
+def _padded_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTables, *, capacity: int,
+                 num_devices: int):
+    t, k = experts.shape
+    H = x.shape[-1]
+    S = gate_up.shape[0]
+    G = num_devices
+    e = experts.reshape(-1)
+    ok = jnp.repeat(valid, k)
+    dst, slot = _replica_choice(e, ok, tables, G)
+    dst = jnp.where(ok, dst, G)  # G: nowhere (dropped by the scatters below)
+    onehot = jax.nn.one_hot(dst, G, dtype=jnp.int32)  # [n, G]; row of zeros for dst == G
+    pos = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+    fits = ok & (pos < capacity)
+    overflow = jnp.sum(ok & ~fits)
+    dst = jnp.where(fits, dst, G)
+    token = jnp.arange(t * k) // k
+    send_x = jnp.zeros((G, capacity, H), x.dtype).at[dst, pos].set(x[token], mode="drop")
+    send_slot = jnp.full((G, capacity), S, jnp.int32).at[dst, pos].set(slot, mode="drop")
+    recv_x = jax.lax.all_to_all(send_x, EP_AXIS, 0, 0, tiled=True)
+    recv_slot = jax.lax.all_to_all(send_slot, EP_AXIS, 0, 0, tiled=True)
+    y = _local_experts(recv_x.reshape(G * capacity, H), recv_slot.reshape(-1), gate_up, down)
+    back = jax.lax.all_to_all(y.reshape(G, capacity, H), EP_AXIS, 0, 0, tiled=True)
+    got = back.at[dst, pos].get(mode="fill", fill_value=0).astype(jnp.float32)  # [n, H]
+    contrib = got * (weights.reshape(-1) * fits)[:, None]
+    out = jax.ops.segment_sum(contrib, token, num_segments=t)
+    return out.astype(x.dtype), jax.lax.psum(overflow, EP_AXIS)[None]
+
+
+def _ragged_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTables, *, capacity: int,
+                 num_devices: int):
+    """Same contract as `_padded_body`; `capacity` bounds the rows one device receives in all."""
+    t, k = experts.shape
+    n = t * k
+    H = x.shape[-1]
+    S = gate_up.shape[0]
+    G = num_devices
+    e = experts.reshape(-1)
+    ok = jnp.repeat(valid, k)
+    dst, slot = _replica_choice(e, ok, tables, G)
+    dst = jnp.where(ok, dst, G)
+    order = jnp.argsort(dst, stable=True)  # rows grouped by destination, invalid ones last
+    token = jnp.arange(n) // k
+    send_sizes = jnp.bincount(dst, length=G).astype(jnp.int32)  # [G]
+    sizes = jax.lax.all_gather(send_sizes, EP_AXIS)  # [G src, G dst]
+    me = jax.lax.axis_index(EP_AXIS)
+    input_offsets = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
+    below = (jnp.arange(G) < me)[:, None]
+    output_offsets = jnp.sum(jnp.where(below, sizes, 0), axis=0).astype(jnp.int32)  # where my rows land at each dst
+    recv_sizes = sizes[:, me].astype(jnp.int32)
+    recv_offsets = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
+    received = jnp.sum(recv_sizes)
+    overflow = jnp.maximum(received - capacity, 0)
+    send_x = x[token[order]]
+    send_slot = slot[order].astype(jnp.int32)
+    recv_x = jax.lax.ragged_all_to_all(send_x, jnp.zeros((capacity, H), x.dtype), input_offsets, send_sizes,
+                                       output_offsets, recv_sizes, axis_name=EP_AXIS)
+    recv_slot = jax.lax.ragged_all_to_all(send_slot, jnp.full((capacity,), S, jnp.int32), input_offsets, send_sizes,
+                                          output_offsets, recv_sizes, axis_name=EP_AXIS)
+    recv_slot = jnp.where(jnp.arange(capacity) < received, recv_slot, S)
+    y = _local_experts(recv_x, recv_slot, gate_up, down)
+    # the way back: my received chunk from src returns to src's send offset for me
+    back_offsets = jnp.sum(jnp.where((jnp.arange(G) < me)[None, :], sizes, 0), axis=1).astype(jnp.int32)
+    back = jax.lax.ragged_all_to_all(y, jnp.zeros((n, H), y.dtype), recv_offsets, recv_sizes, back_offsets,
+                                     send_sizes, axis_name=EP_AXIS)
+    unsorted = jnp.zeros((n, H), jnp.float32).at[order].set(back.astype(jnp.float32))
+    contrib = unsorted * (weights.reshape(-1) * ok)[:, None]
+    out = jax.ops.segment_sum(contrib, token, num_segments=t)
+    return out.astype(x.dtype), jax.lax.psum(overflow, EP_AXIS)[None]
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "capacity", "dispatch"))
+def ep_moe(x: jax.Array, experts: jax.Array, weights: jax.Array, valid: jax.Array, gate_up: jax.Array,
+           down: jax.Array, tables: ReplicaTables, *, mesh: Mesh, capacity: int, dispatch: Dispatch = Dispatch.padded
+           ) -> tuple[jax.Array, jax.Array]:
+    """Expert-parallel MoE over the `ep` axis of `mesh`.
+
+    x [T, H], experts int32 [T, k], weights float32 [T, k], valid bool [T] (all sharded over `ep` by
+    rows, T = G * t); gate_up [G * S, H, 2F] and down [G * S, F, H]: the replica slots, sharded over
+    `ep` (device g owns slots g * S ... g * S + S - 1); tables replicated. Returns the combined
+    expert output [T, H] (sharded like x) and the number of assignments that did not fit [G]
+    (every entry the same total; 0 when `capacity` sufficed).
+    """
+    G = mesh.shape[EP_AXIS]
+    body = _padded_body if dispatch is Dispatch.padded else _ragged_body
+    rows = P(EP_AXIS)
+    fn = jax.shard_map(functools.partial(body, capacity=capacity, num_devices=G), mesh=mesh,
+                       in_specs=(rows, rows, rows, rows, rows, rows, P()), out_specs=(rows, rows), check_vma=False)
+    return fn(x, experts, weights, valid, gate_up, down, tables)
+
+
+def shard_rows(mesh: Mesh, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Place arrays with their first axis split over `ep` (no copy when they already are)."""
+    sharding = NamedSharding(mesh, P(EP_AXIS))
+    return tuple(jax.device_put(a, sharding) for a in arrays)
+
+
+def replicate(mesh: Mesh, tree):
+    """Place a pytree replicated on every device of `mesh`."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))

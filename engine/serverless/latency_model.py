@@ -1,0 +1,138 @@
+"""The MoEless latency and cost model (MoEless §3.3) on a hardware profile.
+
+Per MoE layer and iteration, with W_r the tokens of replica r (W_e / R_e) and W_g the tokens of
+device g (the sum over its replicas):
+
+    T_moe = max_r T_r + 2 * max_g T_g,   T_r = alpha * W_r,   T_g = beta * W_g      (`paper`)
+
+plus T_misc for the layer's non-MoE part (attention and gate, data-parallel). alpha is the expert
+FLOPs per token over the device's achieved bf16 rate, beta the hidden-state bytes per token over
+the per-device all-to-all bandwidth (`interconnect.gbps_per_device`).
+
+Two refinements, off by default, for honest sensitivity checks:
+- `roofline`: a replica that serves any token costs the hardware profile's kernel overhead plus a
+  roofline of its GEMMs (streaming its weights bounds small batches); each all-to-all adds the
+  interconnect latency.
+- `device_sum`: replicas on one device run one after another (max over devices of the sum)
+  instead of the paper's max over replicas.
+
+Cost = memory x time, summed (byte-seconds). A serverless expert is billed only while its layer
+runs (MoEless's pay-as-you-go experts); a serverful deployment holds every layer's replicas all the
+time. Non-expert weights (replicated on every device, data-parallel) are resident in both:
+
+    serverless:  T_moe * R * M_e + (T_moe + T_misc) * M_misc
+    serverful:   (T_moe + T_misc) * (M_resident + M_misc)
+
+with R the layer's replicas, M_resident all layers' replicas. `bill_keep_alive` bills a serverless
+deployment for its kept-alive (warm) replicas of every layer instead, as a serverful one.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from conf.schemas.hardware import HardwareProfile
+from models.config import ModelConfig
+from schedulers.cost import CostModel, non_expert_params
+from schedulers.ep_placement import Placement
+
+
+class LatencyKind(enum.Enum):
+    paper = "paper"  # T_r = alpha * W_r, T_g = beta * W_g (MoEless §3.3)
+    roofline = "roofline"  # + per-replica kernel overhead and weight streaming, collective latency
+
+
+class ComputeKind(enum.Enum):
+    replica_max = "replica_max"  # max over replicas (MoEless §3.3)
+    device_sum = "device_sum"  # max over devices of the replicas' summed time
+
+
+@dataclass(frozen=True)
+class LatencySettings:
+    kind: LatencyKind = LatencyKind.paper
+    compute: ComputeKind = ComputeKind.replica_max
+    misc_s: Optional[float] = None  # fixed T_misc per layer; None: attention block of one device's share
+    bill_keep_alive: bool = False
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    compute_s: float
+    comm_s: float  # one all-to-all (the slowest device); T_moe counts it twice
+    moe_s: float
+
+
+class ServerlessCostModel:
+    """alpha, beta, T_misc and the memory terms for one model on one machine of G devices."""
+
+    def __init__(self, cfg: ModelConfig, hw: HardwareProfile, num_devices: int,
+                 settings: LatencySettings = LatencySettings(), bytes_per_param: int = 2, activation_bytes: int = 2):
+        if num_devices < 1:
+            raise ValueError(f"serverless cost model: num_devices must be >= 1, got {num_devices}")
+        if num_devices > 1 and hw.interconnect.gbps_per_device <= 0:
+            raise ValueError(f"hardware {hw.name}: interconnect.gbps_per_device must be > 0 for {num_devices} devices")
+        self.cfg, self.hw, self.settings = cfg, hw, settings
+        self.num_devices = num_devices
+        self.ops = CostModel(cfg, hw, bytes_per_param=bytes_per_param)
+        self.expert_bytes = float(cfg.expert_bytes(bytes_per_param))
+        self.alpha_s = self.ops.expert_flops / (hw.gpu.bf16_tflops * 1e12 * hw.gpu.matmul_efficiency)
+        link = hw.interconnect.gbps_per_device * 1e9
+        self.beta_s = cfg.hidden_size * activation_bytes / link if link > 0 else 0.0
+        self.collective_latency_s = hw.interconnect.latency_us * 1e-6 if settings.kind is LatencyKind.roofline else 0.0
+        self.misc_bytes = float(non_expert_params(cfg) * bytes_per_param * num_devices)  # replicated (DP)
+
+    def summary(self) -> dict[str, float]:
+        return {"alpha_us_per_token": self.alpha_s * 1e6, "beta_us_per_token": self.beta_s * 1e6,
+                "expert_mib": self.expert_bytes / 2**20, "misc_gib": self.misc_bytes / 2**30,
+                "replica_fixed_us": float(self.ops.t_g(1) - self.alpha_s) * 1e6}
+
+    def replica_times(self, replica_loads: np.ndarray) -> np.ndarray:
+        w = np.asarray(replica_loads, dtype=np.float64)
+        if self.settings.kind is LatencyKind.paper:
+            return self.alpha_s * w
+        return np.asarray(self.ops.t_g(w), dtype=np.float64)
+
+    def moe_time(self, placement: Placement, loads: np.ndarray) -> LayerTime:
+        """T_moe of one layer: `loads` float [E] the tokens the experts serve."""
+        rep_loads = placement.replica_loads(loads)
+        times = self.replica_times(rep_loads)
+        if self.settings.compute is ComputeKind.replica_max:
+            compute = float(times.max(initial=0.0))
+        else:
+            compute = float(np.bincount(placement.replica_device, weights=times, minlength=placement.num_devices).max())
+        dev = np.bincount(placement.replica_device, weights=rep_loads, minlength=placement.num_devices)
+        comm = self.collective_latency_s + self.beta_s * float(dev.max(initial=0.0))
+        return LayerTime(compute_s=compute, comm_s=comm, moe_s=compute + 2 * comm)
+
+    def misc_time(self, num_seqs: int, tokens: int, context: float, prefill: bool) -> float:
+        """T_misc: one device's share (1 / G of the sequences) of a layer's attention block and gate."""
+        if self.settings.misc_s is not None:
+            return float(self.settings.misc_s)
+        if num_seqs <= 0:
+            return 0.0
+        per_dev = max(1, -(-num_seqs // self.num_devices))
+        if prefill:
+            return float(self.ops.t_attn(per_dev, 0, prefill=True, prompt_len=max(1, round(tokens / num_seqs))))
+        return float(self.ops.t_attn(per_dev, max(1, round(context))))
+
+    def copy_time(self, moves_per_device: np.ndarray, peer_moves_per_device: np.ndarray) -> float:
+        """Seconds the slowest device needs to receive its replicas' weights: host copies over its
+        own host link one after another, peer copies over the device interconnect (a bridged pair
+        where the profile has one, else the all-to-all share)."""
+        host = np.asarray(moves_per_device, dtype=np.float64)
+        peer = np.asarray(peer_moves_per_device, dtype=np.float64)
+        link = self.hw.interconnect.pair_gbps or self.hw.interconnect.gbps_per_device
+        t_peer = self.expert_bytes / (link * 1e9) if link > 0 else 0.0
+        per_dev = host * self.hw.host_link.transfer_s(self.expert_bytes) + peer * t_peer
+        return float(per_dev.max(initial=0.0))
+
+    def layer_cost(self, moe_s: float, misc_s: float, billed_expert_bytes: float, serverless: bool) -> float:
+        """Byte-seconds of one layer: `billed_expert_bytes` is the layer's replicas (serverless) or
+        every resident replica of every layer (serverful)."""
+        if serverless:
+            return moe_s * billed_expert_bytes + (moe_s + misc_s) * self.misc_bytes
+        return (moe_s + misc_s) * (billed_expert_bytes + self.misc_bytes)

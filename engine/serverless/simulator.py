@@ -1,0 +1,223 @@
+"""Trace simulator of serverless experts: every iteration, every MoE layer, every system.
+
+Two phases. `forecast_loads` turns a `ServingTrace` into the load forecasts a system plans from
+(per step and layer: the predictor's forecast made d layers earlier, or history); it depends only
+on the predictor, so systems that share one share the forecasts. `simulate_system` then walks the
+steps in order; per MoE layer the policy plans from the forecast (warm-start candidates: what is
+alive in the layer's slots), the slot map applies the plan (counting weight copies), the layer
+costs what the §3.3 model says for the loads that really occurred (re-routed ones for the lossy
+Oracle), and the policy observes those loads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from engine.serverless.latency_model import ServerlessCostModel
+from engine.serverless.policies import ForecastKind, SystemSpec, build_policy, slots_per_device
+from engine.serverless.serving_trace import ServingTrace
+from engine.serverless.slots import SlotMap, Source
+from engine.trace import PREFILL
+from predictors.base import LayerContext, Predictor, predicted_loads
+from predictors.historical_load import HistoricalLoadForecaster
+from schedulers.ep_placement import balancedness
+
+
+def forecast_loads(trace: ServingTrace, predictor: Optional[Predictor], history_decay: float = 1.0,
+                   progress: Callable = lambda it, desc: it) -> tuple[np.ndarray, dict[str, float]]:
+    """float32 [S, L, E]: the forecast each layer is planned from.
+
+    With a predictor of distance d: layer l >= d from the predictor at layer l - d of the same
+    step; layers l < d (and every layer without a predictor) from the historical shares of the
+    steps before, scaled to this step's assignments. Returns the forecasts and the predictor's
+    measured top-k hit rate per target layer ({} without a predictor).
+    """
+    S, L, E, k = trace.num_steps, trace.num_layers, trace.num_experts, trace.top_k
+    history = HistoricalLoadForecaster(L, E, decay=history_decay)
+    out = np.zeros((S, L, E), dtype=np.float32)
+    d = predictor.distance if predictor is not None else L
+    experts, weights = trace.routing.experts, trace.routing.weights
+    for s in progress(range(S), "forecast"):
+        rows = trace.rows(s)
+        n = rows.size
+        for layer in range(L):
+            if layer < d:
+                out[s, layer] = history.forecast(layer, n * k)
+                continue
+            ctx = LayerContext(layer=layer - d, step=s, experts=experts[layer - d, rows], weights=weights[layer - d, rows],
+                               seq=trace.routing.seq[rows], pos=trace.routing.pos[rows], rows=rows)
+            out[s, layer] = predicted_loads(predictor.predict(ctx), k)
+            predictor.observe(layer, ctx, experts[layer, rows].astype(np.int64))
+        for layer in range(L):
+            history.observe(layer, trace.loads[s, layer])
+    hits = {} if predictor is None else {str(layer): predictor.hit_rate(layer) for layer in range(d, L)}
+    return out, hits
+
+
+@dataclass
+class SystemResult:
+    """Per step s and MoE layer l of one system (arrays [S, L] unless noted)."""
+
+    label: str
+    kind: str
+    lossy: bool
+    serverless: bool
+    slots_per_device: int
+    weight: np.ndarray  # [S] iterations each step stands for
+    phase: np.ndarray  # [S]
+    moe_s: np.ndarray
+    compute_s: np.ndarray
+    comm_s: np.ndarray
+    misc_s: np.ndarray  # [S]
+    replicas: np.ndarray
+    balancedness: np.ndarray
+    cost: np.ndarray  # byte-seconds
+    billed_bytes: np.ndarray  # expert memory billed while the layer runs
+    moves: dict[str, int] = field(default_factory=dict)  # weight copies by source (warm / peer / host)
+    moves_after_first: dict[str, int] = field(default_factory=dict)  # excluding each layer's first plan
+    expert_bytes: float = 0.0
+    decision_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [S, L] time in policy.plan
+    copy_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [S, L] weight copies the plan needs
+    exposed_copy_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [S, L] copy time not hidden
+    hit_cap: int = 0
+    rebalances: int = 0
+
+    def w(self) -> np.ndarray:
+        return np.broadcast_to(self.weight[:, None], self.moe_s.shape)
+
+    def summary(self) -> dict:
+        w = self.w()
+        total_w = float(w.sum())
+        mean = lambda a: float((a * w).sum() / total_w)
+        q = weighted_quantiles(self.moe_s.reshape(-1), w.reshape(-1), [0.5, 0.9, 0.99])
+        by_phase = {}
+        for name, ph in (("prefill", 0), ("decode", 1)):
+            m = self.phase == ph
+            if m.any():
+                wp = w[m]
+                by_phase[name] = {"mean_moe_ms": float((self.moe_s[m] * wp).sum() / wp.sum()) * 1e3,
+                                  "iterations": float(self.weight[m].sum())}
+        return {
+            "label": self.label, "kind": self.kind, "lossy": self.lossy, "serverless": self.serverless,
+            "slots_per_device": self.slots_per_device,
+            "mean_moe_ms": mean(self.moe_s) * 1e3, "p50_moe_ms": q[0] * 1e3, "p90_moe_ms": q[1] * 1e3,
+            "p99_moe_ms": q[2] * 1e3, "mean_compute_ms": mean(self.compute_s) * 1e3,
+            "mean_comm_ms": mean(self.comm_s) * 1e3,
+            "total_moe_s": float((self.moe_s * w).sum()),
+            "total_cost_gib_s": float((self.cost * w).sum()) / 2**30,
+            "mean_replicas_per_layer": mean(self.replicas),
+            "mean_balancedness": mean(self.balancedness),
+            "expert_memory_time_avg_gib": float((self.billed_bytes * self.moe_s * w).sum() / max((self.moe_s * w).sum(), 1e-30)) / 2**30,
+            "weight_copies": dict(self.moves), "weight_copies_after_first_plan": dict(self.moves_after_first),
+            "bytes_moved_gib": (self.moves.get("host", 0) + self.moves.get("peer", 0)) * self.expert_bytes / 2**30,
+            "bytes_moved_after_first_gib": (self.moves_after_first.get("host", 0) + self.moves_after_first.get("peer", 0))
+            * self.expert_bytes / 2**30,
+            "copy_ms_total": float((self.copy_s * w).sum()) * 1e3,
+            "exposed_copy_ms_total": float((self.exposed_copy_s * w).sum()) * 1e3,
+            "mean_moe_with_exposed_copies_ms": mean(self.moe_s + self.exposed_copy_s) * 1e3,
+            "decision_us_mean": float(self.decision_s.mean() * 1e6) if self.decision_s.size else 0.0,
+            "decision_us_p99": float(np.quantile(self.decision_s, 0.99) * 1e6) if self.decision_s.size else 0.0,
+            "scaler_hit_cap_fraction": self.hit_cap / max(self.moe_s.size, 1),
+            "eplb_rebalances": self.rebalances,
+            "by_phase": by_phase,
+        }
+
+    def balancedness_per_layer(self) -> list[float]:
+        w = self.w()
+        return ((self.balancedness * w).sum(axis=0) / w.sum(axis=0)).tolist()
+
+
+def weighted_quantiles(values: np.ndarray, weights: np.ndarray, qs: list[float]) -> list[float]:
+    order = np.argsort(values, kind="stable")
+    v, w = values[order], weights[order]
+    c = np.cumsum(w)
+    c = c / c[-1]
+    return [float(v[min(np.searchsorted(c, q, side="left"), v.size - 1)]) for q in qs]
+
+
+def cdf_points(values: np.ndarray, weights: np.ndarray, max_points: int = 400) -> tuple[list[float], list[float]]:
+    """(sorted values, cumulative fraction) thinned to at most `max_points` for plots and results."""
+    order = np.argsort(values.reshape(-1), kind="stable")
+    v = values.reshape(-1)[order]
+    c = np.cumsum(weights.reshape(-1)[order])
+    c = c / c[-1]
+    idx = np.unique(np.linspace(0, v.size - 1, min(max_points, v.size)).astype(np.int64))
+    return v[idx].tolist(), c[idx].tolist()
+
+
+def simulate_system(trace: ServingTrace, spec: SystemSpec, forecasts: np.ndarray, cost_model: ServerlessCostModel,
+                    progress: Callable = lambda it, desc: it) -> SystemResult:
+    """Replay `trace` through one system; forecasts float [S, L, E] from `forecast_loads`."""
+    S, L, E = trace.num_steps, trace.num_layers, trace.num_experts
+    G = cost_model.num_devices
+    M_e = cost_model.expert_bytes
+    policy = build_policy(spec, E, G, M_e)
+    slots = slots_per_device(spec, E, G)
+    maps = [SlotMap(E, G, slots) for _ in range(L)]
+    shape = (S, L)
+    moe, comp, comm = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    reps, bal, cost, billed, decide = np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    copy, exposed = np.zeros(shape), np.zeros(shape)
+    recent: list[float] = []  # execution times of the layers run so far (the window a copy can hide in)
+    window = max(spec.distance, 1)
+    misc = np.zeros(S)
+    moves = {src.value: 0 for src in Source}
+    later = {src.value: 0 for src in Source}
+    hit_cap = 0
+    for s in progress(range(S), spec.label):
+        now = float(trace.time_s[s])
+        misc[s] = cost_model.misc_time(int(trace.num_seqs[s]), trace.tokens(s), float(trace.context[s]),
+                                       prefill=trace.phase[s] == PREFILL)
+        for layer in range(L):
+            live = maps[layer].live()
+            t0 = time.perf_counter()
+            placement = policy.plan(layer, forecasts[s, layer], live, now)
+            decide[s, layer] = time.perf_counter() - t0
+            hit_cap += int(policy.last_stats.hit_memory_cap)
+            update = maps[layer].apply(placement)
+            host_in, peer_in = np.zeros(G), np.zeros(G)
+            for m in update.moves:
+                moves[m.source.value] += 1
+                if live is not None:
+                    later[m.source.value] += 1
+                if m.source is Source.host:
+                    host_in[m.device] += 1
+                elif m.source is Source.peer:
+                    peer_in[m.device] += 1
+            copy[s, layer] = cost_model.copy_time(host_in, peer_in)
+            exposed[s, layer] = max(0.0, copy[s, layer] - sum(recent[-window:])) if live is not None else 0.0
+            eff = policy.effective_loads(trace.loads[s, layer])
+            t = cost_model.moe_time(placement, eff)
+            moe[s, layer], comp[s, layer], comm[s, layer] = t.moe_s, t.compute_s, t.comm_s
+            reps[s, layer] = placement.num_replicas
+            bal[s, layer] = balancedness(placement.device_loads(eff))
+            policy.observe(layer, trace.loads[s, layer], now)
+            recent.append(t.moe_s + misc[s])
+            del recent[:-window]
+        resident = sum(m.resident_replicas() for m in maps) * M_e
+        for layer in range(L):
+            if policy.serverless and not cost_model.settings.bill_keep_alive:
+                billed[s, layer] = reps[s, layer] * M_e
+            else:
+                billed[s, layer] = resident
+            cost[s, layer] = cost_model.layer_cost(moe[s, layer], misc[s], billed[s, layer],
+                                                   serverless=policy.serverless and not cost_model.settings.bill_keep_alive)
+    return SystemResult(label=spec.label, kind=spec.kind.value, lossy=policy.lossy, serverless=policy.serverless,
+                        slots_per_device=slots, weight=trace.weight.astype(np.float64), phase=trace.phase,
+                        moe_s=moe, compute_s=comp, comm_s=comm, misc_s=misc, replicas=reps, balancedness=bal,
+                        cost=cost, billed_bytes=billed, moves=moves, moves_after_first=later, expert_bytes=M_e,
+                        decision_s=decide, copy_s=copy, exposed_copy_s=exposed, hit_cap=hit_cap, rebalances=getattr(policy, "rebalances", 0))
+
+
+def forecasts_for(spec: SystemSpec, cache: dict, trace: ServingTrace, make_predictor: Callable[[int], Optional[Predictor]],
+                  history_decay: float, progress: Callable = lambda it, desc: it) -> np.ndarray:
+    """The forecasts `spec` plans from, computed once per (forecast kind, distance)."""
+    key = ("history", 0) if spec.forecast is ForecastKind.history else ("predictor", spec.distance)
+    if key not in cache:
+        predictor = None if key[0] == "history" else make_predictor(spec.distance)
+        cache[key] = forecast_loads(trace, predictor, history_decay, progress)
+    return cache[key][0]
