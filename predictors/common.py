@@ -1,0 +1,93 @@
+"""What every trained predictor shares: target-layer checks, top-k forecasts, hit statistics, footprint.
+
+Concrete predictors implement `scores(target, ctx) -> float32 [T, E]`, `layer_arrays()` (what is
+saved and what the footprint counts) and, where they learn online, `learn(...)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from predictors.base import HitStats, LayerContext, topk_experts
+from predictors.nets import param_bytes
+from predictors.oracle import count_hits
+
+
+class TrainedPredictor:
+    """Base of the stats / gate / token / LLaPor / MoEless predictors (`predictors.base.Predictor`)."""
+
+    kind: str = ""
+
+    def __init__(self, name: str, distance: int, num_layers: int, num_experts: int, top_k: int):
+        if distance < 1:
+            raise ValueError(f"{self.kind} predictor: distance must be >= 1, got {distance}")
+        if distance >= num_layers:
+            raise ValueError(f"{self.kind} predictor: distance {distance} leaves no target among {num_layers} MoE layers")
+        self.name = name
+        self.distance = distance
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.stats = HitStats()
+
+    # ---- contract -----------------------------------------------------------------------------------------
+    @property
+    def targets(self) -> list[int]:
+        """The MoE layers this predictor forecasts (layer 0 .. distance - 1 have no source layer)."""
+        return list(range(self.distance, self.num_layers))
+
+    def target_of(self, ctx: LayerContext) -> int:
+        target = ctx.layer + self.distance
+        if not self.distance <= target < self.num_layers:
+            raise ValueError(f"{self.name}: source layer {ctx.layer} + distance {self.distance} is not a target "
+                             f"layer in [{self.distance}, {self.num_layers})")
+        return target
+
+    def predict(self, ctx: LayerContext) -> np.ndarray:
+        """float32 [T, E] scores for the experts of MoE layer `ctx.layer + distance`."""
+        return self.scores(self.target_of(ctx), ctx)
+
+    def predict_topk(self, ctx: LayerContext) -> np.ndarray:
+        """int [T, k]: the forecast experts of the target layer, best first."""
+        return topk_experts(self.predict(ctx), self.top_k)
+
+    def observe(self, target_layer: int, ctx: LayerContext, actual_experts: np.ndarray,
+                predicted: Optional[np.ndarray] = None) -> None:
+        """Score the forecast (`predicted` [T, k], or a fresh one) and let the predictor learn online."""
+        if predicted is None:
+            predicted = self.predict_topk(ctx)
+        actual_experts = np.asarray(actual_experts)
+        hits = count_hits(predicted, actual_experts)
+        self.stats.hits[target_layer] = self.stats.hits.get(target_layer, 0) + hits
+        self.stats.total[target_layer] = self.stats.total.get(target_layer, 0) + int(actual_experts.size)
+        self.learn(target_layer, ctx, actual_experts, predicted)
+
+    def hit_rate(self, target_layer: Optional[int] = None) -> float:
+        return self.stats.hit_rate(target_layer)
+
+    # ---- for subclasses -------------------------------------------------------------------------------------
+    def scores(self, target: int, ctx: LayerContext) -> np.ndarray:
+        raise NotImplementedError
+
+    def learn(self, target: int, ctx: LayerContext, actual: np.ndarray, predicted: np.ndarray) -> None:
+        """Online update from the true routing of `target` (default: none)."""
+
+    def layer_arrays(self) -> dict[int, Any]:
+        """Per target layer, the pytree of arrays this predictor keeps for it (saved, counted as footprint)."""
+        raise NotImplementedError
+
+    def shared_arrays(self) -> Any:
+        """Arrays shared by every layer (e.g. an embedding table); None when there are none."""
+        return None
+
+    def memory_mb(self) -> dict[int, float]:
+        """Per target layer, the predictor's parameter memory in MB (float32 as kept in memory)."""
+        return {t: param_bytes(a) / 2**20 for t, a in self.layer_arrays().items()}
+
+    def require_hidden(self, ctx: LayerContext) -> np.ndarray:
+        if ctx.hidden is None:
+            raise ValueError(f"{self.name}: LayerContext.hidden (the gate input of MoE layer {ctx.layer}) is required; "
+                             "replay a trace recorded with keep_hidden (predictors.data.trace_context)")
+        return np.asarray(ctx.hidden, np.float32)

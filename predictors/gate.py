@@ -1,0 +1,86 @@
+"""The gate-based predictor (Fate / HybriMoE / mixtral-offloading): a copy of MoE layer l+d's router
+applied to layer l's gate input, routed exactly as the model family routes (`models.moe.route`).
+
+Scores: the router's expert probabilities, plus 2 on the experts the family's top-k rule picks
+(so the top-k of the scores is the routing itself, also for group-limited or biased top-k).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig, ScoringFunc
+from models.moe import route
+from predictors.base import LayerContext
+from predictors.common import TrainedPredictor
+
+
+def gate_copies(model: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per MoE layer of an `MoETransformer`: router kernel float32 [H, E] and bias float32 [E] (zeros if none)."""
+    kernels, biases = [], []
+    for layer in model.layers:
+        if not layer.is_moe:
+            continue
+        router = layer.moe.router
+        kernel = np.asarray(router.kernel[...], np.float32)
+        kernels.append(kernel)
+        biases.append(np.zeros(kernel.shape[1], np.float32) if router.bias is None
+                      else np.asarray(router.bias[...], np.float32))
+    if not kernels:
+        raise ValueError("gate copies: the model has no MoE layer")
+    return kernels, biases
+
+
+def router_probs(cfg: ModelConfig, logits: jax.Array) -> jax.Array:
+    """The family's per-expert routing probabilities (sigmoid for DeepSeek-V3 style, softmax otherwise)."""
+    return jax.nn.sigmoid(logits) if cfg.scoring_func is ScoringFunc.sigmoid else jax.nn.softmax(logits, axis=-1)
+
+
+def gate_scores_fn(cfg: ModelConfig, hidden: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+    """hidden [T, H] @ kernel [H, E] routed by `cfg`'s rule -> scores float32 [T, E] (routed experts + 2)."""
+    logits = hidden.astype(jnp.float32) @ kernel
+    routed = route(cfg, logits, bias)
+    picked = jnp.zeros_like(logits).at[jnp.arange(logits.shape[0])[:, None], routed.experts].set(2.0)
+    return router_probs(cfg, logits) + picked
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_gate_scores(cfg: ModelConfig) -> Callable:
+    return jax.jit(functools.partial(gate_scores_fn, cfg))
+
+
+class GatePredictor(TrainedPredictor):
+    kind = "gate"
+
+    def __init__(self, name: str, distance: int, model_cfg: ModelConfig, kernels: dict[int, np.ndarray],
+                 biases: dict[int, np.ndarray]):
+        """kernels / biases: per target layer j, the router copy [H, E] / [E] applied to layer j - distance."""
+        super().__init__(name, distance, len(model_cfg.moe_layers), model_cfg.num_experts,
+                         model_cfg.num_experts_per_tok)
+        missing = sorted(set(self.targets) - set(kernels))
+        if missing:
+            raise ValueError(f"{name}: no router copy for target layers {missing}")
+        self.model_cfg = model_cfg
+        self.kernels = {t: jnp.asarray(kernels[t], jnp.float32) for t in self.targets}
+        self.biases = {t: jnp.asarray(biases[t], jnp.float32) for t in self.targets}
+        self._scores = compiled_gate_scores(model_cfg)
+
+    @classmethod
+    def from_model(cls, model: Any, distance: int = 1, name: Optional[str] = None) -> "GatePredictor":
+        """Raw copies of the model's routers (no training)."""
+        kernels, biases = gate_copies(model)
+        L = len(kernels)
+        return cls(name or f"gate@d{distance}", distance, model.cfg, {j: kernels[j] for j in range(distance, L)},
+                   {j: biases[j] for j in range(distance, L)})
+
+    def scores(self, target: int, ctx: LayerContext) -> np.ndarray:
+        hidden = self.require_hidden(ctx)
+        return np.asarray(self._scores(hidden, self.kernels[target], self.biases[target]))
+
+    def layer_arrays(self) -> dict[int, Any]:
+        return {t: {"kernel": np.asarray(self.kernels[t]), "bias": np.asarray(self.biases[t])} for t in self.targets}

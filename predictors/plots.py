@@ -1,0 +1,107 @@
+"""Figures of `python -m predictors.train` (matplotlib OO API, no pyplot state).
+
+- accuracy per layer for every method (LayerScope Figs. 5 / 14), groups shaded;
+- MoEless vs raw gate load accuracy at each prediction distance (MoEless Fig. 15);
+- forecast vs true expert loads, pooled over layers (MoEless Fig. 16);
+- LLaPor before / with online fine-tuning per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+
+GROUP_COLOURS = {"input": "#dbe9f6", "middle": "#f3f3f3", "output": "#fbe3d6"}
+SET_TITLES = {"test": "in-distribution (ShareGPT test)", "shift": "shifted (code)"}
+
+
+def _shade_groups(ax: Any, groups: Mapping[str, Sequence[int]]) -> None:
+    for name, layers in groups.items():
+        if layers:
+            ax.axvspan(min(layers) - 0.5, max(layers) + 0.5, color=GROUP_COLOURS.get(name, "#eeeeee"), zorder=0,
+                       label=f"{name} group")
+
+
+def accuracy_figure(methods: Mapping[str, Any], groups: Mapping[str, Sequence[int]], sets: Sequence[str],
+                    metrics: Sequence[tuple[str, str]] = (("hit", "top-k hit rate"), ("hot", "hot Top-4 in true Top-6"),
+                                                          ("coverage", "token coverage")),
+                    model: str = "") -> Figure:
+    """One row per metric, one column per evaluation set; one line per method over target layers."""
+    fig = Figure(figsize=(5.5 * len(sets), 3.0 * len(metrics)))
+    axes = np.atleast_2d(fig.subplots(len(metrics), len(sets), squeeze=False))
+    for col, which in enumerate(sets):
+        for row, (key, label) in enumerate(metrics):
+            ax = axes[row, col]
+            _shade_groups(ax, groups)
+            for name, res in methods.items():
+                layers = res.get(which, {}).get("layers", {})
+                if not layers:
+                    continue
+                xs = sorted(layers)
+                ax.plot(xs, [layers[t][key] for t in xs], marker="o", ms=3, label=name)
+            ax.set_ylim(0, 1.02)
+            ax.set_xlabel("target MoE layer")
+            ax.set_ylabel(label)
+            if row == 0:
+                ax.set_title(f"{model} {SET_TITLES.get(which, which)}".strip())
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8, bbox_to_anchor=(0.5, -0.02))
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def distance_figure(by_distance: Mapping[str, Mapping[int, Mapping[str, float]]], which: str = "test",
+                    model: str = "") -> Figure:
+    """Mean load accuracy and hit rate over layers against the prediction distance, per method."""
+    fig = Figure(figsize=(10, 3.6))
+    axes = fig.subplots(1, 2)
+    for ax, (key, label) in zip(axes, (("load_acc", "expert load accuracy"), ("hit", "top-k hit rate"))):
+        for name, rows in by_distance.items():
+            ds = sorted(rows)
+            ax.plot(ds, [rows[d][key] for d in ds], marker="o", label=name)
+        ax.set_xlabel("prediction distance d")
+        ax.set_ylabel(label)
+        ax.set_ylim(0, 1.02)
+        ax.set_xticks(sorted({d for rows in by_distance.values() for d in rows}))
+    axes[0].set_title(f"{model} {SET_TITLES.get(which, which)}".strip())
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def load_correlation_figure(loads: Mapping[str, Mapping[int, tuple[np.ndarray, np.ndarray]]], model: str = "") -> Figure:
+    """2-D histogram of forecast vs true tokens per (step, expert), pooled over layers, per method."""
+    fig = Figure(figsize=(4.2 * len(loads), 3.8))
+    axes = np.atleast_1d(fig.subplots(1, len(loads), squeeze=False)[0])
+    for ax, (name, per_layer) in zip(axes, loads.items()):
+        pred = np.concatenate([p.reshape(-1) for p, _ in per_layer.values()]).astype(np.float64)
+        true = np.concatenate([t.reshape(-1) for _, t in per_layer.values()]).astype(np.float64)
+        hi = max(1.0, float(np.percentile(np.concatenate([pred, true]), 99)))
+        ax.hist2d(true, pred, bins=30, range=[[0, hi], [0, hi]], cmap="Blues", cmin=1)
+        r = np.corrcoef(pred, true)[0, 1] if pred.std() > 0 and true.std() > 0 else float("nan")
+        ax.set_title(f"{name}: Pearson r = {r:.3f}")
+        ax.set_xlabel("true tokens per expert (per step)")
+        ax.set_ylabel("forecast tokens per expert")
+    fig.suptitle(model)
+    fig.tight_layout()
+    return fig
+
+
+def online_figure(before: Mapping[str, Any], online: Mapping[str, Any], sets: Sequence[str], model: str = "") -> Figure:
+    """Per target layer, LLaPor's hit rate frozen vs with online fine-tuning, per evaluation set."""
+    fig = Figure(figsize=(5.5 * len(sets), 3.4))
+    axes = np.atleast_1d(fig.subplots(1, len(sets), squeeze=False)[0])
+    for ax, which in zip(axes, sets):
+        for label, res, style in (("frozen", before.get(which, {}), "o-"), ("online", online.get(which, {}), "s--")):
+            layers = res.get("layers", {})
+            xs = sorted(layers)
+            ax.plot(xs, [layers[t]["hit"] for t in xs], style, label=label)
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("target MoE layer")
+        ax.set_ylabel("top-k hit rate")
+        ax.set_title(f"{model} {SET_TITLES.get(which, which)}".strip())
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,338 @@
+"""`python -m predictors.train` (`moescope-train-predictors`): train expert predictors and evaluate them.
+
+    python -m predictors.train model=mixtral_tiny
+    python -m predictors.train model=deepseek_tiny trace=<sharegpt.npz> shift_trace=<code.npz>
+    python -m predictors.train predictor=llapor predictor.train.epochs=10 'baselines={}'
+
+1. Routing traces with gate inputs: loaded (`trace`, `shift_trace`) or recorded with the model on
+   `workload` (in-distribution) and `shift_workload` (code, the shifted set).
+2. In-distribution sequences split into train / validation / test (by sequence, never by token);
+   layer groups found on the training rows (or set in `predictor.llapor.groups`).
+3. The headline `predictor` and every entry of `baselines` trained (gate and MoEless at each of
+   `distances`), saved as orbax predictor folders under `out` (default <run dir>/predictors).
+4. Every method scored per target layer and layer group (top-k hit rate, hot Top-4 within true
+   Top-6, token coverage, load Pearson correlation, load accuracy) on the test sequences and the
+   shifted trace; the headline predictor also streamed through both with online fine-tuning.
+5. results.json, figures, a summary table, wandb.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+from rich.table import Table
+
+from conf import hydra_main, resolve_path
+from conf.schemas.predictor import PredictorConfig, PredictorKind
+from conf.schemas.predictors_train import PredictorsTrainConfig
+from engine.telemetry import Telemetry, console
+from engine.trace import RoutingTrace, load_trace
+from models.config import ModelConfig
+from predictors.checkpoint import load_predictor_folder, save_predictor
+from predictors.common import TrainedPredictor
+from predictors.data import Split, split_rows
+from predictors.evaluate import evaluate_offline, evaluate_online
+from predictors.factory import load_predictor
+from predictors.gate import GatePredictor, gate_copies
+from predictors.groups import LayerGroups, layer_groups
+from predictors.llapor import LLaPorPredictor, fit_llapor
+from predictors.moeless import fit_moeless
+from predictors.plots import accuracy_figure, distance_figure, load_correlation_figure, online_figure
+from predictors.stats import StatsPredictor
+from predictors.token import fit_token
+
+SETS = ("test", "shift")
+
+
+@dataclass
+class TrainData:
+    """Everything the predictors are fitted from."""
+
+    trace: RoutingTrace
+    split: Split
+    groups: LayerGroups
+    model_cfg: ModelConfig
+    kernels: list[np.ndarray]
+    biases: list[np.ndarray]
+    embedding: np.ndarray
+    progress: Optional[Callable] = None
+
+
+# ---- traces ---------------------------------------------------------------------------------------------------
+def check_trace(trace: RoutingTrace, model_cfg: ModelConfig, where: str) -> None:
+    """The trace must come from this model's architecture and carry gate inputs."""
+    meta = trace.meta
+    want = (model_cfg.num_experts, model_cfg.num_experts_per_tok, tuple(model_cfg.moe_layers))
+    if (meta.num_experts, meta.top_k, tuple(meta.moe_layers)) != want:
+        raise ValueError(f"{where}: trace of {meta.num_experts} experts top-{meta.top_k}, MoE layers {list(meta.moe_layers)}; "
+                         f"the model has {want[0]} experts top-{want[1]}, MoE layers {list(want[2])}")
+    if trace.hidden is None:
+        raise ValueError(f"{where}: the trace has no hidden states (record it with keep_hidden=true)")
+    if trace.hidden.shape[2] != model_cfg.hidden_size:
+        raise ValueError(f"{where}: hidden size {trace.hidden.shape[2]} != the model's {model_cfg.hidden_size}")
+
+
+def obtain_trace(path: Optional[str], key: str, model_node: Any, workload_node: Any, cfg: PredictorsTrainConfig,
+                 tm: Telemetry, save_as: str) -> RoutingTrace:
+    """A trace file (`path`) or a recording of the model serving `workload_node`."""
+    if path:
+        return load_trace(resolve_path(path))
+    import jax.numpy as jnp
+
+    from engine.record import record_trace
+
+    dtype = jnp.bfloat16 if cfg.dtype.value == "bfloat16" else jnp.float32
+    trace = record_trace(model_node, workload_node, keep_hidden=True, dtype=dtype, seed=cfg.seed, progress=tm.progress)
+    if cfg.save_traces:
+        trace.save(tm.run_dir / save_as)
+    return trace
+
+
+# ---- training ---------------------------------------------------------------------------------------------------
+def method_configs(cfg: PredictorsTrainConfig) -> dict[str, PredictorConfig]:
+    """The headline predictor first, then the baselines (one of the headline's name is dropped)."""
+    out = {cfg.predictor.name: cfg.predictor}
+    for key, base in cfg.baselines.items():
+        if base.name in out:
+            continue
+        out[base.name] = base
+    return out
+
+
+def multi_distance(kind: PredictorKind) -> bool:
+    return kind in (PredictorKind.gate, PredictorKind.moeless)
+
+
+def train_method(pcfg: PredictorConfig, data: TrainData, distances: list[int]) -> tuple[dict[str, TrainedPredictor], dict]:
+    """Fit one configured method; returns predictors by result key ('llapor', 'moeless@d2', ...) and training notes."""
+    tr, split, L = data.trace, data.split, data.trace.num_layers
+    kind = pcfg.kind
+    ds = [d for d in distances if 1 <= d < L] if multi_distance(kind) else [pcfg.distance]
+
+    def key(d: int) -> str:
+        return f"{pcfg.name}@d{d}" if multi_distance(kind) else pcfg.name
+
+    preds: dict[str, TrainedPredictor] = {}
+    notes: dict[str, Any] = {}
+    for d in ds:
+        c = replace(pcfg, distance=d)
+        if kind is PredictorKind.stats:
+            preds[key(d)] = StatsPredictor.fit(tr, split.train, c.name, d, c.stats.online)
+        elif kind is PredictorKind.gate:
+            preds[key(d)] = GatePredictor(key(d), d, data.model_cfg, {j: data.kernels[j] for j in range(d, L)},
+                                          {j: data.biases[j] for j in range(d, L)})
+        elif kind is PredictorKind.token:
+            preds[key(d)], losses = fit_token(tr, split.train, c, data.embedding, progress=data.progress)
+            notes[key(d)] = {"final_loss": {t: v[-1] for t, v in losses.items()}}
+        elif kind is PredictorKind.llapor:
+            preds[key(d)], losses = fit_llapor(tr, split.train, c, data.groups, progress=data.progress)
+            notes[key(d)] = {"final_loss": {t: v[-1] for t, v in losses.items()},
+                             "pca_dims": {t: int(preds[key(d)].layers[t].comps.shape[1]) for t in preds[key(d)].targets}}
+        elif kind is PredictorKind.moeless:
+            pred = fit_moeless(tr, split.train, split.val, c, data.model_cfg, data.kernels, data.biases, key(d),
+                               progress=data.progress)
+            preds[key(d)] = pred
+            notes[key(d)] = {"profile": pred.profile,
+                             "tuned_layers": [t for t, r in pred.profile.items() if r["tuned"]]}
+        else:
+            raise ValueError(f"predictor.kind={kind.value}: nothing to train")
+    return preds, notes
+
+
+# ---- evaluation ---------------------------------------------------------------------------------------------------
+def evaluation_sets(trace: RoutingTrace, split: Split, shift: Optional[RoutingTrace]) -> dict[str, tuple[RoutingTrace, np.ndarray]]:
+    sets = {"test": (trace, split.test)}
+    if shift is not None:
+        sets["shift"] = (shift, np.ones(shift.num_rows, bool))
+    return sets
+
+
+def headline_online(folder: Path, sets: dict, groups: dict, cfg: PredictorsTrainConfig, progress: Any) -> dict:
+    """Stream each set through a fresh copy of the saved headline predictor with online fine-tuning on."""
+    out = {}
+    for which, (trace, rows) in sets.items():
+        pred = load_predictor_folder(folder)
+        assert isinstance(pred, LLaPorPredictor)
+        t0 = time.perf_counter()
+        res = evaluate_online(pred, trace, rows, groups, cfg.hot_n, cfg.hot_slack, progress)
+        res["cycles"] = pred.online_cycles()
+        res["seconds"] = time.perf_counter() - t0
+        out[which] = res
+    return out
+
+
+def check_targets(methods: dict[str, Any], online: dict[str, Any], headline: str, distances: list[int]) -> dict:
+    """The issue's targets: headline >= gate and stats per group (test), shift drop, MoEless vs gate per distance."""
+    out: dict[str, Any] = {}
+    test = {name: m["test"]["groups"] for name, m in methods.items() if "test" in m}
+    gate1 = next((n for n in methods if methods[n]["kind"] == "gate" and methods[n]["distance"] == 1), None)
+    stats = next((n for n in methods if methods[n]["kind"] == "stats"), None)
+    if headline in test:
+        per_group = {}
+        for g, m in test[headline].items():
+            row = {headline: m["hit"]}
+            for other in (gate1, stats):
+                if other is not None and g in test.get(other, {}):
+                    row[other] = test[other][g]["hit"]
+            row["met"] = all(m["hit"] >= v - 1e-12 for k, v in row.items() if k != headline)
+            per_group[g] = row
+        out["headline_ge_gate_and_stats_hit"] = per_group
+    if headline in methods and "shift" in methods[headline]:
+        frozen_test = methods[headline]["test"]["groups"]["all"]["hit"]
+        drop = {"frozen": frozen_test - methods[headline]["shift"]["groups"]["all"]["hit"]}
+        if "shift" in online and "test" in online:
+            drop["online"] = online["test"]["groups"]["all"]["hit"] - online["shift"]["groups"]["all"]["hit"]
+            drop["online_gain_on_shift"] = online["shift"]["groups"]["all"]["hit"] - methods[headline]["shift"]["groups"]["all"]["hit"]
+        out["headline_shift_drop_hit"] = drop
+    by_d = {}
+    for d in distances:
+        g = next((n for n in methods if methods[n]["kind"] == "gate" and methods[n]["distance"] == d), None)
+        m = next((n for n in methods if methods[n]["kind"] == "moeless" and methods[n]["distance"] == d), None)
+        if g and m and "test" in methods[g] and "test" in methods[m]:
+            ga, ma = methods[g]["test"]["groups"]["all"], methods[m]["test"]["groups"]["all"]
+            by_d[str(d)] = {"gate_load_acc": ga["load_acc"], "moeless_load_acc": ma["load_acc"],
+                            "gate_hit": ga["hit"], "moeless_hit": ma["hit"],
+                            "met": ma["load_acc"] >= ga["load_acc"] - 1e-12,
+                            "strictly_above": ma["load_acc"] > ga["load_acc"]}
+    if by_d:
+        out["moeless_ge_gate_load_acc"] = by_d
+    return out
+
+
+def results_table(methods: dict[str, Any], groups: list[str], model: str) -> Table:
+    table = Table(title=f"predictor accuracy (top-k hit rate / hot Top-4 in Top-6): {model}", header_style="bold")
+    table.add_column("method")
+    for g in groups:
+        table.add_column(f"test {g}", justify="right")
+    table.add_column("shift all", justify="right")
+    table.add_column("MB/layer", justify="right")
+
+    def cell(res: dict, g: str) -> str:
+        m = res.get("groups", {}).get(g)
+        return "-" if not m else f"{m['hit']:.3f} / {m['hot']:.3f}"
+
+    for name, m in methods.items():
+        mem = m.get("memory_mb", {})
+        table.add_row(name, *[cell(m.get("test", {}), g) for g in groups], cell(m.get("shift", {}), "all"),
+                      f"{max(mem.values()):.3f}" if mem else "-")
+    return table
+
+
+def run(cfg: PredictorsTrainConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
+    from models.loading import load_model
+
+    trace = obtain_trace(cfg.trace, "trace", node.model, node.workload, cfg, tm, "trace.npz")
+    shift = obtain_trace(cfg.shift_trace, "shift_trace", node.model, node.shift_workload, cfg, tm,
+                         "shift_trace.npz") if cfg.shift else None
+    model_cfg, model, _ = load_model(node.model, seed=cfg.seed, with_experts=False)
+    check_trace(trace, model_cfg, f"trace={cfg.trace or 'recorded'}")
+    if shift is not None:
+        check_trace(shift, model_cfg, f"shift_trace={cfg.shift_trace or 'recorded'}")
+    split = split_rows(trace, cfg.test_fraction, cfg.val_fraction, cfg.split_seed)
+    groups = layer_groups(cfg.predictor.llapor.groups, trace, split.train)
+    kernels, biases = gate_copies(model)
+    data = TrainData(trace=trace, split=split, groups=groups, model_cfg=model_cfg, kernels=kernels, biases=biases,
+                     embedding=np.asarray(model.embed[...], np.float32), progress=tm.progress)
+    out_dir = resolve_path(cfg.out) if cfg.out else tm.run_dir / "predictors"
+    group_layers = {g: list(v) for g, v in groups.as_dict().items()}
+    sets = evaluation_sets(trace, split, shift)
+    distances = sorted({int(d) for d in cfg.distances})
+
+    methods: dict[str, Any] = {}
+    loads: dict[str, Any] = {}
+    headline_folder: Optional[Path] = None
+    for name, pcfg in method_configs(cfg).items():
+        if pcfg.kind is PredictorKind.oracle:  # reads the routing of whichever trace it is scored on
+            entry: dict[str, Any] = {"kind": pcfg.kind.value, "distance": pcfg.distance}
+            for which, (tr, rows) in sets.items():
+                entry[which] = evaluate_offline(load_predictor(pcfg, trace=tr), tr, rows, group_layers, cfg.hot_n,
+                                                cfg.hot_slack)
+            methods[name] = entry
+            continue
+        t0 = time.perf_counter()
+        preds, notes = train_method(pcfg, data, distances)
+        train_s = time.perf_counter() - t0
+        for key, pred in preds.items():
+            folder = save_predictor(pred, out_dir / key.replace("@", "_"))
+            if pcfg is cfg.predictor:
+                headline_folder = folder
+            mem = pred.memory_mb()
+            entry = {"kind": pred.kind, "distance": pred.distance, "checkpoint": str(folder), "memory_mb": mem,
+                     "train_seconds": train_s / len(preds), **notes.get(key, {})}
+            for which, (tr, rows) in sets.items():
+                keep: dict = {}
+                entry[which] = evaluate_offline(pred, tr, rows, group_layers, cfg.hot_n, cfg.hot_slack, keep)
+                if which == "test" and pred.distance == 1 and pred.kind in ("gate", "moeless", "llapor"):
+                    loads[key] = keep
+            methods[key] = entry
+            for which in sets:
+                tm.log({f"{key}/{which}/{g}/{m}": v for g, ms in entry[which]["groups"].items() for m, v in ms.items()})
+
+    online: dict[str, Any] = {}
+    if cfg.online and headline_folder is not None and cfg.predictor.kind is PredictorKind.llapor \
+            and cfg.predictor.llapor.online.enabled:
+        online = headline_online(headline_folder, sets, group_layers, cfg, tm.progress)
+    results: dict[str, Any] = {
+        "model": {"name": node.model.name, "family": model_cfg.family.value, "moe_layers": len(model_cfg.moe_layers),
+                  "num_experts": model_cfg.num_experts, "top_k": model_cfg.num_experts_per_tok,
+                  "hidden_size": model_cfg.hidden_size},
+        "data": {"rows": trace.num_rows, "sequences": int(len(np.unique(trace.seq))),
+                 "train_rows": int(split.train.sum()), "val_rows": int(split.val.sum()), "test_rows": int(split.test.sum()),
+                 "shift_rows": shift.num_rows if shift is not None else 0, "source": trace.meta.source,
+                 "shift_source": shift.meta.source if shift is not None else None},
+        "groups": groups.to_json(),
+        "headline": cfg.predictor.name,
+        "checkpoints": str(out_dir),
+        "methods": methods,
+        "online": online,
+        "targets": check_targets(methods, online, cfg.predictor.name, distances),
+    }
+    if cfg.plots:
+        results["plots"] = [p.name for p in make_plots(results, loads, list(sets), tm)]
+    return results
+
+
+def make_plots(results: dict[str, Any], loads: dict[str, Any], sets: list[str], tm: Telemetry) -> list[Path]:
+    methods, model = results["methods"], results["model"]["name"]
+    groups = {g: v for g, v in results["groups"].items() if g in ("input", "middle", "output")}
+    at_d1 = {n: m for n, m in methods.items() if m["distance"] == 1}
+    paths = [tm.save_figure(accuracy_figure(at_d1, groups, sets, model=model), "accuracy_per_layer.png")]
+    by_distance: dict[str, dict[int, dict]] = {}
+    for n, m in methods.items():
+        base = n.split("@")[0]
+        if "test" in m:
+            by_distance.setdefault(base, {})[m["distance"]] = m["test"]["groups"]["all"]
+    multi = {n: rows for n, rows in by_distance.items() if len(rows) > 1}
+    if multi:
+        paths.append(tm.save_figure(distance_figure(multi, "test", model), "moeless_distance.png"))
+    if loads:
+        paths.append(tm.save_figure(load_correlation_figure(loads, model), "load_correlation.png"))
+    headline = results["headline"]
+    if results["online"] and headline in methods:
+        paths.append(tm.save_figure(online_figure(methods[headline], results["online"], sets, model), "online.png"))
+    return paths
+
+
+@hydra_main("predictors_train")
+def main(node: DictConfig) -> dict[str, Any]:
+    cfg: PredictorsTrainConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
+    with Telemetry(node, task="predictors_train") as tm:
+        results = run(cfg, node, tm)
+        tm.write_results(results)
+        console.print(results_table(results["methods"], ["input", "middle", "output", "all"], results["model"]["name"]))
+        flat = {"test_rows": results["data"]["test_rows"], "shift_rows": results["data"]["shift_rows"],
+                **{f"{n}/test_hit": m["test"]["groups"]["all"]["hit"] for n, m in results["methods"].items()
+                   if "all" in m["test"]["groups"]}}
+        for which, res in results["online"].items():
+            flat[f"online/{which}_hit"] = res["groups"]["all"]["hit"]
+        tm.summary("predictors_train", flat)
+    return results
+
+
+if __name__ == "__main__":
+    main()
