@@ -62,6 +62,8 @@ class SchedulerSettings:
     micro_batches: int = 2  # klotski: micro-batches pipelined per layer
     prefill_gpu_min_tokens: int = 1024  # ktransformers: prefill passes of at least this many tokens run experts on the GPU
     round_half_up: bool = True  # presched eq. 5: |f| = round(f) with halves rounded up (else banker's rounding)
+    retain_loads: bool = False  # presched: keep on-demand loads in the dynamic region while it has room
+    mask_gpu_compute: bool = True  # presched Premise 5 as written; False: T_G and T_gap count the GPU's work on resident experts
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ At layer l, after its gate, with alpha the link time still owed to a started pre
    the window moves to l+2, l+3, ... (up to `max_window`) under the same gap and trade-off.
 
 Prefetches are non-interruptible and the link is serial (Premises 3-4: the mechanism's contract);
-on-demand loads use the staging double buffer, prefetches the dynamic cache region (LRU).
+prefetches land in the dynamic cache region (LRU); on-demand loads stay there too while it has room
+(`retain_loads`: a buffer is only overwritten when needed), else they pass through the staging buffer.
 
 Prefill passes: eq. 4's strict T_G(i') < T_C(i') can never hold at i' = 0 (no CPU expert, T_C = 0),
 so read literally it always leaves the coldest missing expert on the CPU. At decode sizes that costs
@@ -68,7 +69,8 @@ class CrossLayerQueue:
 
 
 def cross_layer_queue(cur: np.ndarray, cur_tokens: np.ndarray, nxt: np.ndarray, nxt_tokens: np.ndarray,
-                      alpha: float, t_io: float, t_g: float, t_attn: float, cost: CostModel) -> CrossLayerQueue:
+                      alpha: float, t_io: float, t_g: float, t_attn: float, cost: CostModel,
+                      gpu_busy: float = 0.0) -> CrossLayerQueue:
     """Eq. 3. `cur`, `nxt`: expert ids (any order) with their (predicted) token counts."""
     experts = np.concatenate([np.asarray(cur, dtype=np.int64), np.asarray(nxt, dtype=np.int64)])
     tokens = np.concatenate([np.asarray(cur_tokens, dtype=np.float64), np.asarray(nxt_tokens, dtype=np.float64)])
@@ -78,19 +80,19 @@ def cross_layer_queue(cur: np.ndarray, cur_tokens: np.ndarray, nxt: np.ndarray, 
     n_all = experts.size
     t_cpu = np.cumsum(np.atleast_1d(cost.t_c(tokens))) if n_all else np.zeros(0)
     k = np.arange(n_all)
-    tg_all = alpha + (n_all - k) * t_io + t_g
+    tg_all = np.maximum(alpha + (n_all - k) * t_io, gpu_busy) + t_g
     tc_all = t_cpu + t_attn
     return CrossLayerQueue(experts, tokens, is_cur, tg_all < tc_all)
 
 
 def ondemand_start(queue: CrossLayerQueue, cur_sorted: np.ndarray, cur_tokens_sorted: np.ndarray, alpha: float,
-                   t_io: float, t_g: float, cost: CostModel) -> int:
+                   t_io: float, t_g: float, cost: CostModel, gpu_busy: float = 0.0) -> int:
     """Eq. 4 / OndemandLoop: index i into E_cur (ascending) from which experts are loaded; len(E_cur) = none."""
     n1 = len(cur_sorted)
     if n1 == 0:
         return 0
     tc_prefix = np.concatenate([[0.0], np.cumsum(np.atleast_1d(cost.t_c(cur_tokens_sorted)))])[:n1]  # t_c(E_cur[0..i-1])
-    passes = alpha + (n1 - np.arange(n1)) * t_io + t_g < tc_prefix  # eq. 4 at every i'
+    passes = np.maximum(alpha + (n1 - np.arange(n1)) * t_io, gpu_busy) + t_g < tc_prefix  # eq. 4 at every i'
     # E_cur and E_all share the ascending order, so the current-layer members of GPU_Q, coldest
     # first, are E_cur[j0:], j0 = how many current-layer experts sit outside the queue
     j0 = int((queue.is_current & ~queue.in_gpu_queue).sum())
@@ -98,10 +100,12 @@ def ondemand_start(queue: CrossLayerQueue, cur_sorted: np.ndarray, cur_tokens_so
     return j0 + int(hits[0]) if hits.size else n1
 
 
-def prefetch_gap(cur_tokens_sorted: np.ndarray, i: int, alpha: float, t_io: float, cost: CostModel) -> float:
-    """Eq. 5's T_gap: CPU time of E_cur[0..i-1] minus the link time still owed and the loads E_cur[i..n]."""
+def prefetch_gap(cur_tokens_sorted: np.ndarray, i: int, alpha: float, t_io: float, cost: CostModel,
+                 gpu_busy: float = 0.0) -> float:
+    """Eq. 5's T_gap: CPU time of E_cur[0..i-1] (or the GPU's own work, when longer) minus the link
+    time still owed and the loads E_cur[i..n]."""
     n1 = len(cur_tokens_sorted)
-    return cost.t_c_sum(cur_tokens_sorted[:i]) - alpha - (n1 - i) * t_io
+    return max(cost.t_c_sum(cur_tokens_sorted[:i]), gpu_busy) - alpha - (n1 - i) * t_io
 
 
 def round_half_up(x: float) -> int:
@@ -138,20 +142,24 @@ class PreSched(OffloadPolicy):
         cur_m = tokens[cur].astype(np.float64)
         alpha, t_io, t_attn = state.alpha_s, state.t_io_s, state.t_attn_next_s
         t_g = float(cost.t_g(max(int(tokens.max(initial=1)), 1)))
+        # Premise 5 masks the GPU's work on resident experts; `mask_gpu_compute=False` counts it
+        # (many small experts at moderate batch keep the GPU busy longer than the link)
+        busy = 0.0 if self.settings.mask_gpu_compute else \
+            float(np.sum(np.atleast_1d(cost.t_g(tokens[ready])))) + cost.t_shared(state.batch_tokens)
 
         nxt, nxt_m = self._next_candidates(state, layer + 1)
-        queue = cross_layer_queue(cur, cur_m, nxt, nxt_m, alpha, t_io, t_g, t_attn, cost)
+        queue = cross_layer_queue(cur, cur_m, nxt, nxt_m, alpha, t_io, t_g, t_attn, cost, busy)
         if state.phase is Phase.prefill:
             i = 0
         else:
-            i = ondemand_start(queue, cur, cur_m, alpha, t_io, t_g, cost)
+            i = ondemand_start(queue, cur, cur_m, alpha, t_io, t_g, cost, busy)
         cpu = tuple(cur[:i].tolist())
         loads = tuple(cur[i:][::-1].tolist())  # hottest first
         gpu = tuple(ready.tolist()) + loads
         self.touch(layer, gpu)
 
         prefetch: list[tuple[int, int]] = []
-        gap = prefetch_gap(cur_m, i, alpha, t_io, cost)
+        gap = prefetch_gap(cur_m, i, alpha, t_io, cost, busy)
         window = max(self.settings.max_window, 1) if self.settings.use_predictor else 0
         if state.phase is Phase.prefill and window:
             nxt1, _ = self._next_candidates(state, layer + 1)
@@ -163,7 +171,7 @@ class PreSched(OffloadPolicy):
                 break
             if distance > 1:
                 nxt, nxt_m = self._next_candidates(state, target)
-                queue = cross_layer_queue(cur, cur_m, nxt, nxt_m, alpha, t_io, t_g, t_attn, cost)
+                queue = cross_layer_queue(cur, cur_m, nxt, nxt_m, alpha, t_io, t_g, t_attn, cost, busy)
             if not queue.has_next:
                 continue  # Q4: nothing of this layer belongs on the GPU; look further ahead
             hit = state.hit_rate.get(distance, 1.0)
@@ -172,10 +180,19 @@ class PreSched(OffloadPolicy):
             prefetch = [(target, int(e)) for e in chosen]
             break
 
-        granted, evict = (len(prefetch), []) if len(prefetch) <= state.free_slots else \
-            self.room_for(state, len(prefetch), {(layer, e) for e in gpu})
+        # prefetches need cache slots; loads stay in the dynamic region too while it has room (a buffer
+        # is only overwritten when needed), else they go through the staging buffer
+        want = len(prefetch) + len(loads)
+        granted, evict = (want, []) if want <= state.free_slots else \
+            self.room_for(state, want, {(layer, e) for e in gpu})
         prefetch = prefetch[:granted]
+        keep = max(granted - len(prefetch), 0)
         for target, e in prefetch:
             self.last_used[target, e] = self._clock  # keep fresh prefetches away from the LRU end
-        return LayerPlan(cpu=cpu, gpu=gpu, ondemand=loads, retain=(False,) * len(loads), prefetch=tuple(prefetch),
-                         evict=tuple(evict))
+        if self.settings.retain_loads:
+            evict = evict[:max(len(prefetch) + min(keep, len(loads)) - max(state.free_slots, 0), 0)]
+            retain = tuple(i < keep for i in range(len(loads)))
+        else:
+            evict = evict[:max(len(prefetch) - max(state.free_slots, 0), 0)]
+            retain = (False,) * len(loads)
+        return LayerPlan(cpu=cpu, gpu=gpu, ondemand=loads, retain=retain, prefetch=tuple(prefetch), evict=tuple(evict))

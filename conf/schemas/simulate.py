@@ -67,6 +67,7 @@ class SimulateConfig:
     timeline: TimelineConfig = field(default_factory=TimelineConfig)
     bounds: BoundsConfig = field(default_factory=BoundsConfig)
     check_invariants: bool = False  # assert the mechanism's invariants while simulating (tests)
+    cache_slots: Optional[int] = None  # override the expert-cache size the memory plan gives (small studies)
     seed: int = 0
     wandb: WandbConfig = field(default_factory=WandbConfig)
     notes: Optional[str] = None

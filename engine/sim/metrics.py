@@ -40,6 +40,7 @@ class RunMetrics:
     n_prefetch: np.ndarray = field(init=False)
     prefill_gpu_busy_s: float = 0.0
     prefill_cpu_busy_s: float = 0.0
+    pass_s: list[float] = field(default_factory=list)  # duration of every forward pass, in order
 
     def __post_init__(self) -> None:
         L = self.num_layers
@@ -85,6 +86,7 @@ class RunMetrics:
         self.n_prefetch[layer] += n_prefetch
 
     def add_pass(self, prefill: bool, seconds: float) -> None:
+        self.pass_s.append(float(seconds))
         if prefill:
             self.prefill_s += seconds
             self.n_prefill += 1

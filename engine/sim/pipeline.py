@@ -59,6 +59,17 @@ class Event:
 
 
 @dataclass
+class PassContext:
+    fp: ForwardPass
+    begin: float
+    attn_parts: list[float]
+    t_attn: float
+    t_dense: float  # one dense decoder layer (attention + MLP)
+    t_shared: float
+    mb: Optional[np.ndarray]
+
+
+@dataclass
 class SimOptions:
     async_io: bool = True
     check_invariants: bool = False
@@ -313,12 +324,11 @@ class PipelineSim:
             self.events.append(Event("gpu", self.now, self.now + duration, self._pass, layer, kind=kind))
         self.now += duration
 
-    def run_pass(self, fp: ForwardPass) -> float:
-        """Simulate one forward pass from `self.now`; returns its duration."""
+    def start_pass(self, fp: ForwardPass) -> "PassContext":
+        """Per-pass constants (attention per micro-batch, dense layers, shared experts)."""
         self._pass = fp.index
         opts = self.options
         self._recording = opts.record and (opts.record_passes is None or fp.index in opts.record_passes)
-        begin = self.now
         cost = self.cost
         if fp.prefill:
             attn_one = lambda seqs: cost.t_attn(seqs, 0, prefill=True, prompt_len=fp.context_len)  # noqa: E731
@@ -327,25 +337,46 @@ class PipelineSim:
         M = self.micro_batches if fp.num_seqs >= self.micro_batches else 1
         mb = microbatch_loads(self.trace, fp, M) if M > 1 else None
         if M > 1:
-            sizes = [len(a) for a in np.array_split(np.arange(fp.num_seqs), M)]
-            parts = [attn_one(s) for s in sizes]
+            parts = [attn_one(len(a)) for a in np.array_split(np.arange(fp.num_seqs), M)]
         else:
             parts = [attn_one(fp.num_seqs)]
         t_attn = float(sum(parts))
-        t_dense = t_attn + cost.t_dense_mlp(fp.tokens)
-        t_shared = cost.t_shared(fp.tokens)
-        for layer in range(self.L):
-            for _ in range(self._dense_before[layer]):
-                self._gpu_block(t_dense, -1, "dense")
-            self._run_layer(fp, layer, parts, t_shared, t_attn, mb)
+        return PassContext(fp, self.now, parts, t_attn, t_attn + cost.t_dense_mlp(fp.tokens), cost.t_shared(fp.tokens), mb)
+
+    def step_layer(self, ctx: "PassContext", layer: int) -> None:
+        """The dense layers before MoE layer `layer`, then the MoE layer itself."""
+        for _ in range(self._dense_before[layer]):
+            self._gpu_block(ctx.t_dense, -1, "dense")
+        self._run_layer(ctx.fp, layer, ctx.attn_parts, ctx.t_shared, ctx.t_attn, ctx.mb)
+
+    def finish_pass(self, ctx: "PassContext") -> float:
+        """Trailing dense layers and the LM head; returns the pass duration."""
         for _ in range(self._dense_before[self.L]):
-            self._gpu_block(t_dense, -1, "dense")
-        self._gpu_block(cost.t_head(fp.num_seqs), -1, "head")
+            self._gpu_block(ctx.t_dense, -1, "dense")
+        self._gpu_block(self.cost.t_head(ctx.fp.num_seqs), -1, "head")
         if self.forecasts is not None:
             self.forecasts.drop_pending()
-        duration = self.now - begin
-        self.metrics.add_pass(fp.prefill, duration)
+        duration = self.now - ctx.begin
+        self.metrics.add_pass(ctx.fp.prefill, duration)
         return duration
+
+    def run_pass(self, fp: ForwardPass) -> float:
+        """Simulate one forward pass from `self.now`; returns its duration."""
+        ctx = self.start_pass(fp)
+        for layer in range(self.L):
+            self.step_layer(ctx, layer)
+        return self.finish_pass(ctx)
+
+    def snapshot(self) -> tuple:
+        """The mutable mechanism state (for search: restore with `restore`)."""
+        return (self.resident.copy(), self.n_resident, [Job(**vars(j)) for j in self.jobs], self.link_end, self.now,
+                {k: set(v) for k, v in self._prefetched.items()})
+
+    def restore(self, snap: tuple) -> None:
+        resident, self.n_resident, jobs, self.link_end, self.now, prefetched = snap
+        self.resident = resident.copy()
+        self.jobs = [Job(**vars(j)) for j in jobs]
+        self._prefetched = {k: set(v) for k, v in prefetched.items()}
 
     def run(self, passes: list[ForwardPass]) -> RunMetrics:
         for fp in passes:

@@ -58,6 +58,7 @@ class RunSpec:
     profile_seed: int = 1000
     seed: int = 0
     check_invariants: bool = False
+    cache_slots: Optional[int] = None  # override the memory plan's expert-cache size (small studies)
 
     def with_scheduler(self, settings: SchedulerSettings) -> "RunSpec":
         return replace(self, scheduler=settings)
@@ -147,12 +148,13 @@ class RunOutcome:
     sim: PipelineSim
 
 
-def simulate(spec: RunSpec, routing: Optional[PreparedRouting] = None, record: bool = False,
-             record_passes: Optional[set[int]] = None) -> RunOutcome:
-    """Run one simulation; `routing` reuses a prepared replay (sweeps)."""
-    routing = routing or prepare_routing(spec)
+def build_sim(spec: RunSpec, routing: PreparedRouting, record: bool = False,
+              record_passes: Optional[set[int]] = None) -> tuple[PipelineSim, MemoryPlan, CostModel]:
+    """The simulator of `spec` (scheduler, predictors, memory) ready to replay `routing`."""
     mem = memory_plan(spec.model, spec.hardware, spec.batch_size, spec.prompt_len, spec.gen_len,
                       staging_slots=spec.scheduler.staging_slots, bytes_per_param=spec.bytes_per_param)
+    if spec.cache_slots is not None:
+        mem = replace(mem, cache_slots=int(spec.cache_slots))
     cost = CostModel(spec.model, spec.hardware, model_name=spec.model_name, bytes_per_param=spec.bytes_per_param)
     setup = SchedulerSetup(num_layers=len(spec.model.moe_layers), num_experts=spec.model.num_experts,
                            top_k=spec.model.num_experts_per_tok, cache_slots=mem.cache_slots, cost=cost,
@@ -164,6 +166,14 @@ def simulate(spec: RunSpec, routing: Optional[PreparedRouting] = None, record: b
                       staging_slots=spec.scheduler.staging_slots, trace=routing.trace, forecasts=book,
                       options=SimOptions(async_io=spec.async_io, check_invariants=spec.check_invariants,
                                          record=record, record_passes=record_passes))
+    return sim, mem, cost
+
+
+def simulate(spec: RunSpec, routing: Optional[PreparedRouting] = None, record: bool = False,
+             record_passes: Optional[set[int]] = None) -> RunOutcome:
+    """Run one simulation; `routing` reuses a prepared replay (sweeps)."""
+    routing = routing or prepare_routing(spec)
+    sim, mem, cost = build_sim(spec, routing, record, record_passes)
     metrics = sim.run(routing.passes)
     generated = sum(p.num_seqs for p in routing.passes)  # every pass yields one token per sequence
     summary = metrics.summary(generated)
@@ -171,3 +181,27 @@ def simulate(spec: RunSpec, routing: Optional[PreparedRouting] = None, record: b
     summary["experts_total"] = spec.model.num_experts * len(spec.model.moe_layers)
     summary["cost"] = cost.summary()
     return RunOutcome(spec, summary, mem, cost, sim)
+
+
+def spec_from_config(cfg: Any) -> RunSpec:
+    """A `RunSpec` from a composed `simulate` config (DictConfig)."""
+    from omegaconf import OmegaConf
+
+    from conf import to_frozen
+    from models.loading import resolve_model_config
+
+    routing = cfg.routing
+    source = routing.source.value if hasattr(routing.source, "value") else str(routing.source)
+    pred = cfg.predictor
+    return RunSpec(
+        model=resolve_model_config(cfg.model), model_name=str(cfg.model.name),
+        hardware=to_frozen(cfg.hardware, HardwareProfile), scheduler=to_frozen(cfg.scheduler, SchedulerSettings),
+        routing=RoutingSpec(source=source, name=str(routing.name), path=routing.path, model_seed=int(routing.model_seed),
+                            synthetic=to_frozen(routing.synthetic, SyntheticRoutingParams)),
+        batch_size=int(cfg.batch_size), prompt_len=int(cfg.prompt_len), gen_len=int(cfg.gen_len),
+        num_batches=int(cfg.num_batches), bytes_per_param=int(cfg.bytes_per_param), async_io=bool(cfg.async_io),
+        predictor=PredictorSpec(kind=pred.kind.value if hasattr(pred.kind, "value") else str(pred.kind),
+                                hit_rate=float(pred.hit_rate), distance_decay=float(pred.distance_decay), seed=int(pred.seed)),
+        profile_batches=int(cfg.hot_table.profile_batches), profile_seed=int(cfg.hot_table.seed), seed=int(cfg.seed),
+        check_invariants=bool(cfg.check_invariants),
+        cache_slots=OmegaConf.select(cfg, "cache_slots", default=None))

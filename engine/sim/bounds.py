@@ -1,0 +1,192 @@
+"""How far from optimal a schedule is: a lower bound no schedule can beat, and an exact search.
+
+**Lower bound** (any schedule in this machine model: any CPU/GPU split, any transfers, any cache
+policy). Per MoE layer with n active experts, a split with j experts on the CPU takes at least
+A(j) = t_attn + max(t_c of the j coldest experts, shared + t_g of the n - j coldest experts), since
+the CPU and GPU both start after the gate and the layer ends when both are done (the cheapest
+j-set for each device is a valid bound even though the two cannot both be the coldest). A pass takes
+at least the sum over its MoE layers plus its dense layers and head. An expert computed on the GPU
+was resident when the pass began (at most `cache + staging` experts) or crossed the serial link
+during the pass (the mechanism's transfers serve later layers of the pass that issues them), so a
+pass with G GPU experts keeps the link busy at least (G - C)+ t_io within its own span. A pass thus
+takes at least max(compute, link) >= (1 - lam) compute + lam * nu * (G - C) t_io for any lam, nu
+in [0, 1]; for fixed multipliers the layer choices separate, so each pass's bound is the maximum
+over a grid of multipliers, and the run's bound their sum.
+
+**Exact search** (small instances): the best schedule of one forward pass over every per-layer
+decision the mechanism accepts in LayerScope's action space (hot table fixed): any subset of the
+missing experts on the CPU (the rest loaded, hottest first) and any subset of the next layer's truly
+active missing experts prefetched (hottest first); timings from the simulator itself. Dynamic
+programming over layers keeps, per set of in-flight / landed prefetches, the states not dominated in
+(time, transfer end times), and prunes with the lower bound of the remaining layers.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+from typing import Iterable, Optional
+
+import numpy as np
+
+from engine.sim.pipeline import PipelineSim, SimOptions
+from engine.sim.workload import ForwardPass
+from engine.trace import RoutingTrace
+from models.config import ModelConfig
+from schedulers.base import LayerPlan, LayerState, SchedulerSettings
+from schedulers.cost import CostModel
+
+_LAMBDAS = np.linspace(0.0, 1.0, 21)
+_NUS = np.linspace(0.0, 1.0, 11)
+
+
+def layer_floor(cost: CostModel, tokens: np.ndarray, t_attn: float, t_shared: float) -> np.ndarray:
+    """A(j), j = 0..n: the least time of an MoE layer whose n active experts put j on the CPU."""
+    m = np.sort(tokens[tokens > 0]).astype(np.float64)
+    n = m.size
+    tc = np.concatenate([[0.0], np.cumsum(np.atleast_1d(cost.t_c(m)))]) if n else np.zeros(1)
+    tg = np.concatenate([[0.0], np.cumsum(np.atleast_1d(cost.t_g(m)))]) if n else np.zeros(1)
+    j = np.arange(n + 1)
+    gpu = np.where(n - j > 0, t_shared + tg[n - j], t_shared)
+    return t_attn + np.maximum(tc[j], gpu)
+
+
+def pass_fixed_time(cfg: ModelConfig, cost: CostModel, fp: ForwardPass) -> tuple[float, float, float]:
+    """(attention per MoE layer, shared experts per MoE layer, dense layers + head of the pass)."""
+    if fp.prefill:
+        t_attn = cost.t_attn(fp.num_seqs, 0, prefill=True, prompt_len=fp.context_len)
+    else:
+        t_attn = cost.t_attn(fp.num_seqs, fp.context_len)
+    n_dense = cfg.num_hidden_layers - len(cfg.moe_layers)
+    fixed = n_dense * (t_attn + cost.t_dense_mlp(fp.tokens)) + cost.t_head(fp.num_seqs)
+    return t_attn, cost.t_shared(fp.tokens), fixed
+
+
+def lower_bound(cfg: ModelConfig, cost: CostModel, passes: Iterable[ForwardPass], resident_capacity: int,
+                t_io: Optional[float] = None) -> float:
+    """Seconds no schedule of these passes can beat (module docstring); `resident_capacity` = cache + staging."""
+    t_io = cost.t_io if t_io is None else t_io
+    lam = _LAMBDAS[:, None]
+    nu = _NUS[None, :]
+    total = 0.0
+    for fp in passes:
+        t_attn, t_shared, fixed = pass_fixed_time(cfg, cost, fp)
+        value = (1 - lam) * fixed - lam * nu * t_io * resident_capacity  # [lambda, nu]
+        for layer in range(fp.loads.shape[0]):
+            a = layer_floor(cost, fp.loads[layer], t_attn, t_shared)
+            n = a.size - 1
+            io = (n - np.arange(n + 1)) * t_io  # transfers if every GPU expert had to move
+            # min over j of (1 - lam) A(j) + lam * nu * io(j), for every multiplier pair
+            value = value + np.min((1 - lam)[..., None] * a + (lam * nu)[..., None] * io, axis=-1)
+        total += float(value.max())
+    return total
+
+
+def compute_floor(cfg: ModelConfig, cost: CostModel, fp: ForwardPass, layers: Iterable[int]) -> float:
+    """The compute-only bound of some MoE layers of one pass (their A(j) minimised, no I/O)."""
+    t_attn, t_shared, _ = pass_fixed_time(cfg, cost, fp)
+    return float(sum(layer_floor(cost, fp.loads[layer], t_attn, t_shared).min() for layer in layers))
+
+
+# ---- exact search ---------------------------------------------------------------------------------
+class ScriptedPolicy:
+    """A scheduler that returns the plan it is handed (the search drives it)."""
+
+    micro_batches = 1
+
+    def __init__(self, residency: np.ndarray):
+        self.name = "oracle-search"
+        self.settings = SchedulerSettings(label="Oracle (exact)")
+        self._residency = residency
+        self.next_plan: Optional[LayerPlan] = None
+        self.last_state: Optional[LayerState] = None
+
+    def initial_residency(self) -> np.ndarray:
+        return self._residency.copy()
+
+    def plan(self, state: LayerState) -> LayerPlan:
+        assert self.next_plan is not None
+        return self.next_plan
+
+
+def _subsets(items: list[int]) -> list[tuple[int, ...]]:
+    return [c for r in range(len(items) + 1) for c in combinations(items, r)]
+
+
+def _dominated(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    """True when state b is at least as good as a in every coordinate."""
+    return all(y <= x + 1e-12 for x, y in zip(a, b))
+
+
+def exact_best_pass(cfg: ModelConfig, cost: CostModel, trace: RoutingTrace, fp: ForwardPass, pinned: np.ndarray,
+                    cache_slots: int, staging_slots: int = 2, async_io: bool = True, upper_bound: float = float("inf"),
+                    max_states: int = 200_000) -> tuple[float, list[LayerPlan]]:
+    """The least duration of pass `fp` from a pinned-only cache and an idle link, and its plans.
+
+    Raises ValueError when the instance needs more than `max_states` layer simulations.
+    """
+    policy = ScriptedPolicy(pinned)
+    sim = PipelineSim(cfg=cfg, cost=cost, scheduler=policy, cache_slots=cache_slots, staging_slots=staging_slots,
+                      trace=trace, options=SimOptions(async_io=async_io))
+    L = len(cfg.moe_layers)
+    ctx = sim.start_pass(fp)
+    rest_floor = [compute_floor(cfg, cost, fp, range(layer, L)) for layer in range(L)] + [0.0]
+    frontier: list[tuple[tuple, list[LayerPlan]]] = [(sim.snapshot(), [])]
+    budget = max_states
+    for layer in range(L):
+        groups: dict[tuple, list[tuple[tuple[float, ...], tuple, list[LayerPlan]]]] = {}
+        tokens = fp.loads[layer]
+        nxt_tokens = fp.loads[layer + 1] if layer + 1 < L else None
+        for snap, plans in frontier:
+            sim.restore(snap)
+            avail = sim.resident[layer].copy()
+            for job in sim.jobs:
+                if job.layer == layer:
+                    avail[job.expert] = True
+            active = np.flatnonzero(tokens)
+            ready = [int(e) for e in active if avail[e]]
+            missing = sorted((int(e) for e in active if not avail[e]), key=lambda e: -tokens[e])
+            cands: list[int] = []
+            if nxt_tokens is not None:
+                nxt_avail = sim.resident[layer + 1].copy()
+                for job in sim.jobs:
+                    if job.layer == layer + 1:
+                        nxt_avail[job.expert] = True
+                cands = sorted((int(e) for e in np.flatnonzero(nxt_tokens) if not nxt_avail[e]),
+                               key=lambda e: -nxt_tokens[e])
+            for cpu in _subsets(missing):
+                loads = tuple(e for e in missing if e not in cpu)
+                for pref in _subsets(cands):
+                    budget -= 1
+                    if budget < 0:
+                        raise ValueError(f"exact search: more than {max_states} layer simulations; use a smaller instance")
+                    sim.restore(snap)
+                    free = cache_slots - sim.n_resident - sum(1 for j in sim.jobs if j.retain)
+                    evict: list[tuple[int, int]] = []
+                    if len(pref) > free:  # landed prefetches of earlier layers are dead weight in one pass
+                        dead = [(lay, e) for lay in range(layer) for e in np.flatnonzero(sim.resident[lay] & ~pinned[lay])]
+                        evict = [(int(a), int(b)) for a, b in dead[:len(pref) - free]]
+                        if len(evict) < len(pref) - free:
+                            continue
+                    policy.next_plan = LayerPlan(cpu=tuple(sorted(cpu)), gpu=tuple(ready) + loads, ondemand=loads,
+                                                 prefetch=tuple((layer + 1, e) for e in pref), evict=tuple(evict))
+                    sim.step_layer(ctx, layer)
+                    if sim.now + rest_floor[layer + 1] >= upper_bound - 1e-12:
+                        continue
+                    key = tuple((j.layer, j.expert) for j in sim.jobs) + tuple(
+                        map(tuple, np.argwhere(sim.resident & ~pinned).tolist()))
+                    score = (sim.now,) + tuple(j.end for j in sim.jobs)
+                    bucket = groups.setdefault(key, [])
+                    if any(_dominated(score, other) for other, _, _ in bucket):
+                        continue
+                    bucket[:] = [b for b in bucket if not _dominated(b[0], score)]
+                    bucket.append((score, sim.snapshot(), plans + [policy.next_plan]))
+        frontier = [(snap, plans) for bucket in groups.values() for _, snap, plans in bucket]
+        if not frontier:
+            return upper_bound, []
+    best_time, best_plans = float("inf"), []
+    for snap, plans in frontier:
+        sim.restore(snap)
+        duration = sim.finish_pass(ctx)
+        if duration < best_time:
+            best_time, best_plans = duration, plans
+    return best_time, best_plans
