@@ -126,7 +126,7 @@ def exact_best_pass(cfg: ModelConfig, cost: CostModel, trace: RoutingTrace, fp: 
     """
     policy = ScriptedPolicy(pinned)
     sim = PipelineSim(cfg=cfg, cost=cost, scheduler=policy, cache_slots=cache_slots, staging_slots=staging_slots,
-                      trace=trace, options=SimOptions(async_io=async_io))
+                      trace=trace, options=SimOptions(async_io=async_io, check_invariants=True))
     L = len(cfg.moe_layers)
     ctx = sim.start_pass(fp)
     rest_floor = [compute_floor(cfg, cost, fp, range(layer, L)) for layer in range(L)] + [0.0]
@@ -138,6 +138,8 @@ def exact_best_pass(cfg: ModelConfig, cost: CostModel, trace: RoutingTrace, fp: 
         nxt_tokens = fp.loads[layer + 1] if layer + 1 < L else None
         for snap, plans in frontier:
             sim.restore(snap)
+            gate = sim.now + sim._dense_before[layer] * ctx.t_dense + ctx.attn_parts[0]
+            sim._settle(gate)  # what is resident or landing at this layer's gate
             avail = sim.resident[layer].copy()
             for job in sim.jobs:
                 if job.layer == layer:

@@ -41,6 +41,7 @@ class Job:
     end: float
     retain: bool
     prefetch: bool
+    pass_index: int = -1
     counted: bool = False
 
 
@@ -55,7 +56,7 @@ class Event:
     layer: int  # MoE layer (-1: dense layer / head)
     expert: int = -1  # -1: attention, dense MLP, head
     tokens: int = 0
-    kind: str = ""  # gpu: attn | expert | dense | head; link: ondemand | prefetch
+    kind: str = ""  # gpu: attn | shared | expert | dense | head; link: ondemand (cached) | staged | prefetch
 
 
 @dataclass
@@ -149,9 +150,10 @@ class PipelineSim:
         self.metrics.add_transfer(job.end - job.start, job.prefetch, self.cost.expert_bytes)
         if job.prefetch:
             self._prefetched.setdefault(job.layer, set()).add(job.expert)
-        if self._recording:
-            self.events.append(Event("link", job.start, job.end, self._pass, job.layer, job.expert,
-                                     kind="prefetch" if job.prefetch else "ondemand"))
+        opts = self.options
+        if opts.record and (opts.record_passes is None or job.pass_index in opts.record_passes):
+            kind = "prefetch" if job.prefetch else ("ondemand" if job.retain else "staged")
+            self.events.append(Event("link", job.start, job.end, job.pass_index, job.layer, job.expert, kind=kind))
 
     def _land(self, job: Job) -> None:
         if job.retain and not self.resident[job.layer, job.expert]:
@@ -272,7 +274,7 @@ class PipelineSim:
                 begin = gpu_t
             end = begin + t_io
             cursor = end
-            new_jobs.append(Job(layer, e, begin, end, keep, False))
+            new_jobs.append(Job(layer, e, begin, end, keep, False, self._pass))
             g0 = gpu_t if gpu_t > end else end
             dt = load_tg[idx]
             gpu_t = g0 + dt
@@ -286,7 +288,7 @@ class PipelineSim:
             begin = max(cursor, gate0, gpu_t) if sync else max(cursor, gate0)
             end = begin + t_io
             cursor = end
-            new_jobs.append(Job(target, e, begin, end, True, prefetch=True))
+            new_jobs.append(Job(target, e, begin, end, True, True, self._pass))
             if sync:
                 gpu_t = end  # a blocking copy holds the stream and the host thread
         self.jobs.extend(new_jobs)

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 from engine.sim.pipeline import Event
 
 _COLORS = {"attn": "#9e9e9e", "shared": "#bdbdbd", "dense": "#757575", "head": "#616161", "expert": "#1f77b4",
-           "cpu": "#ff7f0e", "ondemand": "#d62728", "prefetch": "#2ca02c"}
+           "cpu": "#ff7f0e", "ondemand": "#d62728", "staged": "#d62728", "prefetch": "#2ca02c"}
 
 
 def plot_timeline(events: Sequence[Event], pass_index: int, max_layers: Optional[int] = None, title: str = "") -> Any:

@@ -1,0 +1,155 @@
+"""PreSched (LayerScope Algorithm 1) walked by hand on small cases, one equation at a time.
+
+The cost model is the real one (Mixtral on the V100 profile) with eq. 2's beta and C and the
+transfer time set to round numbers (ms): t_c(m) = m + 1, t_io = 4; t_g stays the model's (~0.5 ms).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conf import compose
+from conf.schemas.hardware import load_hardware
+from models.loading import resolve_model_config
+from schedulers.base import LayerState, Phase, SchedulerKind, SchedulerSettings, SchedulerSetup, build_scheduler
+from schedulers.cost import CostModel
+from schedulers.presched import cross_layer_queue, ondemand_start, prefetch_count, prefetch_gap
+
+MS = 1e-3
+A, B, C, X, Y, Z = 0, 1, 2, 3, 4, 7  # expert ids; 5 and 6 are resident
+
+
+@functools.lru_cache(maxsize=None)
+def mixtral():
+    return resolve_model_config(compose("simulate", ["model=mixtral_8x7b"]).model)
+
+
+@pytest.fixture(scope="module")
+def cost() -> CostModel:
+    c = CostModel(mixtral(), load_hardware("v100_pcie3"))
+    c.beta_s, c.cpu_startup_s, c.t_io = 1 * MS, 1 * MS, 4 * MS
+    assert c.t_g(5) < 1 * MS  # the walk below needs t_g < 1 ms
+    return c
+
+
+def state(cost: CostModel, predicted: dict, hit: dict, alpha: float = 0.0, phase: Phase = Phase.decode,
+          layer: int = 0, num_layers: int = 4) -> LayerState:
+    tokens = np.zeros(8, dtype=np.int64)
+    tokens[[A, B, C, 5, 6]] = [1, 2, 4, 3, 3]
+    resident = np.zeros((num_layers, 8), dtype=bool)
+    resident[:, [5, 6]] = True
+    return LayerState(layer=layer, num_layers=num_layers, phase=phase, tokens=tokens, scores=tokens * 0.5,
+                      predicted=predicted, resident=resident, inflight=(), queued=(), alpha_s=alpha, cache_slots=16,
+                      free_slots=16 - int(resident.sum()), batch_tokens=6, context_len=512, hit_rate=hit, cost=cost,
+                      t_io_s=cost.t_io, t_attn_next_s=1 * MS)
+
+
+def presched(cost: CostModel, **kw) -> object:
+    settings = SchedulerSettings(kind=SchedulerKind.presched, hot_table=False, **kw)
+    return build_scheduler(settings, SchedulerSetup(num_layers=4, num_experts=8, top_k=2, cache_slots=16, cost=cost))
+
+
+def loads(**tok: int) -> np.ndarray:
+    out = np.zeros(8)
+    for name, m in tok.items():
+        out[{"x": X, "y": Y, "z": Z}[name]] = m
+    return out
+
+
+def test_eq3_cross_layer_queue(cost: CostModel) -> None:
+    # E_all ascending: a(1) b(2) x(3) c(4) y(5); t_c = 2 3 4 5 6 -> prefix 2 5 9 14 20 (+ t_attn 1)
+    # T_G(k) = (5 - k) * 4 + t_g: k=3 -> 8 + t_g < 15 (joins), k=2 -> 12 + t_g > 10 (stays on the CPU)
+    q = cross_layer_queue(np.array([A, B, C]), np.array([1, 2, 4]), np.array([X, Y]), np.array([3, 5]),
+                          alpha=0.0, t_io=4 * MS, t_g=float(cost.t_g(4)), t_attn=1 * MS, cost=cost)
+    assert q.experts.tolist() == [A, B, X, C, Y]
+    assert q.experts[q.in_gpu_queue].tolist() == [C, Y]
+    assert q.has_next
+    # alpha delays every transfer: with 4 ms owed, k=3 gives 12 + t_g < 15 still, k=4 only 8 + t_g < 21
+    q2 = cross_layer_queue(np.array([A, B, C]), np.array([1, 2, 4]), np.array([X, Y]), np.array([3, 5]),
+                           alpha=8 * MS, t_io=4 * MS, t_g=float(cost.t_g(4)), t_attn=1 * MS, cost=cost)
+    assert q2.experts[q2.in_gpu_queue].tolist() == [Y]
+
+
+def test_eq4_recheck_and_eq5_eq6(cost: CostModel) -> None:
+    t_g = float(cost.t_g(4))
+    q = cross_layer_queue(np.array([A, B, C]), np.array([1, 2, 4]), np.array([X, Y]), np.array([3, 5]),
+                          0.0, 4 * MS, t_g, 1 * MS, cost)
+    # eq. 4 for c = E_cur[2]: T_G = (3 - 2) * 4 + t_g < T_C = t_c(a) + t_c(b) = 5 -> load c only
+    i = ondemand_start(q, np.array([A, B, C]), np.array([1.0, 2.0, 4.0]), 0.0, 4 * MS, t_g, cost)
+    assert i == 2
+    # with 1 ms still owed to a prefetch, T_G = 1 + 4 + t_g > 5: nothing is loaded
+    assert ondemand_start(q, np.array([A, B, C]), np.array([1.0, 2.0, 4.0]), 1 * MS, 4 * MS, t_g, cost) == 3
+    # eq. 5: T_gap = 5 - 0 - 1 * 4 = 1 ms, f = (1 + 1) / 4 = 0.5 -> |f| = 1
+    gap = prefetch_gap(np.array([1.0, 2.0, 4.0]), i, 0.0, 4 * MS, cost)
+    assert gap == pytest.approx(1 * MS)
+    count, f, xi = prefetch_count(gap, 1 * MS, 4 * MS, hit_rate=0.9)
+    # eq. 6: xi = 0.9 * (0.5 - 1 + 1) * 4 - 0.1 * (1 - 0.5) * 4 = 1.6 ms > 0 -> keep the critical prefetch
+    assert f == pytest.approx(0.5) and xi == pytest.approx(1.6 * MS) and count == 1
+    count, _, xi = prefetch_count(gap, 1 * MS, 4 * MS, hit_rate=0.4)
+    assert xi == pytest.approx((0.4 * 2 - 0.6 * 2) * MS) and count == 0  # 0.8 - 1.2 < 0 -> |f| - 1
+    assert prefetch_count(-3 * MS, 1 * MS, 4 * MS, 1.0)[0] == 0  # no gap, no prefetch
+
+
+def test_algorithm1_plan_walk(cost: CostModel) -> None:
+    plan = presched(cost).plan(state(cost, {1: loads(x=3, y=5)}, {1: 0.9}))
+    assert plan.cpu == (A, B)
+    assert plan.ondemand == (C,) and plan.retain == (False,)
+    assert set(plan.gpu) == {5, 6, C}
+    assert plan.prefetch == ((1, Y),)  # the hottest of E_next, target layer l + 1
+    plan.validate(state(cost, {1: loads(x=3, y=5)}, {1: 0.9}))
+    low_hit = presched(cost).plan(state(cost, {1: loads(x=3, y=5)}, {1: 0.4}))
+    assert low_hit.prefetch == () and low_hit.ondemand == (C,)
+
+
+def test_q4_extends_the_prediction_window(cost: CostModel) -> None:
+    # layer l+1 only needs a 1-token expert (cheaper on the CPU): GPU_Q holds no l+1 expert, so the
+    # window moves to l+2, whose 8-token expert z joins the queue and is prefetched under eq. 5-6
+    predicted = {1: loads(x=1), 2: loads(z=8)}
+    plan = presched(cost).plan(state(cost, predicted, {1: 0.95, 2: 0.9}))
+    assert plan.ondemand == (C,)
+    assert plan.prefetch == ((2, Z),)
+    assert presched(cost, max_window=1).plan(state(cost, predicted, {1: 0.95, 2: 0.9})).prefetch == ()
+
+
+def test_no_predictor_means_no_prefetch(cost: CostModel) -> None:
+    plan = presched(cost, use_predictor=False).plan(state(cost, {1: loads(x=3, y=5)}, {1: 0.9}))
+    assert plan.prefetch == () and plan.ondemand == (C,)
+
+
+def test_prefill_runs_every_expert_on_the_gpu(cost: CostModel) -> None:
+    plan = presched(cost).plan(state(cost, {1: loads(x=3, y=5)}, {1: 0.9}, phase=Phase.prefill))
+    assert plan.cpu == () and set(plan.ondemand) == {A, B, C}
+    assert plan.ondemand[0] == C  # hottest first
+    assert [e for _, e in plan.prefetch] == [Y, X]  # every predicted missing expert of l + 1, hottest first
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=8),
+       st.lists(st.integers(min_value=0, max_value=40), min_size=8, max_size=8),
+       st.floats(min_value=0.0, max_value=20.0))
+def test_premise2_loads_are_the_hottest_suffix(cost_tokens: list, nxt: list, alpha_ms: float) -> None:
+    cost = CostModel(mixtral(), load_hardware("v100_pcie3"))
+    tokens = np.zeros(8, dtype=np.int64)
+    tokens[:len(cost_tokens)] = cost_tokens
+    resident = np.zeros((4, 8), dtype=bool)
+    st_ = LayerState(layer=0, num_layers=4, phase=Phase.decode, tokens=tokens, scores=tokens.astype(float),
+                     predicted={1: np.array(nxt, dtype=float)}, resident=resident, inflight=(), queued=(),
+                     alpha_s=alpha_ms * MS, cache_slots=32, free_slots=32, batch_tokens=int(tokens.sum()),
+                     context_len=512, hit_rate={1: 0.9}, cost=cost, t_io_s=cost.t_io, t_attn_next_s=0.2 * MS)
+    plan = presched(cost).plan(st_)
+    plan.validate(st_)
+    # Premise 2: whatever is loaded is hotter than (or as hot as) everything left on the CPU
+    if plan.ondemand and plan.cpu:
+        assert min(tokens[list(plan.ondemand)]) >= max(tokens[list(plan.cpu)])
+    # prefetches are the hottest predicted experts of their target, hottest first
+    if plan.prefetch:
+        target = plan.prefetch[0][0]
+        chosen = [e for _, e in plan.prefetch]
+        pred = st_.predicted[target]
+        assert list(pred[chosen]) == sorted(pred[chosen], reverse=True)
+        assert min(pred[chosen]) >= max([pred[e] for e in range(8) if pred[e] > 0 and e not in chosen], default=0)
