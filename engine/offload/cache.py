@@ -1,0 +1,200 @@
+"""Device expert cache (LayerScope §4.4): fixed, preallocated slots overwritten in place.
+
+Slots are allocated once, at start, from a memory budget: `cache_slots` for the expert cache (the
+hot-expert table and prefetches) and `staging_slots` on-demand buffers that alternate between
+computing and loading. A transfer writes into its slot with a donated jitted update, so no device
+memory is allocated per transfer. The residency table maps (MoE layer, expert) to its slot. A slot
+that a computation is using is pinned: writing into it is an error, never a silent overwrite.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from models.config import ModelConfig
+
+
+class SlotState(enum.Enum):
+    free = "free"
+    loading = "loading"  # reserved by a transfer that has not landed
+    resident = "resident"
+
+
+class CacheError(RuntimeError):
+    """A cache operation that would break an invariant (overwrite in use, over budget, unknown expert)."""
+
+
+@dataclass
+class Slot:
+    index: int
+    staging: bool
+    state: SlotState = SlotState.free
+    owner: Optional[tuple[int, int]] = None  # (MoE layer, expert)
+    pins: int = 0  # computations using the slot
+
+
+def _write_rows(dst: jax.Array, src: jax.Array, row: int, col: int, rows: int,
+                sharding: SingleDeviceSharding) -> jax.Array:
+    """dst[row:row+rows, col:col+src.cols] = src[row:row+rows]; jitted with dst donated (in place)."""
+    chunk = jax.lax.dynamic_slice(src, (row, 0), (rows, src.shape[1]))
+    chunk = jax.device_put(chunk, sharding).astype(dst.dtype)  # host (pinned) -> device inside the program
+    return jax.lax.dynamic_update_slice(dst, chunk, (row, col))
+
+
+def slots_for_budget(budget_bytes: Optional[float], budget_experts: Optional[int], expert_bytes: int,
+                     staging_slots: int, total_experts: int) -> int:
+    """Expert-cache slots a budget buys after the staging buffers (at most every expert once)."""
+    if (budget_bytes is None) == (budget_experts is None):
+        raise ValueError("offload.budget: set exactly one of budget_bytes / budget_experts")
+    experts = budget_experts if budget_experts is not None else int(budget_bytes // expert_bytes)
+    slots = experts - staging_slots
+    if slots < 0:
+        raise ValueError(f"offload.budget: {experts} experts' worth of memory cannot hold the {staging_slots} "
+                         f"on-demand staging buffers (one expert is {expert_bytes / 2**20:.2f} MiB)")
+    return min(slots, total_experts)
+
+
+class DeviceExpertCache:
+    """`cache_slots + staging_slots` expert slots on one device, each a fused gate|up [H, 2F] and a down [F, H]."""
+
+    def __init__(self, cfg: ModelConfig, cache_slots: int, staging_slots: int = 2, dtype: Any = jnp.float32,
+                 device: Optional[jax.Device] = None):
+        if staging_slots < 1:
+            raise ValueError("offload.staging_slots: on-demand loads need at least one staging buffer")
+        self.cfg = cfg
+        self.device = device or jax.devices()[0]
+        self.sharding = SingleDeviceSharding(self.device, memory_kind="device") \
+            if "device" in {m.kind for m in self.device.addressable_memories()} else SingleDeviceSharding(self.device)
+        self._write_rows = jax.jit(functools.partial(_write_rows, sharding=self.sharding), donate_argnums=0,
+                                   static_argnums=(2, 3, 4))
+        H, F = cfg.hidden_size, cfg.expert_intermediate_size
+        self.num_layers, self.num_experts = len(cfg.moe_layers), cfg.num_experts
+        n = cache_slots + staging_slots
+        self.slots = [Slot(i, staging=i >= cache_slots) for i in range(n)]
+        self.gate_up = [jax.device_put(jnp.zeros((H, 2 * F), dtype), self.sharding) for _ in range(n)]
+        self.down = [jax.device_put(jnp.zeros((F, H), dtype), self.sharding) for _ in range(n)]
+        self._where: dict[tuple[int, int], int] = {}
+        self._lock = threading.RLock()
+        self._freed = threading.Condition(self._lock)
+        self.bytes_per_slot = 3 * H * F * jnp.dtype(dtype).itemsize
+
+    # ---- inspection --------------------------------------------------------------------------------
+    @property
+    def cache_slots(self) -> int:
+        return sum(not s.staging for s in self.slots)
+
+    @property
+    def device_bytes(self) -> int:
+        return len(self.slots) * self.bytes_per_slot
+
+    def slot_of(self, layer: int, expert: int) -> Optional[int]:
+        with self._lock:
+            return self._where.get((layer, expert))
+
+    def resident_mask(self) -> np.ndarray:
+        """bool [L, E]: experts whose weights have landed in a cache (non-staging) slot."""
+        mask = np.zeros((self.num_layers, self.num_experts), bool)
+        with self._lock:
+            for s in self.slots:
+                if s.state is SlotState.resident and not s.staging and s.owner is not None:
+                    mask[s.owner] = True
+        return mask
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        with self._lock:
+            i = self._where.get((layer, expert))
+            return i is not None and self.slots[i].state is SlotState.resident
+
+    def free_cache_slots(self) -> int:
+        with self._lock:
+            return sum(1 for s in self.slots if not s.staging and s.state is SlotState.free)
+
+    def arrays(self) -> tuple[list[jax.Array], list[jax.Array]]:
+        """Current handles of every slot (for a computation that indexes slots)."""
+        with self._lock:
+            return list(self.gate_up), list(self.down)
+
+    # ---- slot life cycle ------------------------------------------------------------------------------
+    def reserve(self, layer: int, expert: int, staging: bool) -> int:
+        """Take a free slot (a staging buffer or a cache slot) for a transfer of (layer, expert)."""
+        with self._lock:
+            if (layer, expert) in self._where:
+                raise CacheError(f"expert ({layer}, {expert}) already has slot {self._where[(layer, expert)]}")
+            for s in self.slots:
+                if s.staging == staging and s.state is SlotState.free and s.pins == 0:
+                    s.state, s.owner = SlotState.loading, (layer, expert)
+                    self._where[(layer, expert)] = s.index
+                    return s.index
+        kind = "staging buffer" if staging else "cache slot"
+        raise CacheError(f"no free {kind} for expert ({layer}, {expert}) (cache over budget)")
+
+    def reserve_when_free(self, layer: int, expert: int, staging: bool, timeout: float = 600.0) -> int:
+        """`reserve`, waiting for a slot of the kind to be released (the staging double buffer)."""
+        with self._freed:
+            ok = self._freed.wait_for(lambda: any(s.staging == staging and s.state is SlotState.free and s.pins == 0
+                                                   for s in self.slots), timeout)
+            if not ok:
+                raise CacheError(f"no {'staging buffer' if staging else 'cache slot'} freed within {timeout} s "
+                                 f"for expert ({layer}, {expert})")
+            return self.reserve(layer, expert, staging)
+
+    def write(self, slot: int, part: str, src: Any, row: int, rows: int) -> jax.Array:
+        """Dispatch the in-place write of rows [row, row+rows) of one projection into `slot`."""
+        F = self.cfg.expert_intermediate_size
+        with self._lock:
+            s = self.slots[slot]
+            if s.pins:
+                raise CacheError(f"slot {slot} ({s.owner}) is in use by a computation; refusing to overwrite it")
+            if s.state is not SlotState.loading:
+                raise CacheError(f"slot {slot} is {s.state.value}, not reserved for a transfer")
+            if part == "down":
+                self.down[slot] = out = self._write_rows(self.down[slot], src, row, 0, rows)
+            else:
+                col = 0 if part == "gate" else F
+                self.gate_up[slot] = out = self._write_rows(self.gate_up[slot], src, row, col, rows)
+            return out
+
+    def land(self, slot: int) -> None:
+        with self._lock:
+            s = self.slots[slot]
+            if s.state is not SlotState.loading:
+                raise CacheError(f"slot {slot} landed while {s.state.value}")
+            s.state = SlotState.resident
+
+    def release(self, slot: int) -> None:
+        """Free a slot (eviction, a staging buffer after its compute, a cancelled or failed transfer)."""
+        with self._lock:
+            s = self.slots[slot]
+            if s.pins:
+                raise CacheError(f"slot {slot} ({s.owner}) is in use by a computation; cannot free it")
+            if s.owner is not None:
+                self._where.pop(s.owner, None)
+            s.state, s.owner = SlotState.free, None
+            self._freed.notify_all()
+
+    def evict(self, layer: int, expert: int) -> None:
+        slot = self.slot_of(layer, expert)
+        if slot is None or self.slots[slot].state is not SlotState.resident:
+            raise CacheError(f"evict ({layer}, {expert}): not resident")
+        self.release(slot)
+
+    def pin(self, slots: list[int]) -> None:
+        with self._lock:
+            for i in slots:
+                if self.slots[i].state is not SlotState.resident:
+                    raise CacheError(f"slot {i} is {self.slots[i].state.value}; only landed experts compute")
+                self.slots[i].pins += 1
+
+    def unpin(self, slots: list[int]) -> None:
+        with self._lock:
+            for i in slots:
+                self.slots[i].pins -= 1

@@ -1,0 +1,90 @@
+"""CPU experts: the tokens a plan routes to CPU experts, computed with torch in a worker thread.
+
+Weights come from the `ExpertStore` as zero-copy torch views of the host arrays; tokens are
+grouped per expert (one GEMM chain per expert), weighted, and scattered back into the original
+token order. The worker thread overlaps with device compute; torch releases the GIL in its kernels.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
+import numpy as np
+import torch
+
+from engine.offload.store import ExpertStore
+
+
+class CpuExperts:
+    """torch SwiGLU experts over an `ExpertStore`, `threads` intra-op threads, fp32 or bf16 compute."""
+
+    def __init__(self, store: ExpertStore, threads: int = 0, dtype: str = "float32"):
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"offload.cpu_dtype: {dtype!r} is not float32 or bfloat16")
+        self.store = store
+        self.dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moescope-cpu-experts")
+        self._weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.timings: list[tuple[int, float]] = []  # (tokens, seconds) per expert call, for the Timer
+
+    def _expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (layer, expert)
+        if key not in self._weights:
+            views = self.store.numpy_views(layer, expert)
+            with warnings.catch_warnings():  # read-only views: torch warns, and we never write to them
+                warnings.simplefilter("ignore", UserWarning)
+                tensors = [torch.from_numpy(np.asarray(v)) for v in views]  # zero-copy
+            if self.dtype != torch.float32 or tensors[0].dtype != self.dtype:
+                tensors = [t.to(self.dtype) for t in tensors]
+            self._weights[key] = tuple(tensors)  # type: ignore[assignment]
+        return self._weights[key]
+
+    def compute(self, layer: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
+                cpu_experts: list[int]) -> np.ndarray:
+        """float32 [T, H]: sum over the (token, slot) pairs routed to `cpu_experts` of weight * expert(x)."""
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        xt = torch.from_numpy(np.array(x, dtype=np.float32))
+        out = torch.zeros_like(xt)
+        for e in cpu_experts:
+            tok, slot = np.nonzero(experts == e)
+            if tok.size == 0:
+                continue
+            start = time.perf_counter()
+            gate, up, down = self._expert(layer, e)
+            rows = xt[torch.from_numpy(tok)].to(self.dtype)
+            h = torch.nn.functional.silu(rows @ gate) * (rows @ up)
+            y = (h @ down).float() * torch.from_numpy(weights[tok, slot].astype(np.float32))[:, None]
+            out.index_add_(0, torch.from_numpy(tok), y)
+            self.timings.append((int(tok.size), time.perf_counter() - start))
+        return out.numpy()
+
+    def submit(self, layer: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
+               cpu_experts: list[int]) -> Future:
+        """Run `compute` in the worker thread; the future's result is the float32 [T, H] partial output."""
+        return self._pool.submit(self.compute, layer, x, experts, weights, list(cpu_experts))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    @staticmethod
+    def time_expert(store: ExpertStore, layer: int, expert: int, tokens: int, repeats: int = 5,
+                    dtype: str = "float32", seed: int = 0) -> Optional[float]:
+        """Best-of-`repeats` seconds of one expert on `tokens` random tokens (calibration)."""
+        cpu = CpuExperts(store, dtype=dtype)
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((tokens, store.cfg.hidden_size)).astype(np.float32)
+        experts = np.full((tokens, 1), expert)
+        weights = np.ones((tokens, 1), np.float32)
+        best = None
+        for _ in range(repeats):
+            t = time.perf_counter()
+            cpu.compute(layer, x, experts, weights, [expert])
+            dt = time.perf_counter() - t
+            best = dt if best is None else min(best, dt)
+        cpu.close()
+        return best

@@ -1,0 +1,362 @@
+"""The offload executor: a MoE model run layer by layer with its experts in host memory.
+
+At every MoE layer, after the gate: the link settles (landed transfers are resident; the started
+one keeps going), the predictor forecasts the next layer(s), the scheduler returns a `LayerPlan`
+from a `LayerState` filled from the real cache and link, and the executor carries it out:
+evictions, the new transfer queue (on-demand loads in plan order, then prefetches), the CPU
+experts on the torch worker, the GPU experts on the device as their weights are available
+(resident ones at once, each on-demand load when it lands: OnIoDone), and the layer's output
+when both sides are done (OnCpuGpuDone). The Timer feeds measured costs back into the cost model.
+Dense layers, attention, routers, shared experts and the LM head always run on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.offload.cache import DeviceExpertCache
+from engine.offload.cpu_experts import CpuExperts
+from engine.offload.forecasts import LiveForecastBook
+from engine.offload.kernels import LayerKernels
+from engine.offload.link import Job, TransferLink
+from engine.offload.store import ExpertStore
+from engine.offload.timer import Timer
+from engine.sim.metrics import RunMetrics
+from engine.sim.pipeline import Event
+from engine.sim.predictions import LazyForecasts
+from models.generation import bucket, left_pad
+from models.transformer import MoETransformer, init_cache
+from predictors.base import LayerContext, Predictor
+from schedulers.base import LayerPlan, LayerState, OffloadScheduler, Phase, Transfer
+from schedulers.cost import CostModel
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """Mechanism knobs (the `offload` config block)."""
+
+    cache_slots: int  # expert-cache capacity in experts (staging buffers not included)
+    staging_slots: int = 2  # on-demand double buffer
+    chunks: int = 2  # row chunks per projection transfer (AsyncIO sub-transfers: 3 projections x chunks)
+    async_io: bool = True  # False: synchronous copies (LayerScope ablation "no AsyncIO")
+    cpu_threads: int = 0  # torch intra-op threads for CPU experts (0: torch's default)
+    cpu_dtype: str = "float32"
+    retries: int = 2  # attempts after a failed transfer before it surfaces
+    validate_plans: bool = True  # check every plan against the scheduler contract
+    timeline_passes: int = 2  # record lane events of the first N decode passes (timeline plot)
+
+
+@dataclass
+class OffloadOutput:
+    tokens: np.ndarray  # int32 [B, max_new_tokens]
+    lengths: np.ndarray  # int [B]
+    prefill_s: float
+    decode_s: float
+    step_s: list[float]  # wall time of every decode pass
+    metrics: RunMetrics
+    events: list[Event] = field(default_factory=list)
+    last_logits: Optional[np.ndarray] = None  # float32 [B, V] of the first pass (tests compare it)
+    all_logits: list[np.ndarray] = field(default_factory=list)  # per pass [B, V], when requested
+
+    def sequences(self) -> list[list[int]]:
+        return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
+
+
+class OffloadExecutor:
+    """Greedy generation of a MoE model whose routed experts live in an `ExpertStore`."""
+
+    def __init__(self, model: MoETransformer, store: ExpertStore, scheduler: OffloadScheduler, cost: CostModel,
+                 settings: OffloadSettings, predictors: Optional[dict[int, Predictor]] = None,
+                 row_lookup: Optional[Callable[[np.ndarray, np.ndarray], np.ndarray]] = None,
+                 fault: Optional[Callable[[Job, str], None]] = None):
+        self.cfg = cfg = model.cfg
+        self.model = model
+        self.store = store
+        self.scheduler = scheduler
+        self.cost = cost
+        self.settings = settings
+        self.L, self.E, self.k = len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
+        self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
+        dtype = model.embed[...].dtype
+        self.cache = DeviceExpertCache(cfg, settings.cache_slots, settings.staging_slots, dtype)
+        self.timer = Timer(cost, store.expert_bytes)
+        self.metrics = RunMetrics(num_layers=self.L)
+        self.link = TransferLink(store, self.cache, settings.chunks, synchronous=not settings.async_io,
+                                 retries=settings.retries, on_done=self._on_io_done, fault=fault)
+        self.cpu = CpuExperts(store, settings.cpu_threads, settings.cpu_dtype)
+        self.kernels = LayerKernels(model)
+        self.book = LiveForecastBook(predictors or {}, self.k, self.E)
+        self.row_lookup = row_lookup
+        H, F = cfg.hidden_size, cfg.expert_intermediate_size
+        self._dummy = (jnp.zeros((H, 2 * F), dtype), jnp.zeros((F, H), dtype))
+        self.events: list[Event] = []
+        self._prefetched: dict[int, set[int]] = {}  # target MoE layer -> experts prefetched for it
+        self._t0 = time.perf_counter()
+        self._pass = -1
+        self._record = False
+        self._preload(np.asarray(scheduler.initial_residency(), bool))
+
+    # ---- setup / teardown -----------------------------------------------------------------------------
+    def _preload(self, residency: np.ndarray) -> None:
+        """The hot-expert table: load the scheduler's initial residency before serving."""
+        if residency.shape != (self.L, self.E):
+            raise ValueError(f"{self.scheduler.name}: initial residency shape {residency.shape} != ({self.L}, {self.E})")
+        if int(residency.sum()) > self.cache.cache_slots:
+            raise ValueError(f"{self.scheduler.name}: hot table of {int(residency.sum())} experts exceeds the "
+                             f"{self.cache.cache_slots} cache slots")
+        jobs = [Job(int(l), int(e), self.cache.reserve(int(l), int(e), staging=False), retain=True, prefetch=False)
+                for l, e in zip(*np.nonzero(residency))]
+        self.link.submit(jobs)
+        for job in jobs:
+            self.link.wait(job.layer, job.expert)
+        self.link.completed.clear()
+
+    def close(self) -> None:
+        self.link.close()
+        self.cpu.close()
+
+    def __enter__(self) -> "OffloadExecutor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- events ---------------------------------------------------------------------------------------
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _on_io_done(self, job: Job) -> None:
+        """OnIoDone: a transfer landed (called from the I/O thread)."""
+        self.timer.transfer(job.seconds)
+        self.metrics.add_transfer(job.seconds, job.prefetch, self.store.expert_bytes)
+        if self._record and job.started_at is not None:
+            self.events.append(Event("link", job.started_at - self._t0, job.done_at - self._t0, self._pass,
+                                     job.layer, job.expert, 0, "prefetch" if job.prefetch else "ondemand"))
+
+    # ---- one MoE layer ---------------------------------------------------------------------------------
+    def _state(self, m: int, phase: Phase, experts: np.ndarray, weights: np.ndarray, ctx: LayerContext,
+               batch_tokens: int, context_len: int, rows: int, seq_len: int) -> LayerState:
+        tokens = np.bincount(experts.reshape(-1), minlength=self.E).astype(np.int64)
+        scores = np.bincount(experts.reshape(-1), weights=weights.reshape(-1), minlength=self.E)
+        active = self.link.active()
+        inflight: tuple[Transfer, ...] = ()
+        alpha = 0.0
+        if active is not None and not active.done.is_set():
+            elapsed = time.perf_counter() - (active.started_at or time.perf_counter())
+            alpha = max(self.cost.t_io - elapsed, 0.0)
+            inflight = (Transfer(active.layer, active.expert, alpha, active.retain),)
+        queued = tuple(Transfer(j.layer, j.expert, self.cost.t_io, j.retain) for j in self.link.queued())
+        reserved_by_queue = sum(1 for j in self.link.queued() if j.slot >= 0 and not self.cache.slots[j.slot].staging)
+        return LayerState(layer=m, num_layers=self.L, phase=phase, tokens=tokens, scores=scores,
+                          predicted=LazyForecasts(self.book, m, self._pass, ctx.rows, self.L),
+                          resident=self.cache.resident_mask(), inflight=inflight, queued=queued, alpha_s=alpha,
+                          cache_slots=self.cache.cache_slots,
+                          free_slots=self.cache.free_cache_slots() + reserved_by_queue,
+                          batch_tokens=batch_tokens, context_len=context_len, hit_rate=self.book.hit_rates(),
+                          cost=self.cost, t_io_s=self.cost.t_io if self.settings.async_io else self.cost.t_io_sync,
+                          t_attn_next_s=self.cost.t_attn(rows, context_len, prefill=phase is Phase.prefill,
+                                                         prompt_len=seq_len))
+
+    def _issue(self, m: int, plan: LayerPlan) -> None:
+        """Evictions, then the new link queue: on-demand loads in order, then prefetches."""
+        for layer, e in plan.evict:
+            self.cache.evict(layer, e)
+        self.link.submit([])  # drop unstarted transfers of earlier plans (their slots come back)
+        jobs = []
+        for e, retain in zip(plan.ondemand, plan.retain):
+            slot = self.cache.reserve(m, e, staging=False) if retain else -1
+            jobs.append(Job(m, e, slot, retain=retain, prefetch=False))
+        for target, e in plan.prefetch:
+            jobs.append(Job(target, e, self.cache.reserve(target, e, staging=False), retain=True, prefetch=True))
+            self._prefetched.setdefault(target, set()).add(e)
+        self.link.submit(jobs)
+
+    def _device_experts(self, g: jax.Array, experts: np.ndarray, weights: np.ndarray, chosen: Sequence[int],
+                        m: int) -> tuple[jax.Array, list[int]]:
+        """Dispatch the device computation of experts `chosen` of MoE layer m (their slots pinned)."""
+        slots = [self.cache.slot_of(m, e) for e in chosen]
+        self.cache.pin(slots)  # type: ignore[arg-type]
+        gate_up, down = self.cache.arrays()
+        local = np.full(self.E, -1, np.int32)
+        local[list(chosen)] = np.arange(len(chosen), dtype=np.int32)
+        idx = np.where(experts >= 0, local[np.maximum(experts, 0)], -1)
+        gu = [gate_up[s] for s in slots] + [self._dummy[0]] * (self.E - len(slots))  # type: ignore[index]
+        dn = [down[s] for s in slots] + [self._dummy[1]] * (self.E - len(slots))  # type: ignore[index]
+        return self.kernels.experts(g, idx, weights, gu, dn), slots  # type: ignore[return-value]
+
+    def _moe_layer(self, layer: int, x: jax.Array, g: jax.Array, phase: Phase, valid_flat: np.ndarray,
+                   seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray, context_len: int) -> jax.Array:
+        m = self.moe_index[layer]
+        start = time.perf_counter()
+        experts_d, weights_d = self.kernels.route(layer, g)
+        experts = np.asarray(experts_d).astype(np.int64)
+        weights = np.asarray(weights_d).astype(np.float32)
+        experts = np.where(valid_flat[:, None], experts, -1)  # padding rows route nowhere
+        live = valid_flat
+        self.book.settle_live(m, experts[live])
+        g_host = np.asarray(g).reshape(-1, self.cfg.hidden_size)
+        ctx = LayerContext(layer=m, step=self._pass, experts=experts[live], weights=weights[live],
+                           hidden=g_host[live].astype(np.float32), tokens=tokens[live], seq=seqs[live], pos=pos[live],
+                           rows=self.row_lookup(seqs[live], pos[live]) if self.row_lookup is not None else None)
+        self.book.begin_layer(ctx)
+        B, S = g.shape[:2]
+        state = self._state(m, phase, experts[live], weights[live], ctx, int(live.sum()), context_len, B, S)
+        plan = self.scheduler.plan(state)
+        if self.settings.validate_plans:
+            plan.validate(state)
+        available = state.available(m)
+        self.metrics.add_residency(phase is Phase.prefill, len(state.active), int(available[state.active].sum()))
+        prefetched = self._prefetched.pop(m, set())
+        self.metrics.add_prefetch_outcome(len(prefetched & set(state.active.tolist())), len(prefetched))
+        self._issue(m, plan)
+
+        # CPU side: the torch worker starts now
+        cpu_future = self.cpu.submit(m, g_host, experts, weights, list(plan.cpu)) if plan.cpu else None
+        cpu_started = time.perf_counter()
+        parts: list[jax.Array] = []
+        pinned: list[int] = []
+        ondemand = set(plan.ondemand)
+        ready = [e for e in plan.gpu if e not in ondemand]
+        for e in ready:  # landing prefetches of this layer are waited for; resident ones are there
+            if not self.cache.is_resident(m, e):
+                self.link.wait(m, e)
+        gpu_start = time.perf_counter()
+        if ready:
+            y, slots = self._device_experts(g, experts, weights, ready, m)
+            parts.append(y)
+            pinned += slots
+        for e, retain in zip(plan.ondemand, plan.retain):
+            self.link.wait(m, e)  # OnIoDone for this expert
+            t = time.perf_counter()
+            y, slots = self._device_experts(g, experts, weights, [e], m)
+            parts.append(y)
+            if retain:
+                pinned += slots
+            else:  # the staging buffer goes back to the link once its compute is done
+                y.block_until_ready()
+                self.timer.gpu(int((experts == e).sum()), time.perf_counter() - t)
+                self.cache.unpin(slots)
+                self.cache.release(slots[0])
+        gpu_busy = 0.0
+        if parts:
+            jax.block_until_ready(parts)
+            gpu_busy = time.perf_counter() - gpu_start
+        cpu_busy = 0.0
+        if cpu_future is not None:
+            parts.append(jnp.asarray(cpu_future.result()))
+            cpu_busy = time.perf_counter() - cpu_started
+            for tokens_n, seconds in self.cpu.timings:
+                self.timer.cpu(tokens_n, seconds)
+            self.cpu.timings.clear()
+        if not parts:
+            parts.append(jnp.zeros((g_host.shape[0], self.cfg.hidden_size), jnp.float32))
+        out = self.kernels.combine(layer, x, g, parts)  # OnCpuGpuDone
+        out.block_until_ready()
+        self.cache.unpin(pinned)
+        self.link.flush()  # no AsyncIO: prefetches finish inside the layer that issued them
+        seconds = time.perf_counter() - start
+        self._account(phase, m, plan, seconds, gpu_busy, cpu_busy, start, gpu_start, cpu_started)
+        return out
+
+    def _account(self, phase: Phase, m: int, plan: LayerPlan, seconds: float, gpu_busy: float, cpu_busy: float,
+                 start: float, gpu_start: float, cpu_start: float) -> None:
+        self.metrics.add_layer(phase is Phase.prefill, m, seconds, gpu_busy, cpu_busy, n_cpu=len(plan.cpu),
+                               n_gpu=len(plan.gpu), n_ondemand=len(plan.ondemand), n_prefetch=len(plan.prefetch))
+        if self._record:
+            t = self._t0
+            if gpu_busy:
+                self.events.append(Event("gpu", gpu_start - t, gpu_start - t + gpu_busy, self._pass, m, -1, 0, "expert"))
+            if cpu_busy:
+                self.events.append(Event("cpu", cpu_start - t, cpu_start - t + cpu_busy, self._pass, m, -1, 0, "expert"))
+
+    # ---- a forward pass --------------------------------------------------------------------------------
+    def _forward(self, kv: Any, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray, phase: Phase,
+                 seqs: np.ndarray, context_len: int) -> tuple[jax.Array, Any]:
+        self._pass += 1
+        B, S = tokens.shape
+        ai, kv = self.kernels.prepare(kv, jnp.asarray(positions), jnp.asarray(valid))
+        x = self.kernels.embed_tokens(jnp.asarray(tokens))
+        valid_flat = valid.reshape(-1)
+        seq_flat = np.repeat(seqs, S)
+        pos_flat = positions.reshape(-1)
+        tok_flat = tokens.reshape(-1)
+        layers = list(kv.layers)
+        for i, layer in enumerate(self.model.layers):
+            t = time.perf_counter()
+            x, layers[i], g = self.kernels.attention(i, x, ai, layers[i])
+            if self._record:
+                x.block_until_ready()
+                self.events.append(Event("gpu", t - self._t0, self._now(), self._pass, self.moe_index.get(i, -1), -1, 0,
+                                         "attn"))
+            if layer.is_moe:
+                x = self._moe_layer(i, x, g, phase, valid_flat, seq_flat, pos_flat, tok_flat, context_len)
+            else:
+                x = self.kernels.dense(i, x, g)
+        self.book.drop_pending()
+        kv = type(kv)(layers=layers, valid=kv.valid, positions=kv.positions, index=kv.index + S)
+        return self.kernels.logits(x[:, -1]), kv
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: Optional[int] = None,
+                 pad_token_id: Optional[int] = None, keep_logits: bool = False) -> OffloadOutput:
+        """Greedy generation (the same tokens as the in-memory model, whatever the plans)."""
+        prompts = [list(map(int, p)) for p in prompts]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: empty batch or empty prompt")
+        longest = max(map(len, prompts))
+        if longest + max_new_tokens > self.cfg.max_position_embeddings:
+            raise ValueError(f"generate: {longest} prompt tokens + {max_new_tokens} new exceed max_position_embeddings="
+                             f"{self.cfg.max_position_embeddings}")
+        pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+        eos = -1 if eos_token_id is None else eos_token_id
+        B = len(prompts)
+        P = bucket(longest, 16)
+        tokens, valid = left_pad(prompts, P, pad)
+        positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
+        kv = init_cache(self.model, B, bucket(P + max_new_tokens, 64), self.model.embed[...].dtype)
+        seqs = np.arange(B)
+        self.metrics = RunMetrics(num_layers=self.L)
+        out = np.full((B, max_new_tokens), pad, np.int32)
+        all_logits = []
+        t_start = time.perf_counter()
+        logits, kv = self._forward(kv, tokens, positions, valid, Phase.prefill, seqs, longest)
+        host = np.asarray(logits)
+        first_logits = host
+        prefill_s = time.perf_counter() - t_start
+        self.metrics.add_pass(True, prefill_s)
+        nxt = host.argmax(-1).astype(np.int32)
+        out[:, 0] = nxt
+        done = nxt == eos
+        next_pos = positions[:, -1] + 1
+        steps: list[float] = []
+        for step in range(1, max_new_tokens):
+            if done.all():
+                break
+            if keep_logits:
+                all_logits.append(host)
+            self._record = step <= self.settings.timeline_passes
+            t = time.perf_counter()
+            logits, kv = self._forward(kv, nxt[:, None], next_pos[:, None].astype(np.int32), np.ones((B, 1), bool),
+                                       Phase.decode, seqs, int(next_pos.mean()))
+            host = np.asarray(logits)
+            steps.append(time.perf_counter() - t)
+            self.metrics.add_pass(False, steps[-1])
+            nxt = np.where(done, pad, host.argmax(-1)).astype(np.int32)
+            out[:, step] = nxt
+            done |= nxt == eos
+            next_pos = next_pos + 1
+        self._record = False
+        if keep_logits:
+            all_logits.append(host)
+        total = time.perf_counter() - t_start
+        self.metrics.finish(total, self.book.hit_rates())
+        hit = out == eos
+        lengths = np.where(hit.any(1), hit.argmax(1) + 1, max_new_tokens)
+        return OffloadOutput(tokens=out, lengths=lengths, prefill_s=prefill_s, decode_s=sum(steps), step_s=steps,
+                             metrics=self.metrics, events=list(self.events), last_logits=first_logits,
+                             all_logits=all_logits)
