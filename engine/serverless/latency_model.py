@@ -64,6 +64,7 @@ class LayerTime:
     compute_s: float
     comm_s: float  # one all-to-all (the slowest device); T_moe counts it twice
     moe_s: float
+    moe_other_s: float  # T_moe under the other compute kind (replica_max <-> device_sum), for comparison
 
 
 class ServerlessCostModel:
@@ -100,13 +101,13 @@ class ServerlessCostModel:
         """T_moe of one layer: `loads` float [E] the tokens the experts serve."""
         rep_loads = placement.replica_loads(loads)
         times = self.replica_times(rep_loads)
-        if self.settings.compute is ComputeKind.replica_max:
-            compute = float(times.max(initial=0.0))
-        else:
-            compute = float(np.bincount(placement.replica_device, weights=times, minlength=placement.num_devices).max())
+        replica_max = float(times.max(initial=0.0))
+        device_sum = float(np.bincount(placement.replica_device, weights=times, minlength=placement.num_devices).max())
+        compute, other = (replica_max, device_sum) if self.settings.compute is ComputeKind.replica_max else \
+            (device_sum, replica_max)
         dev = np.bincount(placement.replica_device, weights=rep_loads, minlength=placement.num_devices)
         comm = self.collective_latency_s + self.beta_s * float(dev.max(initial=0.0))
-        return LayerTime(compute_s=compute, comm_s=comm, moe_s=compute + 2 * comm)
+        return LayerTime(compute_s=compute, comm_s=comm, moe_s=compute + 2 * comm, moe_other_s=other + 2 * comm)
 
     def misc_time(self, num_seqs: int, tokens: int, context: float, prefill: bool) -> float:
         """T_misc: one device's share (1 / G of the sequences) of a layer's attention block and gate."""

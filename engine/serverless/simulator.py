@@ -70,6 +70,7 @@ class SystemResult:
     weight: np.ndarray  # [S] iterations each step stands for
     phase: np.ndarray  # [S]
     moe_s: np.ndarray
+    moe_other_s: np.ndarray  # T_moe under the other compute kind (see latency_model)
     compute_s: np.ndarray
     comm_s: np.ndarray
     misc_s: np.ndarray  # [S]
@@ -104,7 +105,8 @@ class SystemResult:
         return {
             "label": self.label, "kind": self.kind, "lossy": self.lossy, "serverless": self.serverless,
             "slots_per_device": self.slots_per_device,
-            "mean_moe_ms": mean(self.moe_s) * 1e3, "p50_moe_ms": q[0] * 1e3, "p90_moe_ms": q[1] * 1e3,
+            "mean_moe_ms": mean(self.moe_s) * 1e3, "mean_moe_other_compute_ms": mean(self.moe_other_s) * 1e3,
+            "p50_moe_ms": q[0] * 1e3, "p90_moe_ms": q[1] * 1e3,
             "p99_moe_ms": q[2] * 1e3, "mean_compute_ms": mean(self.compute_s) * 1e3,
             "mean_comm_ms": mean(self.comm_s) * 1e3,
             "total_moe_s": float((self.moe_s * w).sum()),
@@ -159,7 +161,7 @@ def simulate_system(trace: ServingTrace, spec: SystemSpec, forecasts: np.ndarray
     slots = slots_per_device(spec, E, G)
     maps = [SlotMap(E, G, slots) for _ in range(L)]
     shape = (S, L)
-    moe, comp, comm = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    moe, other, comp, comm = np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape)
     reps, bal, cost, billed, decide = np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape)
     copy, exposed = np.zeros(shape), np.zeros(shape)
     recent: list[float] = []  # execution times of the layers run so far (the window a copy can hide in)
@@ -192,7 +194,7 @@ def simulate_system(trace: ServingTrace, spec: SystemSpec, forecasts: np.ndarray
             exposed[s, layer] = max(0.0, copy[s, layer] - sum(recent[-window:])) if live is not None else 0.0
             eff = policy.effective_loads(trace.loads[s, layer])
             t = cost_model.moe_time(placement, eff)
-            moe[s, layer], comp[s, layer], comm[s, layer] = t.moe_s, t.compute_s, t.comm_s
+            moe[s, layer], other[s, layer], comp[s, layer], comm[s, layer] = t.moe_s, t.moe_other_s, t.compute_s, t.comm_s
             reps[s, layer] = placement.num_replicas
             bal[s, layer] = balancedness(placement.device_loads(eff))
             policy.observe(layer, trace.loads[s, layer], now)
@@ -208,7 +210,7 @@ def simulate_system(trace: ServingTrace, spec: SystemSpec, forecasts: np.ndarray
                                                    serverless=policy.serverless and not cost_model.settings.bill_keep_alive)
     return SystemResult(label=spec.label, kind=spec.kind.value, lossy=policy.lossy, serverless=policy.serverless,
                         slots_per_device=slots, weight=trace.weight.astype(np.float64), phase=trace.phase,
-                        moe_s=moe, compute_s=comp, comm_s=comm, misc_s=misc, replicas=reps, balancedness=bal,
+                        moe_s=moe, moe_other_s=other, compute_s=comp, comm_s=comm, misc_s=misc, replicas=reps, balancedness=bal,
                         cost=cost, billed_bytes=billed, moves=moves, moves_after_first=later, expert_bytes=M_e,
                         decision_s=decide, copy_s=copy, exposed_copy_s=exposed, hit_cap=hit_cap, rebalances=getattr(policy, "rebalances", 0))
 
