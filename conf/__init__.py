@@ -65,9 +65,14 @@ def _unfreeze_type(tp: Any) -> Any:
     if dataclasses.is_dataclass(tp):
         return unfrozen(tp)
     args = typing.get_args(tp)
-    if typing.get_origin(tp) is typing.Union and type(None) in args:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union and type(None) in args:
         inner = [a for a in args if a is not type(None)][0]
         return Optional[_unfreeze_type(inner)]
+    if origin in (dict, typing.Dict) and len(args) == 2:
+        return typing.Dict[args[0], _unfreeze_type(args[1])]  # type: ignore[index]
+    if origin in (list, typing.List) and len(args) == 1:
+        return typing.List[_unfreeze_type(args[0])]  # type: ignore[index]
     return tp
 
 

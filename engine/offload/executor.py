@@ -45,7 +45,7 @@ class OffloadSettings:
     staging_slots: int = 2  # on-demand double buffer
     chunks: int = 2  # row chunks per projection transfer (AsyncIO sub-transfers: 3 projections x chunks)
     async_io: bool = True  # False: synchronous copies (LayerScope ablation "no AsyncIO")
-    cpu_threads: int = 0  # torch intra-op threads for CPU experts (0: torch's default)
+    cpu_threads: int = 1  # torch intra-op threads for CPU experts (0: torch's default); see CpuExperts
     cpu_dtype: str = "float32"
     retries: int = 2  # attempts after a failed transfer before it surfaces
     validate_plans: bool = True  # check every plan against the scheduler contract
@@ -97,6 +97,8 @@ class OffloadExecutor:
         self._dummy = (jnp.zeros((H, 2 * F), dtype), jnp.zeros((F, H), dtype))
         self.events: list[Event] = []
         self._prefetched: dict[int, set[int]] = {}  # target MoE layer -> experts prefetched for it
+        self.expert_tokens = np.zeros((self.L, self.E), np.int64)  # tokens routed per expert (the Counter)
+        self.seq_offset = 0  # sequence id of the next batch's first row (row_lookup into a reference trace)
         self._t0 = time.perf_counter()
         self._pass = -1
         self._record = False
@@ -200,21 +202,23 @@ class OffloadExecutor:
         experts = np.where(valid_flat[:, None], experts, -1)  # padding rows route nowhere
         live = valid_flat
         self.book.settle_live(m, experts[live])
+        np.add.at(self.expert_tokens[m], experts[live].reshape(-1), 1)
         g_host = np.asarray(g).reshape(-1, self.cfg.hidden_size)
         ctx = LayerContext(layer=m, step=self._pass, experts=experts[live], weights=weights[live],
                            hidden=g_host[live].astype(np.float32), tokens=tokens[live], seq=seqs[live], pos=pos[live],
                            rows=self.row_lookup(seqs[live], pos[live]) if self.row_lookup is not None else None)
         self.book.begin_layer(ctx)
         B, S = g.shape[:2]
-        state = self._state(m, phase, experts[live], weights[live], ctx, int(live.sum()), context_len, B, S)
-        plan = self.scheduler.plan(state)
-        if self.settings.validate_plans:
-            plan.validate(state)
+        with self.link.hold():  # the plan point: the link's queue stays as the scheduler sees it
+            state = self._state(m, phase, experts[live], weights[live], ctx, int(live.sum()), context_len, B, S)
+            plan = self.scheduler.plan(state)
+            if self.settings.validate_plans:
+                plan.validate(state)
+            self._issue(m, plan)
         available = state.available(m)
         self.metrics.add_residency(phase is Phase.prefill, len(state.active), int(available[state.active].sum()))
         prefetched = self._prefetched.pop(m, set())
         self.metrics.add_prefetch_outcome(len(prefetched & set(state.active.tolist())), len(prefetched))
-        self._issue(m, plan)
 
         # CPU side: the torch worker starts now
         cpu_future = self.cpu.submit(m, g_host, experts, weights, list(plan.cpu)) if plan.cpu else None
@@ -319,7 +323,7 @@ class OffloadExecutor:
         tokens, valid = left_pad(prompts, P, pad)
         positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
         kv = init_cache(self.model, B, bucket(P + max_new_tokens, 64), self.model.embed[...].dtype)
-        seqs = np.arange(B)
+        seqs = np.arange(B) + self.seq_offset
         self.metrics = RunMetrics(num_layers=self.L)
         out = np.full((B, max_new_tokens), pad, np.int32)
         all_logits = []

@@ -15,10 +15,11 @@ slot rewritten from scratch; after that the slot is freed and the error surfaces
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -69,6 +70,7 @@ class TransferLink:
         self._active: Optional[Job] = None
         self._jobs: dict[tuple[int, int], Job] = {}
         self._cv = threading.Condition()
+        self._held = False
         self._closed = False
         self.completed: list[Job] = []
         self._thread: Optional[threading.Thread] = None
@@ -91,6 +93,21 @@ class TransferLink:
             self._queue.extend(jobs)
             self._cv.notify_all()
         return cancelled
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """A plan point: no queued transfer starts until the new plan's queue is submitted.
+
+        The started transfer keeps going (Premise 3); what the scheduler saw as queued stays queued.
+        """
+        with self._cv:
+            self._held = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._held = False
+                self._cv.notify_all()
 
     def flush(self) -> None:
         """Synchronous mode: run every queued transfer now, in the caller (prefetches end inside their layer)."""
@@ -145,7 +162,7 @@ class TransferLink:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                while (not self._queue or self._held) and not self._closed:
                     self._cv.wait()
                 if self._closed and not self._queue:
                     return

@@ -1,0 +1,25 @@
+"""Schema of `python -m engine.calibrate`: measure this machine into a hardware profile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from omegaconf import MISSING
+
+from conf.schemas import store
+from conf.schemas.common import ModelSpec, WandbConfig
+
+
+@dataclass
+class CalibrateConfig:
+    model: ModelSpec = MISSING
+    name: str = "local"  # the profile's name (and file stem)
+    out: Optional[str] = None  # where to write the YAML; default: <run dir>/<name>.yaml
+    repeats: int = 5
+    token_counts: List[int] = field(default_factory=lambda: [1, 4, 16, 64])  # CPU / device expert timings
+    seed: int = 0
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+store(CalibrateConfig, name="base_calibrate")
