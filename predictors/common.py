@@ -15,6 +15,18 @@ from predictors.nets import param_bytes
 from predictors.oracle import count_hits
 
 
+def row_bucket(n: int, minimum: int = 16) -> int:
+    """Rows a forecast batch is padded to (a power of two): few compiled shapes whatever the batch."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
+    """`a` [T, ...] zero-padded to `rows` rows."""
+    out = np.zeros((rows,) + a.shape[1:], a.dtype)
+    out[: a.shape[0]] = a
+    return out
+
+
 class TrainedPredictor:
     """Base of the stats / gate / token / LLaPor / MoEless predictors (`predictors.base.Predictor`)."""
 

@@ -17,7 +17,7 @@ import numpy as np
 from models.config import ModelConfig, ScoringFunc
 from models.moe import route
 from predictors.base import LayerContext
-from predictors.common import TrainedPredictor
+from predictors.common import TrainedPredictor, pad_rows, row_bucket
 
 
 def gate_copies(model: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -80,7 +80,9 @@ class GatePredictor(TrainedPredictor):
 
     def scores(self, target: int, ctx: LayerContext) -> np.ndarray:
         hidden = self.require_hidden(ctx)
-        return np.asarray(self._scores(hidden, self.kernels[target], self.biases[target]))
+        n = hidden.shape[0]
+        out = self._scores(pad_rows(hidden, row_bucket(n)), self.kernels[target], self.biases[target])
+        return np.asarray(out)[:n]
 
     def layer_arrays(self) -> dict[int, Any]:
         return {t: {"kernel": np.asarray(self.kernels[t]), "bias": np.asarray(self.biases[t])} for t in self.targets}

@@ -24,7 +24,7 @@ import optax
 from conf.schemas.predictor import LayerGroup, LossKind, NetSpec, PredictorConfig
 from engine.trace import RoutingTrace
 from predictors.base import LayerContext
-from predictors.common import TrainedPredictor
+from predictors.common import TrainedPredictor, pad_rows, row_bucket
 from predictors.data import layer_pairs, multi_hot, routing_vector
 from predictors.fitting import fit, make_step
 from predictors.groups import LayerGroups
@@ -105,8 +105,9 @@ class LLaPorPredictor(TrainedPredictor):
     def scores(self, target: int, ctx: LayerContext) -> np.ndarray:
         hidden = self.require_hidden(ctx)
         routing = routing_vector(ctx.experts, ctx.weights, self.num_experts)
+        n, b = hidden.shape[0], row_bucket(hidden.shape[0])
         d = self._device[target]
-        return np.asarray(_llapor_probs(d["net"], d["mean"], d["comps"], hidden, routing))
+        return np.asarray(_llapor_probs(d["net"], d["mean"], d["comps"], pad_rows(hidden, b), pad_rows(routing, b)))[:n]
 
     # ---- online fine-tuning ------------------------------------------------------------------------------------
     def online_layers(self) -> list[int]:
@@ -172,8 +173,7 @@ def fit_layer(trace: RoutingTrace, rows: np.ndarray, target: int, distance: int,
     y = multi_hot(pairs.target, E)
     inv_freq = (1.0 / np.maximum(y.mean(axis=0), spec.min_frequency)).astype(np.float32)
     routing = routing_vector(pairs.experts, pairs.weights, E)
-    key = jax.random.PRNGKey(seed * 1009 + target)
-    net = init_net(key, pca.dim + E, pca.dim, E, spec.width, spec.blocks, spec.residual_blocks, spec.residual_depth)
+    net = init_net(seed * 1009 + target, pca.dim + E, pca.dim, E, spec.width, spec.blocks, spec.residual_blocks, spec.residual_depth)
     consts = {"mean": pca.mean, "comps": pca.components, "inv_freq": inv_freq}
     mask = np.ones(len(y), np.float32)
     result = fit(net, make_loss(spec), consts, (pairs.hidden, routing, y, mask), spec.optim, epochs, batch_size,

@@ -22,10 +22,10 @@ import optax
 Params = dict[str, Any]
 
 
-def init_linear(key: jax.Array, n_in: int, n_out: int) -> Params:
-    """LeCun-normal weights [n_in, n_out], zero bias [n_out]."""
-    w = jax.random.normal(key, (n_in, n_out), jnp.float32) / math.sqrt(max(n_in, 1))
-    return {"w": w, "b": jnp.zeros((n_out,), jnp.float32)}
+def init_linear(rng: np.random.Generator, n_in: int, n_out: int) -> Params:
+    """LeCun-normal weights [n_in, n_out], zero bias [n_out] (numpy: initialising compiles nothing)."""
+    w = rng.standard_normal((n_in, n_out)) / math.sqrt(max(n_in, 1))
+    return {"w": w.astype(np.float32), "b": np.zeros((n_out,), np.float32)}
 
 
 def linear(p: Params, x: jax.Array) -> jax.Array:
@@ -39,18 +39,18 @@ def _dropout(x: jax.Array, rate: float, key: Optional[jax.Array]) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0.0)
 
 
-def init_net(key: jax.Array, feat_dim: int, gate_dim: int, num_out: int, width: int, blocks: int,
+def init_net(seed: int, feat_dim: int, gate_dim: int, num_out: int, width: int, blocks: int,
              residual_blocks: int = 0, residual_depth: int = 2) -> Params:
     """Parameters of the predictor net: feature dim -> `blocks` hidden blocks -> residual blocks -> logits."""
     if blocks < 1:
         raise ValueError(f"predictor net: blocks must be >= 1, got {blocks}")
-    keys = iter(jax.random.split(key, blocks + residual_blocks * (residual_depth + 1) + 1))
-    params: Params = {"blocks": [init_linear(next(keys), feat_dim if i == 0 else width, width) for i in range(blocks)],
+    rng = np.random.default_rng(seed)
+    params: Params = {"blocks": [init_linear(rng, feat_dim if i == 0 else width, width) for i in range(blocks)],
                       "residual": [], "out": None}
     for _ in range(residual_blocks):
-        params["residual"].append({"layers": [init_linear(next(keys), width, width) for _ in range(residual_depth)],
-                                   "gate": init_linear(next(keys), gate_dim, width)})
-    params["out"] = init_linear(next(keys), width, num_out)
+        params["residual"].append({"layers": [init_linear(rng, width, width) for _ in range(residual_depth)],
+                                   "gate": init_linear(rng, gate_dim, width)})
+    params["out"] = init_linear(rng, width, num_out)
     return params
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from conf.schemas.predictor import PredictorConfig, TokenSpec
 from engine.trace import RoutingTrace
 from predictors.base import LayerContext
-from predictors.common import TrainedPredictor
+from predictors.common import TrainedPredictor, pad_rows, row_bucket
 from predictors.data import layer_pairs, multi_hot, routing_vector
 from predictors.fitting import fit
 from predictors.nets import Params, apply_net, bce_loss, init_net
@@ -74,7 +74,10 @@ class TokenPredictor(TrainedPredictor):
         if tokens.size and tokens.max() >= self.table.shape[0]:
             raise ValueError(f"{self.name}: token id {int(tokens.max())} outside the vocabulary of {self.table.shape[0]}")
         routing = routing_vector(ctx.experts, ctx.weights, self.num_experts)
-        return np.asarray(_token_probs(self._nets[target], self._table, tokens, routing, self.cfg.token.use_routing))
+        n, b = tokens.shape[0], row_bucket(tokens.shape[0])
+        out = _token_probs(self._nets[target], self._table, pad_rows(tokens, b), pad_rows(routing, b),
+                           self.cfg.token.use_routing)
+        return np.asarray(out)[:n]
 
     def layer_arrays(self) -> dict[int, Any]:
         return {t: jax.tree_util.tree_map(np.asarray, p) for t, p in self.nets.items()}
@@ -97,7 +100,7 @@ def fit_token(trace: RoutingTrace, rows: np.ndarray, cfg: PredictorConfig, embed
         pairs = layer_pairs(trace, target - d, d, rows, with_hidden=False)
         routing = routing_vector(pairs.experts, pairs.weights, E)
         y = multi_hot(pairs.target, E)
-        net = init_net(jax.random.PRNGKey(cfg.seed * 1013 + target), q + (E if spec.use_routing else 0), q, E,
+        net = init_net(cfg.seed * 1013 + target, q + (E if spec.use_routing else 0), q, E,
                        spec.width, 1)
         result = fit(net, make_loss(spec), {"table": table}, (pairs.tokens, routing, y), spec.optim, cfg.train.epochs,
                      cfg.train.batch_size, cfg.seed + target,

@@ -224,15 +224,16 @@ def results_table(methods: dict[str, Any], groups: list[str], model: str) -> Tab
 
 
 def run(cfg: PredictorsTrainConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
-    from models.loading import load_model
+    from models.loading import load_model, resolve_model_config
 
+    model_cfg = resolve_model_config(node.model)
     trace = obtain_trace(cfg.trace, "trace", node.model, node.workload, cfg, tm, "trace.npz")
+    check_trace(trace, model_cfg, f"trace={cfg.trace or 'recorded'}")
     shift = obtain_trace(cfg.shift_trace, "shift_trace", node.model, node.shift_workload, cfg, tm,
                          "shift_trace.npz") if cfg.shift else None
-    model_cfg, model, _ = load_model(node.model, seed=cfg.seed, with_experts=False)
-    check_trace(trace, model_cfg, f"trace={cfg.trace or 'recorded'}")
     if shift is not None:
         check_trace(shift, model_cfg, f"shift_trace={cfg.shift_trace or 'recorded'}")
+    _, model, _ = load_model(node.model, seed=cfg.seed, with_experts=False)
     split = split_rows(trace, cfg.test_fraction, cfg.val_fraction, cfg.split_seed)
     groups = layer_groups(cfg.predictor.llapor.groups, trace, split.train)
     kernels, biases = gate_copies(model)
