@@ -151,8 +151,7 @@ class LLaPorPredictor(TrainedPredictor):
             self._key, sub = jax.random.split(self._key)
             params, opt_state, loss = step(params, opt_state, consts, batch, sub)
         self._steps[target] = (step, opt_state)
-        self._device[target]["net"] = params
-        layer.net = jax.tree_util.tree_map(np.asarray, params)
+        self._device[target]["net"] = params  # `layers[target].net` is refreshed when the arrays are read
         return float(loss)
 
     def online_cycles(self) -> dict[int, int]:
@@ -160,6 +159,8 @@ class LLaPorPredictor(TrainedPredictor):
 
     # ---- persistence -------------------------------------------------------------------------------------------
     def layer_arrays(self) -> dict[int, Any]:
+        for t in self._steps:  # layers fine-tuned online: bring their nets back from the device
+            self.layers[t].net = jax.tree_util.tree_map(np.asarray, self._device[t]["net"])
         return {t: jax.tree_util.tree_map(np.asarray, self.layers[t].arrays()) for t in self.targets}
 
 

@@ -55,12 +55,14 @@ class NoisyOraclePredictor:
         n = int(miss.sum())
         if n == 0:
             return true
-        # a wrong expert per miss: uniform over the E - k experts the token does not use
+        # a wrong expert per miss: uniform over the E - k experts the token does not use (rejection)
         rows = np.nonzero(miss)[0]
-        wrong = self._rng.integers(0, self.num_experts - self.top_k, size=n)
-        used = np.sort(true[rows], axis=1)
-        for j in range(self.top_k):  # shift past the used ids in ascending order: a rank -> an unused id
-            wrong = wrong + (wrong >= used[:, j])
+        used = true[rows]
+        wrong = self._rng.integers(0, self.num_experts, size=n)
+        bad = (wrong[:, None] == used).any(axis=1)
+        while bad.any():
+            wrong[bad] = self._rng.integers(0, self.num_experts, size=int(bad.sum()))
+            bad = (wrong[:, None] == used).any(axis=1)
         out = true.copy()
         out[miss] = wrong
         return out

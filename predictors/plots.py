@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 GROUP_COLOURS = {"input": "#dbe9f6", "middle": "#f3f3f3", "output": "#fbe3d6"}
 SET_TITLES = {"test": "in-distribution (ShareGPT test)", "shift": "shifted (code)"}
@@ -42,6 +43,7 @@ def accuracy_figure(methods: Mapping[str, Any], groups: Mapping[str, Sequence[in
                 xs = sorted(layers)
                 ax.plot(xs, [layers[t][key] for t in xs], marker="o", ms=3, label=name)
             ax.set_ylim(0, 1.02)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("target MoE layer")
             ax.set_ylabel(label)
             if row == 0:
@@ -99,6 +101,7 @@ def online_figure(before: Mapping[str, Any], online: Mapping[str, Any], sets: Se
             xs = sorted(layers)
             ax.plot(xs, [layers[t]["hit"] for t in xs], style, label=label)
         ax.set_ylim(0, 1.02)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("target MoE layer")
         ax.set_ylabel("top-k hit rate")
         ax.set_title(f"{model} {SET_TITLES.get(which, which)}".strip())

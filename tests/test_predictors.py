@@ -26,7 +26,7 @@ from predictors.metrics import hot_topn_accuracy, layer_metrics, load_pearson, p
 from predictors.nets import hybrid_loss
 from predictors.online import OnlineMonitor, token_errors
 from predictors.stats import StatsPredictor
-from tests.predictor_traces import shift_rule_trace
+from predictors.synthetic import shift_rule_trace
 
 
 def _cfg(kind: str, **overrides) -> PredictorConfig:
@@ -227,8 +227,10 @@ def test_llapor_online_fine_tunes_input_layers_on_shifted_routing_only(llapor_fi
     before = {t: np.array(pred.layers[t].net["out"]["w"]) for t in pred.targets}
     res = evaluate_online(pred, shifted, np.ones(shifted.num_rows, bool), groups.as_dict())
     assert pred.online_cycles()[1] >= 1 and set(pred.online_cycles()) == {1}  # input group only
-    assert not np.allclose(pred.layers[1].net["out"]["w"], before[1])
-    np.testing.assert_array_equal(pred.layers[2].net["out"]["w"], before[2])
+    after = pred.layer_arrays()
+    assert not np.allclose(after[1]["net"]["out"]["w"], before[1])
+    np.testing.assert_array_equal(after[2]["net"]["out"]["w"], before[2])
+    np.testing.assert_array_equal(after[3]["net"]["out"]["w"], before[3])
     frozen = evaluate_offline(trained, shifted, np.ones(shifted.num_rows, bool), groups.as_dict())
     assert res["layers"][1]["hit"] > frozen["layers"][1]["hit"] + 0.1
     # the buffer holds the last 128 tokens the input layer saw

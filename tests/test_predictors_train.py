@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from conf import REPO_ROOT, compose
 from predictors import load_predictor
 from predictors.data import trace_context
-from tests.predictor_traces import shift_rule_trace
+from predictors.synthetic import shift_rule_trace
 
 SMALL = ["predictor.train.epochs=2", "baselines.token.train.epochs=1", "baselines.moeless.moeless.max_epochs=1",
          "distances=[1,2]", "predictor.llapor.middle.width=32", "predictor.llapor.input.width=32"]

@@ -1,4 +1,4 @@
-"""Synthetic routing traces with a known rule, for predictor tests (no model needed)."""
+"""Synthetic routing traces with a known inter-layer rule (tests and benchmarks of the predictors; no model needed)."""
 
 from __future__ import annotations
 
