@@ -139,9 +139,14 @@ class SyntheticRouter:
         rows = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))
         sub = ex[rows]
         for _ in range(1000):
+            if sub.shape[0] == 0:
+                return ex
+            order = np.argsort(sub, axis=1, kind="stable")
+            srt = np.take_along_axis(sub, order, axis=1)
+            later = np.zeros(sub.shape, dtype=bool)
+            later[:, 1:] = srt[:, 1:] == srt[:, :-1]  # every repeat after its first occurrence
             dup = np.zeros(sub.shape, dtype=bool)
-            for j in range(1, self.k):
-                dup[:, j] = (sub[:, :j] == sub[:, j:j + 1]).any(axis=1)
+            np.put_along_axis(dup, order, later, axis=1)
             n = int(dup.sum())
             if n == 0:
                 ex[rows] = sub

@@ -52,19 +52,22 @@ class NoisyOraclePredictor:
         if self.target_hit_rate >= 1.0 or true.size == 0:
             return true
         miss = self._rng.random(true.shape) >= self.target_hit_rate
-        n = int(miss.sum())
-        if n == 0:
+        if not miss.any():
             return true
-        # a wrong expert per miss: uniform over the E - k experts the token does not use (rejection)
-        rows = np.nonzero(miss)[0]
-        used = true[rows]
-        wrong = self._rng.integers(0, self.num_experts, size=n)
-        bad = (wrong[:, None] == used).any(axis=1)
-        while bad.any():
-            wrong[bad] = self._rng.integers(0, self.num_experts, size=int(bad.sum()))
-            bad = (wrong[:, None] == used).any(axis=1)
+        # a wrong expert per miss: uniform over the experts neither true for the token nor already
+        # forecast for it (rejection sampling, slot by slot)
         out = true.copy()
-        out[miss] = wrong
+        for j in range(true.shape[1]):
+            rows = np.flatnonzero(miss[:, j])
+            if rows.size == 0:
+                continue
+            taken = np.concatenate([true[rows], out[rows]], axis=1)
+            wrong = self._rng.integers(0, self.num_experts, size=rows.size)
+            bad = (wrong[:, None] == taken).any(axis=1)
+            while bad.any():
+                wrong[bad] = self._rng.integers(0, self.num_experts, size=int(bad.sum()))
+                bad = (wrong[:, None] == taken).any(axis=1)
+            out[rows, j] = wrong
         return out
 
     def predict(self, ctx: LayerContext) -> np.ndarray:

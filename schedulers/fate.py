@@ -19,7 +19,8 @@ class Fate(OffloadPolicy):
         layer, tokens = state.layer, state.tokens
         ready, missing = split_by_availability(state)
         queued_here = [t.expert for t in state.queued if t.layer == layer and tokens[t.expert] > 0]
-        rest = [int(e) for e in by_tokens(missing, tokens, descending=True) if int(e) not in set(queued_here)]
+        first = set(queued_here)
+        rest = [e for e in by_tokens(missing, tokens, descending=True).tolist() if e not in first]
         loads = queued_here + rest
         gpu = tuple(int(e) for e in ready) + tuple(loads)
         self.touch(layer, gpu)

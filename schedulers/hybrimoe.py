@@ -25,28 +25,31 @@ from schedulers.policy import OffloadPolicy, by_tokens, split_by_availability
 def hybrid_scheduling(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarray, t_io: float, cost,
                       alpha: float = 0.0) -> tuple[list[int], list[int]]:
     """HSS: (cpu experts in assignment order, gpu experts in assignment order)."""
-    order = list(by_tokens(cached, tokens, descending=True)) + list(by_tokens(uncached, tokens, descending=True))
-    uncached_set = set(int(e) for e in uncached)
+    order = np.concatenate([by_tokens(cached, tokens, descending=True), by_tokens(uncached, tokens, descending=True)])
+    m = tokens[order]
+    t_gpu = np.atleast_1d(cost.t_g(m)).tolist()
+    t_cpu = np.atleast_1d(cost.t_c(m)).tolist()
+    is_move = np.isin(order, uncached).tolist()
+    order = order.tolist()
     gpu_total = cpu_total = 0.0
     move_total = alpha
     gpu: list[int] = []
     cpu: list[int] = []
     lo, hi = 0, len(order) - 1
     while lo <= hi:
-        first, last = int(order[lo]), int(order[hi])
-        gpu_time = float(cost.t_g(tokens[first]))
-        cpu_time = float(cost.t_c(tokens[last]))
-        move = first in uncached_set
+        gpu_time = t_gpu[lo]
+        cpu_time = t_cpu[hi]
+        move = is_move[lo]
         if move and move_total + t_io > gpu_total:
             gpu_time += move_total + t_io - gpu_total
         if gpu_total + gpu_time <= cpu_total + cpu_time:
-            gpu.append(first)
+            gpu.append(order[lo])
             gpu_total += gpu_time
             if move:
                 move_total += t_io
             lo += 1
         else:
-            cpu.append(last)
+            cpu.append(order[hi])
             cpu_total += cpu_time
             hi -= 1
     return cpu, gpu
@@ -75,21 +78,14 @@ class HybriMoE(OffloadPolicy):
     def _place(self, state: LayerState, layer: int, experts: list[int], protect: set[int],
                evicted: list[tuple[int, int]]) -> list[bool]:
         """Cache each expert in `layer`'s slots if room can be made (lowest priority evicted)."""
-        keep = []
         room = self.layer_room(state, layer, sum(1 for lay, _ in evicted if lay == layer))
-        for e in experts:
-            if room <= 0:
-                gone = {x for lay, x in evicted if lay == layer}
-                victim = self.layer_victims(state, layer, 1, protect | gone, self.priority[layer])
-                if victim:
-                    evicted.extend(victim)
-                    room += 1
-            if room > 0:
-                keep.append(True)
-                room -= 1
-            else:
-                keep.append(False)
-        return keep
+        short = len(experts) - max(room, 0)
+        if short > 0:
+            gone = {x for lay, x in evicted if lay == layer}
+            victims = self.layer_victims(state, layer, short, protect | gone, self.priority[layer])
+            evicted.extend(victims)
+            room = max(room, 0) + len(victims)
+        return [i < room for i in range(len(experts))]
 
     def plan(self, state: LayerState) -> LayerPlan:
         layer, tokens = state.layer, state.tokens

@@ -131,12 +131,14 @@ class PipelineSim:
         """Land finished transfers, keep started ones, drop those not started by `now` (returned)."""
         keep, dropped = [], []
         for job in self.jobs:
-            if job.start < now or job.end <= now:
-                self._commit(job)
-            if job.end <= now:
-                self._land(job)
-            elif job.start < now:
-                keep.append(job)
+            if job.start < now:
+                if not job.counted:
+                    self._commit(job)
+                if job.end <= now:
+                    if job.retain:
+                        self._land(job)
+                else:
+                    keep.append(job)
             else:
                 dropped.append(job)
         self.jobs = keep
@@ -173,11 +175,12 @@ class PipelineSim:
         predicted = LazyForecasts(self.forecasts, layer, fp.index, fp.rows, self.L) \
             if self.forecasts is not None else {}
         hit = self.forecasts.hit_rates() if self.forecasts is not None else {}
+        reserved = sum(1 for j in self.jobs if j.retain)
         return LayerState(
             layer=layer, num_layers=self.L, phase=Phase.prefill if fp.prefill else Phase.decode,
             tokens=tokens, scores=fp.scores[layer], predicted=predicted, resident=self.resident,
             inflight=inflight, queued=queued, alpha_s=alpha, cache_slots=self.cache_slots,
-            free_slots=self.cache_slots - self.n_resident - self._reserved(), batch_tokens=fp.tokens,
+            free_slots=self.cache_slots - self.n_resident - reserved, batch_tokens=fp.tokens,
             context_len=fp.context_len, hit_rate=hit, cost=self.cost, t_io_s=t_io, t_attn_next_s=t_attn_next,
             tokens_by_microbatch=None if mb is None else mb[:, layer])
 

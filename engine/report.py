@@ -1,0 +1,241 @@
+"""`python -m engine.report <dir>`: tables and figures from simulated runs.
+
+`<dir>` is a Hydra multirun folder of `engine.simulate` jobs (every `results.json` below it) or a
+benchmark output holding `results.jsonl`. Writes into `<dir>` (or `--out`):
+
+- `runs.csv`: one row per run, every scalar metric;
+- `report.md`: per model and machine, throughput and decode latency per system x batch size, and
+  LayerScope's gain over every other system (throughput up, decode latency down) at every point;
+- `fig11_throughput.png`, `fig12_decode_latency.png` (LayerScope Figures 11 / 12: systems vs batch,
+  one panel per model and machine) and `fig13_ablation.png` when ablation variants are present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+REFERENCE = "LayerScope"
+
+
+def load_rows(folder: Path) -> list[dict[str, Any]]:
+    """Every run below `folder`: `results.json` files and `results.jsonl` lines."""
+    rows: list[dict[str, Any]] = []
+    for path in sorted(folder.rglob("results.jsonl")):
+        with open(path) as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"{path}:{n}: not JSON: {exc}") from None
+    for path in sorted(folder.rglob("results.json")):
+        try:
+            rows.append(json.loads(path.read_text()))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON: {exc}") from None
+    if not rows:
+        raise FileNotFoundError(f"report: no results.json / results.jsonl below {folder}")
+    return [normalise(r) for r in rows]
+
+
+def normalise(row: dict[str, Any]) -> dict[str, Any]:
+    """The system label of a row (a synchronous-copy run is its own system)."""
+    row = dict(row)
+    label = str(row.get("scheduler", row.get("system", "?")))
+    if row.get("async_io") is False and "AsyncIO" not in label:
+        label += " w/o AsyncIO"
+    row["system_label"] = label
+    return row
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "-"
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def pivot(rows: Iterable[dict[str, Any]], metric: str) -> dict[tuple[str, str], dict[str, dict[int, float]]]:
+    """(model, hardware) -> system -> batch -> metric."""
+    out: dict[tuple[str, str], dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        if metric in r and r[metric] is not None:
+            out[(r["model"], r["hardware"])][r["system_label"]][int(r["batch_size"])] = float(r[metric])
+    return out
+
+
+def gains(table: dict[str, dict[int, float]], higher_is_better: bool) -> dict[str, dict[int, float]]:
+    """LayerScope's relative gain over every other system at every batch size."""
+    ref = table.get(REFERENCE)
+    if not ref:
+        return {}
+    out: dict[str, dict[int, float]] = {}
+    for system, values in table.items():
+        if system == REFERENCE:
+            continue
+        row = {}
+        for b, v in values.items():
+            if b in ref and v > 0:
+                row[b] = ref[b] / v - 1 if higher_is_better else 1 - ref[b] / v
+        out[system] = row
+    return out
+
+
+def markdown_table(table: dict[str, dict[int, float]], digits: int = 3, percent: bool = False) -> str:
+    batches = sorted({b for v in table.values() for b in v})
+    lines = ["| system | " + " | ".join(f"b={b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
+    for system in sorted(table, key=lambda s: (s != REFERENCE, s)):
+        cells = []
+        for b in batches:
+            v = table[system].get(b)
+            cells.append("-" if v is None else (f"{100 * v:+.1f}%" if percent else _fmt(v, digits)))
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    keys: list[str] = []
+    for r in rows:
+        for k, v in r.items():
+            if k not in keys and not isinstance(v, (dict, list)):
+                keys.append(k)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in keys})
+    tmp.replace(path)
+
+
+def _plot_grid(data: dict[tuple[str, str], dict[str, dict[int, float]]], ylabel: str, path: Path, log: bool = False) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted(data)
+    models = sorted({m for m, _ in keys})
+    hws = sorted({h for _, h in keys})
+    fig, axes = plt.subplots(len(hws), len(models), figsize=(3.4 * len(models), 2.8 * len(hws)), squeeze=False)
+    for i, hw in enumerate(hws):
+        for j, model in enumerate(models):
+            ax = axes[i][j]
+            for system, values in sorted(data.get((model, hw), {}).items(), key=lambda kv: (kv[0] != REFERENCE, kv[0])):
+                bs = sorted(values)
+                ax.plot(bs, [values[b] for b in bs], marker="o", lw=2.2 if system == REFERENCE else 1.1, label=system)
+            ax.set_xscale("log", base=2)
+            if log:
+                ax.set_yscale("log")
+            ax.set_title(f"{model} / {hw}", fontsize=8)
+            ax.set_xlabel("batch size", fontsize=7)
+            ax.set_ylabel(ylabel, fontsize=7)
+            ax.tick_params(labelsize=6)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=7)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_ablation(data: dict[tuple[str, str], dict[str, dict[int, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    keys = sorted(data)
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.0), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        systems = sorted(data[key], key=lambda s: (s != REFERENCE, s))
+        batches = sorted({b for v in data[key].values() for b in v})
+        width = 0.8 / max(len(systems), 1)
+        for k, system in enumerate(systems):
+            ax.bar(np.arange(len(batches)) + k * width, [data[key][system].get(b, 0) for b in batches], width, label=system)
+        ax.set_xticks(np.arange(len(batches)) + 0.4 - width / 2)
+        ax.set_xticklabels([str(b) for b in batches], fontsize=7)
+        ax.set_title(f"{key[0]} / {key[1]}", fontsize=8)
+        ax.set_ylabel("tokens/s", fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=7)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(out: Path, rows: list[dict[str, Any]]) -> Path:
+    """Write runs.csv, report.md and the figures into `out`; returns report.md's path."""
+    rows = [r if "system_label" in r else normalise(r) for r in rows]
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "runs.csv", rows)
+    thr = pivot(rows, "throughput_tok_s")
+    lat = pivot(rows, "decode_latency_s")
+    lines = ["# Simulated offloaded inference", "",
+             "Throughput = tokens generated / generation time (prefill included); decode latency = seconds per "
+             "decode step. Gains are LayerScope's relative to each system (throughput up, latency down).", ""]
+    summary: dict[str, list[float]] = defaultdict(list)
+    worst: list[tuple[float, str]] = []
+    for key in sorted(thr):
+        model, hw = key
+        lines += [f"## {model} on {hw}", "", "Throughput (tokens/s)", "", markdown_table(thr[key]), ""]
+        if key in lat:
+            lines += ["Decode latency (s/token)", "", markdown_table(lat[key], 3), ""]
+        g = gains(thr[key], higher_is_better=True)
+        if g:
+            lines += ["LayerScope throughput gain", "", markdown_table(g, percent=True), ""]
+            for system, per_batch in g.items():
+                summary[system].extend(per_batch.values())
+                for b, v in per_batch.items():
+                    worst.append((v, f"{system} at {model}/{hw}/b={b}"))
+        gl = gains(lat.get(key, {}), higher_is_better=False)
+        if gl:
+            lines += ["LayerScope decode-latency reduction", "", markdown_table(gl, percent=True), ""]
+    if summary:
+        lines += ["## LayerScope vs each system over the whole sweep", "",
+                  "| system | max gain | min gain | points LayerScope >= system |", "|---|---|---|---|"]
+        for system, values in sorted(summary.items()):
+            ahead = sum(v >= -1e-9 for v in values)
+            lines.append(f"| {system} | {100 * max(values):+.1f}% | {100 * min(values):+.1f}% | {ahead}/{len(values)} |")
+        lines.append("")
+        if worst:
+            v, where = min(worst)
+            lines += [f"Smallest margin: {100 * v:+.2f}% ({where}).", ""]
+    bounds = [r for r in rows if r.get("lower_bound_s")]
+    if bounds:
+        lines += ["## Distance to the lower bound", "", "| model | hardware | system | batch | above bound |", "|---|---|---|---|---|"]
+        for r in sorted(bounds, key=lambda r: (r["model"], r["hardware"], r["system_label"], r["batch_size"])):
+            lines.append(f"| {r['model']} | {r['hardware']} | {r['system_label']} | {r['batch_size']} | "
+                         f"{100 * r['above_lower_bound']:+.1f}% |")
+        lines.append("")
+    path = out / "report.md"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(lines))
+    tmp.replace(path)
+    _plot_grid(thr, "tokens/s", out / "fig11_throughput.png")
+    if lat:
+        _plot_grid(lat, "s / decode step", out / "fig12_decode_latency.png", log=True)
+    if any("w/o" in s for t in thr.values() for s in t):
+        _plot_ablation(thr, out / "fig13_ablation.png")
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m engine.report", description="tables and figures from simulated runs")
+    ap.add_argument("folder", type=Path, help="Hydra multirun folder or benchmark output")
+    ap.add_argument("--out", type=Path, default=None, help="where to write (default: the folder)")
+    args = ap.parse_args(argv)
+    rows = load_rows(args.folder)
+    path = write_report(args.out or args.folder, rows)
+    print(f"{len(rows)} runs -> {path}")
+
+
+if __name__ == "__main__":
+    main()

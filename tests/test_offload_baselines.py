@@ -1,0 +1,162 @@
+"""Offload baselines walked on hand-made layer states, plus the hot table (LayerScope §4.1)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from conf import compose
+from conf.schemas.hardware import load_hardware
+from models.loading import resolve_model_config
+from schedulers.base import LayerState, Phase, SchedulerKind, SchedulerSettings, SchedulerSetup, Transfer, build_scheduler
+from schedulers.cost import CostModel
+from schedulers.hot_table import hot_table, per_layer_hot_table, per_layer_slots, rank_experts
+from schedulers.hybrimoe import hybrid_scheduling
+from schedulers.layerwise import greedy_split
+
+MS = 1e-3
+
+
+@functools.lru_cache(maxsize=None)
+def cost() -> CostModel:
+    cfg = resolve_model_config(compose("simulate", ["model=mixtral_8x7b"]).model)
+    c = CostModel(cfg, load_hardware("v100_pcie3"))
+    c.beta_s, c.cpu_startup_s, c.t_io = 1 * MS, 1 * MS, 4 * MS  # t_c(m) = m + 1 ms, t_io = 4 ms
+    return c
+
+
+def build(kind: SchedulerKind, cache_slots: int = 16, profile: np.ndarray | None = None, **kw):
+    settings = SchedulerSettings(kind=kind, label=kind.value, **kw)
+    prof = profile if profile is not None else np.zeros((4, 8), dtype=np.int64)
+    return build_scheduler(settings, SchedulerSetup(num_layers=4, num_experts=8, top_k=2, cache_slots=cache_slots,
+                                                    cost=cost(), profile_loads=prof))
+
+
+def make_state(tokens: list[int], resident_experts: list[int], layer: int = 0, phase: Phase = Phase.decode,
+               predicted: dict | None = None, resident: np.ndarray | None = None, cache_slots: int = 16,
+               queued: tuple = (), mb: np.ndarray | None = None) -> LayerState:
+    t = np.array(tokens, dtype=np.int64)
+    if resident is None:
+        resident = np.zeros((4, 8), dtype=bool)
+        resident[layer, resident_experts] = True
+    return LayerState(layer=layer, num_layers=4, phase=phase, tokens=t, scores=t * 0.5, predicted=predicted or {},
+                      resident=resident, inflight=(), queued=queued, alpha_s=0.0, cache_slots=cache_slots,
+                      free_slots=cache_slots - int(resident.sum()), batch_tokens=int(t.sum()) // 2, context_len=128,
+                      hit_rate={1: 0.9}, cost=cost(), t_io_s=cost().t_io, t_attn_next_s=0.5 * MS,
+                      tokens_by_microbatch=mb)
+
+
+# ---- hot table ------------------------------------------------------------------------------------
+def test_hot_table_takes_the_globally_hottest() -> None:
+    loads = np.array([[5, 1, 9], [7, 7, 0]])
+    assert rank_experts(loads).tolist() == [[0, 2], [1, 0], [1, 1], [0, 0], [0, 1], [1, 2]]
+    assert hot_table(loads, 3).tolist() == [[False, False, True], [True, True, False]]
+    assert hot_table(loads, 0).sum() == 0 and hot_table(loads, 99).all()
+    assert per_layer_slots(3, 7).tolist() == [3, 2, 2]
+    assert per_layer_hot_table(loads, np.array([1, 2])).tolist() == [[False, False, True], [True, True, False]]
+
+
+def test_pinned_policies_preload_the_hot_table_until_the_cache_is_full() -> None:
+    prof = np.arange(32).reshape(4, 8)
+    fid = build(SchedulerKind.fiddler, cache_slots=10, profile=prof)
+    assert fid.initial_residency().sum() == 10 and fid.initial_residency()[3].all()  # no dynamic region
+    ls = build(SchedulerKind.presched, cache_slots=10, profile=prof, dynamic_slots=3)
+    assert ls.initial_residency().sum() == 7
+    assert build(SchedulerKind.presched, cache_slots=10, profile=prof, hot_table=False).initial_residency().sum() == 0
+
+
+# ---- HybriMoE ------------------------------------------------------------------------------------
+def test_hybrid_scheduling_walk() -> None:
+    c = cost()
+    t_g = float(c.t_g(1))  # ~0.5 ms at these sizes; all GPU experts cost about the same
+    tokens = np.zeros(8, dtype=np.int64)
+    tokens[[0, 1, 2, 3]] = [6, 1, 4, 2]  # expert 0 cached; 2, 3, 1 not
+    cpu, gpu = hybrid_scheduling(np.array([0]), np.array([1, 2, 3]), tokens, t_io=4 * MS, cost=c)
+    # order: cached 0 (6), then uncached 2 (4), 3 (2), 1 (1)
+    # step 1: gpu 0 costs t_g vs cpu 1 costs 2 -> GPU takes 0
+    # step 2: gpu 2 must wait for its move: 4 - t_g more -> t_g + 4 - t_g + t_g = 4 + t_g > cpu 2 -> CPU takes 1
+    # step 3: gpu 2 still 4 + t_g vs cpu 2 + t_c(2) = 5 -> GPU takes 2 (when t_g < 1)
+    # step 4: only 3 left: gpu needs a second move (8 + t_g) vs cpu 5 -> CPU takes 3
+    assert t_g < 1 * MS
+    assert gpu == [0, 2] and cpu == [1, 3]
+
+
+def test_hybrimoe_plan_caches_loads_and_prefetches_by_prediction() -> None:
+    h = build(SchedulerKind.hybrimoe, cache_slots=8, prefetch_count=2)  # 2 slots per layer
+    resident = np.zeros((4, 8), dtype=bool)
+    resident[0, [0, 5]] = True  # layer 0's two slots are full
+    tokens = [6, 1, 4, 2, 0, 0, 0, 0]
+    pred = np.zeros(8)
+    pred[[3, 6, 7]] = [1, 5, 3]
+    plan = h.plan(make_state(tokens, [], predicted={1: pred}, resident=resident, cache_slots=8))
+    assert plan.gpu[:1] == (0,) and 2 in plan.ondemand and set(plan.cpu) == {1, 3}
+    # the load must evict inside layer 0, and never the expert 0 computing now
+    assert plan.retain == (True,) and plan.evict == ((0, 5),)
+    assert plan.prefetch == ((1, 6), (1, 7))  # top-2 predicted of layer 1
+    assert h.priority[0, 0] > 0 and h.priority[0, 5] == 0  # EMA of scores: 0 scored, 5 not
+
+
+def test_hybrimoe_prefill_runs_everything_on_the_gpu() -> None:
+    h = build(SchedulerKind.hybrimoe)
+    plan = h.plan(make_state([600, 100, 400, 0, 0, 0, 0, 0], [0], phase=Phase.prefill))
+    assert plan.cpu == () and set(plan.ondemand) == {1, 2} and plan.prefetch == ()
+
+
+# ---- Fiddler, kTransformers, on-demand, LRU, Fate, Klotski ----------------------------------------
+def test_fiddler_chooses_per_expert_cpu_or_transfer() -> None:
+    f = build(SchedulerKind.fiddler)
+    # t_c: 1 token -> 2 ms < 4 ms + t_g (CPU); 6 tokens -> 7 ms > 4 + t_g (transfer)
+    plan = f.plan(make_state([6, 1, 0, 0, 0, 0, 0, 3], [7]))
+    assert plan.cpu == (1,) and plan.ondemand == (0,) and plan.gpu == (7, 0) and plan.prefetch == ()
+
+
+def test_ktransformers_never_transfers_in_decode() -> None:
+    k = build(SchedulerKind.ktransformers, prefill_gpu_min_tokens=100)
+    plan = k.plan(make_state([6, 1, 0, 0, 0, 0, 0, 3], [7]))
+    assert plan.ondemand == () and plan.cpu == (0, 1) and plan.gpu == (7,)
+    pre = k.plan(make_state([600, 100, 0, 0, 0, 0, 0, 300], [7], phase=Phase.prefill))
+    assert pre.cpu == () and pre.ondemand == (0, 1)
+
+
+def test_ondemand_and_lru() -> None:
+    od = build(SchedulerKind.ondemand).plan(make_state([1, 5, 0, 3, 0, 0, 0, 0], [3]))
+    assert od.cpu == () and od.ondemand == (1, 0) and od.retain == (False, False)
+    lru = build(SchedulerKind.lru, cache_slots=8)  # 2 slots per layer
+    resident = np.zeros((4, 8), dtype=bool)
+    resident[0, [2, 4]] = True
+    lru.last_used[0, 2], lru.last_used[0, 4] = 5, 9  # 2 is the least recently used
+    plan = lru.plan(make_state([0, 3, 0, 0, 0, 0, 0, 0], [], resident=resident, cache_slots=8))
+    assert plan.ondemand == (1,) and plan.retain == (True,) and plan.evict == ((0, 2),)
+
+
+def test_fate_prefetches_every_predicted_expert_and_keeps_queued_loads_first() -> None:
+    f = build(SchedulerKind.fate, dynamic_slots=8)
+    pred = np.zeros(8)
+    pred[[1, 2, 5]] = [2, 6, 1]
+    queued = (Transfer(0, 3), Transfer(1, 4))
+    plan = f.plan(make_state([1, 0, 0, 2, 0, 4, 0, 0], [], predicted={1: pred}, queued=queued))
+    assert plan.ondemand == (3, 5, 0)  # the queued (0, 3) keeps its place, then hottest first
+    assert plan.prefetch == ((1, 2), (1, 1), (1, 5))
+
+
+def test_klotski_loads_the_first_microbatch_first_and_prefetches_hot_experts() -> None:
+    prof = np.zeros((4, 8), dtype=np.int64)
+    prof[1] = [0, 9, 0, 7, 0, 0, 1, 0]
+    k = build(SchedulerKind.klotski, profile=prof, prefetch_count=2, hot_table=False)
+    assert k.micro_batches == 2
+    mb = np.zeros((2, 8), dtype=np.int64)
+    mb[0, [0, 2]] = [1, 1]
+    mb[1, [0, 5]] = [1, 5]
+    plan = k.plan(make_state([2, 0, 1, 0, 0, 5, 0, 0], [], mb=mb))
+    assert plan.ondemand == (0, 2, 5)  # micro-batch 0's experts (hottest first), then the rest
+    assert plan.prefetch == ((1, 1), (1, 3))
+
+
+def test_layerwise_greedy_split_minimises_the_layer() -> None:
+    c = cost()
+    # E_cur ascending tokens 1, 2, 6: t_c = 2, 3, 7; loads of the hottest ones cost 4 ms each
+    i = greedy_split(np.array([1.0, 2.0, 6.0]), ready_gpu_s=0.0, alpha=0.0, t_io=4 * MS, t_g=0.0, cost=c)
+    # i=0: max(0, 12); i=1: max(2, 8); i=2: max(5, 4) = 5; i=3: max(12, 0) -> i = 2
+    assert i == 2
