@@ -173,7 +173,9 @@ def run_real(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any
             "lossy_systems": sorted(label for label, s in systems.items() if s["lossy"])}
 
 
-def run(node: DictConfig) -> dict[str, Any]:
+def run(node: DictConfig, run_dir: Optional[Any] = None) -> dict[str, Any]:
+    """Serve or simulate as `node` (a composed `serve` config) says; outputs go to `run_dir`
+    (default: the Hydra run folder)."""
     from engine.serverless.figures import close, draw_all
     from engine.serverless.multihost import maybe_initialize
 
@@ -181,7 +183,7 @@ def run(node: DictConfig) -> dict[str, Any]:
     cfg: ServeConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
     if cfg.decode_stride < 1:
         raise ValueError(f"decode_stride: must be >= 1, got {cfg.decode_stride}")
-    with Telemetry(node, task="serve") as tm:
+    with Telemetry(node, task="serve", run_dir=run_dir) as tm:
         results = run_simulation(cfg, node, tm) if cfg.mode is ServeMode.simulate else run_real(cfg, node, tm)
         tm.write_results(results)
         if cfg.plots and cfg.mode is ServeMode.simulate:

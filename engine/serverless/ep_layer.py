@@ -1,8 +1,9 @@
 """The expert-parallel MoE layer: `jax.shard_map` over a mesh axis of G devices holding replica slots.
 
 Tokens arrive data-parallel (each device owns T / G rows, as attention and the gate left them).
-Every device holds S replica slots of this layer; `ReplicaTables` say which (device, slot) hosts
-each replica of each expert. Per device:
+Every device holds S replica slots of this layer (slot s of all devices is one [G, ...] array
+sharded over `ep`, so filling a slot is a plain transfer to one device); `ReplicaTables` say which
+(device, slot) hosts each replica of each expert. Per device:
 
 1. each (token, k) assignment picks a replica of its expert: the n-th assignment to expert e over
    the whole batch (row-major, device-major) goes to replica n mod R_e, so an expert's tokens split
@@ -114,19 +115,20 @@ def _replica_choice(e: jax.Array, ok: jax.Array, tables: ReplicaTables, num_devi
     return tables.device[e, r], tables.slot[e, r]
 
 
-def _local_experts(rows: jax.Array, slot: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """rows [N, H], slot int32 [N] (S for rows to skip), local slot weights [S, H, 2F], [S, F, H] -> [N, H]."""
-    S = gate_up.shape[0]
+def _local_experts(rows: jax.Array, slot: jax.Array, gate_up: tuple, down: tuple) -> jax.Array:
+    """rows [N, H], slot int32 [N] (S for rows to skip), this device's S slots: gate_up[s] [1, H, 2F],
+    down[s] [1, F, H] -> [N, H]."""
+    S = len(gate_up)
     routing = Routing(experts=slot[:, None], weights=(slot < S).astype(jnp.float32)[:, None],
                       logits=jnp.zeros((rows.shape[0], S), jnp.float32))
-    return experts_grouped(rows, routing, [gate_up[s] for s in range(S)], [down[s] for s in range(S)])
+    return experts_grouped(rows, routing, [w[0] for w in gate_up], [w[0] for w in down])
 
 
 def _padded_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTables, *, capacity: int,
                  num_devices: int):
     t, k = experts.shape
     H = x.shape[-1]
-    S = gate_up.shape[0]
+    S = len(gate_up)
     G = num_devices
     e = experts.reshape(-1)
     ok = jnp.repeat(valid, k)
@@ -156,7 +158,7 @@ def _ragged_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTable
     t, k = experts.shape
     n = t * k
     H = x.shape[-1]
-    S = gate_up.shape[0]
+    S = len(gate_up)
     G = num_devices
     e = experts.reshape(-1)
     ok = jnp.repeat(valid, k)
@@ -193,14 +195,14 @@ def _ragged_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTable
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "capacity", "dispatch"))
-def ep_moe(x: jax.Array, experts: jax.Array, weights: jax.Array, valid: jax.Array, gate_up: jax.Array,
-           down: jax.Array, tables: ReplicaTables, *, mesh: Mesh, capacity: int, dispatch: Dispatch = Dispatch.padded
+def ep_moe(x: jax.Array, experts: jax.Array, weights: jax.Array, valid: jax.Array, gate_up: tuple,
+           down: tuple, tables: ReplicaTables, *, mesh: Mesh, capacity: int, dispatch: Dispatch = Dispatch.padded
            ) -> tuple[jax.Array, jax.Array]:
     """Expert-parallel MoE over the `ep` axis of `mesh`.
 
     x [T, H], experts int32 [T, k], weights float32 [T, k], valid bool [T] (all sharded over `ep` by
-    rows, T = G * t); gate_up [G * S, H, 2F] and down [G * S, F, H]: the replica slots, sharded over
-    `ep` (device g owns slots g * S ... g * S + S - 1); tables replicated. Returns the combined
+    rows, T = G * t); gate_up: S arrays [G, H, 2F] and down: S arrays [G, F, H], slot s of every
+    device, sharded over `ep` (row g lives on device g); tables replicated. Returns the combined
     expert output [T, H] (sharded like x) and the number of assignments that did not fit [G]
     (every entry the same total; 0 when `capacity` sufficed).
     """
@@ -209,7 +211,7 @@ def ep_moe(x: jax.Array, experts: jax.Array, weights: jax.Array, valid: jax.Arra
     rows = P(EP_AXIS)
     fn = jax.shard_map(functools.partial(body, capacity=capacity, num_devices=G), mesh=mesh,
                        in_specs=(rows, rows, rows, rows, rows, rows, P()), out_specs=(rows, rows), check_vma=False)
-    return fn(x, experts, weights, valid, gate_up, down, tables)
+    return fn(x, experts, weights, valid, tuple(gate_up), tuple(down), tables)
 
 
 def shard_rows(mesh: Mesh, *arrays: jax.Array) -> tuple[jax.Array, ...]:

@@ -1,10 +1,11 @@
 """Replica slots of one MoE layer on the devices of the `ep` axis, holding real expert weights.
 
-Each device owns S slots (arrays [S, H, 2F] and [S, F, H] on that device). Applying a placement
-follows the `SlotMap`: warm replicas stay where they are, cold ones are copied into a free slot
-from a peer device that holds the expert (device to device) or from the host master copy; the
-bytes of each kind are counted. The sharded [G * S, ...] arrays the EP layer reads are assembled
-from the per-device buffers without copying (`jax.make_array_from_single_device_arrays`).
+Device g's slot s holds one expert as arrays [1, H, 2F] and [1, F, H] on device g. Applying a
+placement follows the `SlotMap`: warm replicas stay where they are, cold ones are copied into a
+free slot from a peer device that holds the expert (a device-to-device transfer) or from the host
+master copy; the bytes of each kind are counted. A copy is a transfer only (no computation runs
+on the device, so nothing compiles per device). The EP layer reads slot s of all devices as one
+[G, ...] array sharded over `ep`, assembled without copying (`jax.make_array_from_single_device_arrays`).
 
 Multi-host: every process keeps the same slot bookkeeping (policies are deterministic) but only
 touches the buffers of its own devices; a peer copy from another host's device is replaced by a
@@ -16,7 +17,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -24,13 +24,6 @@ from jax.sharding import PartitionSpec as P
 from engine.serverless.ep_layer import EP_AXIS
 from engine.serverless.slots import EMPTY, SlotMap, SlotUpdate, Source
 from schedulers.ep_placement import Placement
-
-
-def _write_slot(buf: jax.Array, value: jax.Array, slot: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), slot, 0)
-
-
-_write_slot_donated = jax.jit(_write_slot, donate_argnums=0)  # in place: a copy touches one slot only
 
 
 class DeviceReplicaStore:
@@ -50,10 +43,11 @@ class DeviceReplicaStore:
         self.slot_map = SlotMap(len(gate_up), self.num_devices, slots_per_device)
         me = jax.process_index()
         self.local = [g for g, d in enumerate(self.devices) if d.process_index == me]
-        gu_shape = (slots_per_device, *self.master_gate_up[0].shape)
-        dn_shape = (slots_per_device, *self.master_down[0].shape)
-        self.gate_up = {g: jax.device_put(np.zeros(gu_shape, self.dtype), self.devices[g]) for g in self.local}
-        self.down = {g: jax.device_put(np.zeros(dn_shape, self.dtype), self.devices[g]) for g in self.local}
+        zeros_gu = np.zeros((1, *self.master_gate_up[0].shape), self.dtype)
+        zeros_dn = np.zeros((1, *self.master_down[0].shape), self.dtype)
+        # [slot][device] -> single-device array [1, ...] (local devices only)
+        self.gate_up = [{g: jax.device_put(zeros_gu, self.devices[g]) for g in self.local} for _ in range(slots_per_device)]
+        self.down = [{g: jax.device_put(zeros_dn, self.devices[g]) for g in self.local} for _ in range(slots_per_device)]
         self.bytes = {"host": 0, "peer": 0}
         self.copies = {src.value: 0 for src in Source}
 
@@ -65,38 +59,35 @@ class DeviceReplicaStore:
         before = self.slot_map.expert.copy()
         update = self.slot_map.apply(placement)
         local = set(self.local)
-        staged = []  # read every source before writing any slot (a slot may be a source and a target)
+        old_gu = [dict(slot) for slot in self.gate_up]  # sources are read from the state before this update
+        old_dn = [dict(slot) for slot in self.down]
         for m in update.moves:
             self.copies[m.source.value] += 1
             if m.source is Source.warm:
                 continue
-            kind = "peer" if m.source is Source.peer else "host"
-            self.bytes[kind] += self.expert_bytes
+            self.bytes["peer" if m.source is Source.peer else "host"] += self.expert_bytes
             if m.device not in local:
                 continue
             target = self.devices[m.device]
             if m.source is Source.peer and m.src_device in local:
                 src_slot = int(np.flatnonzero(before[m.src_device] == m.expert)[0])
-                gu = jax.device_put(self.gate_up[m.src_device][src_slot], target)
-                dn = jax.device_put(self.down[m.src_device][src_slot], target)
+                gu, dn = old_gu[src_slot][m.src_device], old_dn[src_slot][m.src_device]
             else:
-                gu = jax.device_put(self.master_gate_up[m.expert], target)
-                dn = jax.device_put(self.master_down[m.expert], target)
-            staged.append((m.device, m.slot, gu, dn))
-        for g, s, gu, dn in staged:
-            slot = jnp.int32(s)
-            self.gate_up[g] = _write_slot_donated(self.gate_up[g], gu, slot)
-            self.down[g] = _write_slot_donated(self.down[g], dn, slot)
+                gu, dn = self.master_gate_up[m.expert][None], self.master_down[m.expert][None]
+            self.gate_up[m.slot][m.device] = jax.device_put(gu, target)
+            self.down[m.slot][m.device] = jax.device_put(dn, target)
         return update
 
-    def arrays(self) -> tuple[jax.Array, jax.Array]:
-        """gate_up [G * S, H, 2F] and down [G * S, F, H], sharded over `ep` (device g: slots g*S..)."""
+    def arrays(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """Per slot s: gate_up [G, H, 2F] and down [G, F, H], sharded over `ep` (row g on device g)."""
         sharding = NamedSharding(self.mesh, P(EP_AXIS))
-        G, S = self.num_devices, self.slots
-        gu = jax.make_array_from_single_device_arrays((G * S, *self.master_gate_up[0].shape), sharding,
-                                                      [self.gate_up[g] for g in self.local])
-        dn = jax.make_array_from_single_device_arrays((G * S, *self.master_down[0].shape), sharding,
-                                                      [self.down[g] for g in self.local])
+        G = self.num_devices
+        gu_shape = (G, *self.master_gate_up[0].shape)
+        dn_shape = (G, *self.master_down[0].shape)
+        gu = tuple(jax.make_array_from_single_device_arrays(gu_shape, sharding, [slot[g] for g in self.local])
+                   for slot in self.gate_up)
+        dn = tuple(jax.make_array_from_single_device_arrays(dn_shape, sharding, [slot[g] for g in self.local])
+                   for slot in self.down)
         return gu, dn
 
     def slot_contents(self) -> np.ndarray:

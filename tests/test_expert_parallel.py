@@ -1,0 +1,222 @@
+"""The shard_map expert-parallel layer, the replica store and the executor on 8 host CPU devices.
+
+References are the models' own single-device expert computation (`models.moe.InMemoryExperts`)
+and the in-memory model forward (tests/conftest.py sets 8 host devices before jax is imported).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from engine.serverless.ep_layer import Dispatch, ReplicaTables, ep_moe, replicate, required_capacity, \
+    resolve_dispatch, shard_rows, tables_from_slots
+from engine.serverless.executor import ServerlessExecutor
+from engine.serverless.forecast import LoadForecast
+from engine.serverless.policies import PolicyKind, SystemSpec
+from engine.serverless.replica_store import DeviceReplicaStore
+from engine.serverless.slots import Source
+from models.config import Family, ModelConfig
+from models.moe import DEFAULT_EXECUTOR, InMemoryExperts, RoutedExperts, Routing
+from models.transformer import build_model, forward, forward_jit, init_cache
+from predictors.base import LayerContext
+from predictors.historical_load import HistoricalLoadForecaster
+from schedulers.ep_placement import Placement, assign_tokens
+from schedulers.eplb import EPLBSettings
+from schedulers.moeless import MoElessSettings
+
+G, E, H, F, K, S = 8, 6, 16, 32, 2, 3
+T = 40  # 5 tokens per device
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Mesh:
+    assert len(jax.devices()) >= G, "tests/conftest.py should give 8 host devices"
+    return Mesh(np.asarray(jax.devices()[:G]), ("ep",))
+
+
+@pytest.fixture(scope="module")
+def layer():
+    rng = np.random.default_rng(0)
+    experts = RoutedExperts(E, H, F, rngs=__import__("flax").nnx.Rngs(params=1))
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+    ids[:24, 0] = 0  # expert 0 is hot
+    w = rng.random((T, K)).astype(np.float32)
+    valid = np.ones(T, bool)
+    valid[[7, 21, 39]] = False  # padding rows
+    return experts, x, ids, w, valid
+
+
+def reference(experts: RoutedExperts, x, ids, w, valid) -> np.ndarray:
+    routing = Routing(experts=jnp.asarray(ids), weights=jnp.asarray(w), logits=jnp.zeros((T, E)))
+    out = np.asarray(InMemoryExperts(slot_limit=0, dense_limit=0)(0, jnp.asarray(x), routing, experts))
+    return np.where(valid[:, None], out, 0.0)
+
+
+def slots_in_order(p: Placement) -> np.ndarray:
+    used: dict[int, int] = {}
+    out = []
+    for g in p.replica_device.tolist():
+        out.append(used.get(g, 0))
+        used[g] = out[-1] + 1
+    return np.asarray(out)
+
+
+PLACEMENTS = {
+    "one_per_device_two_idle": [(e, e) for e in range(E)],
+    "hot_expert_replicated_incl_same_device": [(0, 0), (0, 3), (0, 5), (0, 5), (1, 1), (2, 2), (3, 3), (4, 4), (5, 6)],
+    "five_empty_devices": [(0, 2), (0, 6), (1, 2), (2, 2), (3, 6), (4, 6), (5, 4)],
+    "crowded_device_hot_elsewhere": [(0, 7), (1, 7), (2, 7), (0, 1), (3, 0), (4, 0), (5, 1)],
+}
+
+
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_ep_layer_equals_single_device_reference(mesh, layer, name):
+    experts, x, ids, w, valid = layer
+    placement = Placement.from_lists(E, G, PLACEMENTS[name])
+    slot_of = slots_in_order(placement)
+    gate_up, down = experts.arrays()
+    gu = np.zeros((S, G, H, 2 * F), np.float32)
+    dn = np.zeros((S, G, F, H), np.float32)
+    for r, (e, g) in enumerate(zip(placement.replica_expert, placement.replica_device)):
+        gu[slot_of[r], g], dn[slot_of[r], g] = np.asarray(gate_up[e]), np.asarray(down[e])
+    tables = replicate(mesh, ReplicaTables(**{k: jnp.asarray(v) for k, v in
+                                             tables_from_slots(placement, slot_of, G * S).items()}))
+    need = required_capacity(ids, valid, placement)
+    assert 0 < need <= (T // G) * K
+    args = shard_rows(mesh, jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), jnp.asarray(valid))
+    args += (shard_rows(mesh, *map(jnp.asarray, gu)), shard_rows(mesh, *map(jnp.asarray, dn)))
+    out, overflow = ep_moe(*args, tables, mesh=mesh, capacity=(T // G) * K)  # one compilation for all cases
+    assert int(overflow[0]) == 0
+    np.testing.assert_allclose(np.asarray(out), reference(experts, x, ids, w, valid), atol=2e-6)
+    if name == "five_empty_devices":  # one slot short of the busiest device pair: the dropped rows are reported
+        _, short = ep_moe(*args, tables, mesh=mesh, capacity=need - 1)
+        assert int(short[0]) > 0
+
+
+def test_required_capacity_counts_the_busiest_device_pair():
+    placement = Placement.from_lists(2, 2, [(0, 0), (1, 1)])
+    ids = np.array([[0], [0], [0], [1]], np.int32)  # device 0 rows: 0, 0 -> dev 0 twice; device 1 rows: 0, 1
+    assert required_capacity(ids, np.ones(4, bool), placement) == 2
+    assert required_capacity(ids, np.array([True, False, True, True]), placement) == 1
+    rep = assign_tokens(np.array([[0], [0], [0]]), Placement.from_lists(2, 2, [(0, 0), (0, 1), (1, 1)]))
+    assert rep[:, 0].tolist() == [0, 1, 0]
+
+
+def test_dispatch_mode_follows_the_backend():
+    assert resolve_dispatch(Dispatch.auto, "cpu") is Dispatch.padded
+    assert resolve_dispatch(Dispatch.auto, "gpu") is Dispatch.ragged
+    with pytest.raises(ValueError, match="ragged_all_to_all is not implemented on XLA:CPU"):
+        resolve_dispatch(Dispatch.ragged, "cpu")
+
+
+def test_replica_store_reuses_live_replicas_and_counts_copies(mesh, layer):
+    experts, *_ = layer
+    gate_up, down = experts.arrays()
+    store = DeviceReplicaStore(mesh, gate_up, down, slots_per_device=2)
+    first = Placement.from_lists(E, G, [(e, e) for e in range(E)] + [(0, 7)])
+    up = store.apply(first)
+    assert up.count(Source.host) == 7 and store.bytes == {"host": 7 * store.expert_bytes, "peer": 0}
+    # expert 0 moves from devices {0, 7} to {0, 6}; expert 5 gains a replica on device 4
+    second = Placement.from_lists(E, G, [(e, e) for e in range(E)] + [(0, 6), (5, 4)])
+    up2 = store.apply(second)
+    assert up2.count(Source.warm) == 6 and up2.count(Source.peer) == 2 and up2.count(Source.host) == 0
+    assert store.bytes["peer"] == 2 * store.expert_bytes
+    gu, dn = store.arrays()
+    assert len(gu) == 2 and gu[0].shape == (G, H, 2 * F) and len(gu[0].sharding.device_set) == G
+    contents = store.slot_contents()
+    for g in range(G):
+        for s in range(2):
+            if contents[g, s] >= 0:
+                np.testing.assert_array_equal(np.asarray(gu[s])[g], np.asarray(gate_up[contents[g, s]]))
+                np.testing.assert_array_equal(np.asarray(dn[s])[g], np.asarray(down[contents[g, s]]))
+    assert contents[7].tolist().count(0) == 1  # the replica on device 7 is kept alive (idle), not erased
+    assert store.live().pairs() == sorted(second.pairs() + [(0, 7)])
+
+
+# ---- the executor inside the model forward ----------------------------------------------------
+
+
+def tiny_cfg() -> ModelConfig:
+    return ModelConfig(family=Family.mixtral, vocab_size=97, hidden_size=32, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, num_experts=8,
+                       num_experts_per_tok=2, max_position_embeddings=64)
+
+
+class GateCopyPredictor:
+    """Forecasts layer l + 1 by applying its router to layer l's gate input (the untrained MoEless
+    predictor; Mixtral-offloading's speculative gate)."""
+
+    name = "gate_copy"
+    distance = 1
+
+    def __init__(self, model):
+        self.model = model
+        self.observed = 0
+
+    def predict(self, ctx: LayerContext) -> np.ndarray:
+        decoder = self.model.cfg.moe_layers[ctx.layer + 1]
+        return np.asarray(self.model.layers[decoder].moe.router.logits(jnp.asarray(ctx.hidden)))
+
+    def observe(self, target_layer: int, ctx: LayerContext, actual_experts: np.ndarray) -> None:
+        self.observed += 1
+
+    def hit_rate(self, target_layer=None) -> float:
+        return 1.0
+
+
+def run_model(model, executor, tokens, positions, valid, decode: bool = True):
+    """Prefill (+ one decode step); the in-memory reference runs compiled, the serverless executor
+    eagerly (its decisions are host code between layers)."""
+    fwd = forward_jit if executor is DEFAULT_EXECUTOR else forward
+    cache = init_cache(model, tokens.shape[0], 16)
+    logits, cache, _ = fwd(model, jnp.asarray(tokens), cache, jnp.asarray(positions), jnp.asarray(valid),
+                           executor=executor)
+    if not decode:
+        return np.asarray(logits), None
+    step = np.full((tokens.shape[0], 1), 5, np.int32)
+    logits2, _, _ = fwd(model, jnp.asarray(step), cache, jnp.asarray(positions[:, -1:] + 1),
+                        jnp.asarray(valid[:, -1:]), executor=executor)
+    return np.asarray(logits), np.asarray(logits2)
+
+
+@pytest.mark.parametrize("kind", [PolicyKind.moeless, PolicyKind.static_ep,
+                                  pytest.param(PolicyKind.eplb, marks=pytest.mark.slow),
+                                  pytest.param(PolicyKind.oracle, marks=pytest.mark.slow)])
+def test_executor_output_equals_the_in_memory_model(mesh, kind):
+    cfg = tiny_cfg()
+    model = build_model(cfg, seed=3)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, cfg.vocab_size, size=(8, 5)).astype(np.int32)
+    valid = np.ones((8, 5), bool)
+    valid[6:, :2] = False  # left padding on two rows
+    positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
+    ref = run_model(model, DEFAULT_EXECUTOR, tokens, positions, valid)
+    predictor = GateCopyPredictor(model)
+    spec = SystemSpec(kind, kind.value, moeless=MoElessSettings(cv_threshold=0.05), capacity_slots=3,
+                      eplb=EPLBSettings(num_redundant=8, rebalance_interval_s=0.0))
+    forecast = LoadForecast(predictor, HistoricalLoadForecaster(len(cfg.moe_layers), cfg.num_experts), cfg.num_experts_per_tok)
+    exe = ServerlessExecutor(cfg, mesh, spec, forecast, capacity_multiple=16)  # one dispatch capacity: few compiles
+    exe.begin_pass(0.0)
+    first = run_model(model, exe, tokens, positions, valid, decode=False)
+    exe.begin_pass(1.0)
+    got = run_model(model, exe, tokens, positions, valid)  # a second pass: warm replicas, forecasts in use
+    real = valid[:, -1]
+    if kind is PolicyKind.oracle:  # lossy: the routing is replaced
+        assert not np.allclose(got[0][real], ref[0][real], atol=1e-3)
+        return
+    np.testing.assert_allclose(first[0][valid], ref[0][valid], atol=3e-5)
+    np.testing.assert_allclose(got[0][valid], ref[0][valid], atol=3e-5)
+    np.testing.assert_allclose(got[1][real], ref[1][real], atol=3e-5)
+    summary = exe.summary()
+    assert summary["layer_calls"] == 3 * len(cfg.moe_layers)
+    if kind is PolicyKind.moeless:
+        assert summary["forecast_from_predictor"] > 0 and predictor.observed > 0  # layers >= d used the gate copy
+        assert summary["mean_replicas"] > cfg.num_experts  # V = 0.05 forces replicas
+        assert summary["copies_host"] + summary["copies_peer"] > 0
+    if kind is PolicyKind.static_ep:
+        assert summary["copies_peer"] == 0 and summary["copies_host"] == len(cfg.moe_layers) * cfg.num_experts
