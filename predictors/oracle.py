@@ -20,7 +20,10 @@ def count_hits(predicted: np.ndarray, actual: np.ndarray) -> int:
     """Number of true (token, expert) pairs in `actual` [T, k] that `predicted` [T, k'] names too."""
     if actual.size == 0:
         return 0
-    return int((actual[:, :, None] == predicted[:, None, :]).any(axis=2).sum())
+    width = int(max(predicted.max(initial=0), actual.max(initial=0))) + 1
+    named = np.zeros((actual.shape[0], width), dtype=bool)
+    named[np.arange(predicted.shape[0])[:, None], predicted] = True
+    return int(named[np.arange(actual.shape[0])[:, None], actual].sum())
 
 
 class NoisyOraclePredictor:
@@ -54,20 +57,21 @@ class NoisyOraclePredictor:
         miss = self._rng.random(true.shape) >= self.target_hit_rate
         if not miss.any():
             return true
-        # a wrong expert per miss: uniform over the experts neither true for the token nor already
-        # forecast for it (rejection sampling, slot by slot)
+        # a wrong expert per miss: uniform over the experts neither true for the token nor forecast
+        # for it in another slot (rejection sampling over all misses at once)
+        rows, cols = np.nonzero(miss)
+        wrong = self._rng.integers(0, self.num_experts, size=rows.size)
+        redo = np.ones(rows.size, dtype=bool)
+        while redo.any():
+            wrong[redo] = self._rng.integers(0, self.num_experts, size=int(redo.sum()))
+            redo = (wrong[:, None] == true[rows]).any(axis=1)
+            key = rows * self.num_experts + wrong  # same token, same wrong expert: keep the first
+            order = np.argsort(key, kind="stable")
+            again = np.zeros(rows.size, dtype=bool)
+            again[order[1:]] = key[order[1:]] == key[order[:-1]]
+            redo |= again
         out = true.copy()
-        for j in range(true.shape[1]):
-            rows = np.flatnonzero(miss[:, j])
-            if rows.size == 0:
-                continue
-            taken = np.concatenate([true[rows], out[rows]], axis=1)
-            wrong = self._rng.integers(0, self.num_experts, size=rows.size)
-            bad = (wrong[:, None] == taken).any(axis=1)
-            while bad.any():
-                wrong[bad] = self._rng.integers(0, self.num_experts, size=int(bad.sum()))
-                bad = (wrong[:, None] == taken).any(axis=1)
-            out[rows, j] = wrong
+        out[rows, cols] = wrong
         return out
 
     def predict(self, ctx: LayerContext) -> np.ndarray:

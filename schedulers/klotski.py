@@ -39,8 +39,9 @@ class Klotski(OffloadPolicy):
         prefetch: list[tuple[int, int]] = []
         target = layer + 1
         if target < state.num_layers and self.settings.prefetch_count > 0:
-            hot = by_tokens(np.arange(self.E), self.counts[target], descending=True)
-            hot = [int(e) for e in hot if not state.available(target)[e]][:self.settings.prefetch_count]
+            avail = state.available(target)
+            hot = by_tokens(np.flatnonzero(~avail), self.counts[target], descending=True)
+            hot = hot[:self.settings.prefetch_count].tolist()
             prefetch = [(target, e) for e in hot]
         granted, evict = self.room_for(state, len(prefetch), {(layer, e) for e in gpu})
         prefetch = prefetch[:granted]

@@ -18,13 +18,21 @@ from predictors.base import LayerContext, Predictor, topk_experts
 
 
 class ForecastBook:
-    """The predictors of one run (by distance) and the forecasts awaiting their truth."""
+    """The predictors of one run (by distance) and the forecasts awaiting their truth.
 
-    def __init__(self, trace: RoutingTrace, predictors: dict[int, Predictor]):
+    Passes of more than `max_tokens` tokens (long prefills) are forecast on a uniform sample of
+    `max_tokens` of their tokens, the predicted loads scaled up: the schedulers only read loads, and
+    a prefill's experts are almost all active anyway.
+    """
+
+    def __init__(self, trace: RoutingTrace, predictors: dict[int, Predictor], max_tokens: int = 2048, seed: int = 0):
         self.trace = trace
         self.predictors = dict(predictors)
         self.k = trace.meta.top_k
         self.E = trace.meta.num_experts
+        self.max_tokens = max_tokens
+        self._rng = np.random.default_rng(seed)
+        self._sample: dict[int, np.ndarray] = {}
         self._pending: dict[int, list[tuple[Predictor, LayerContext, np.ndarray]]] = {}
 
     @property
@@ -32,16 +40,24 @@ class ForecastBook:
         return max(self.predictors, default=0)
 
     def context(self, layer: int, step: int, rows: np.ndarray) -> LayerContext:
+        if rows.size > self.max_tokens:  # one sample per pass, shared by its layers
+            if step not in self._sample:
+                self._sample = {step: np.sort(self._rng.choice(rows, self.max_tokens, replace=False))}
+            rows = self._sample[step]
         return LayerContext(layer=layer, step=step, experts=self.trace.experts[layer, rows],
                             weights=self.trace.weights[layer, rows], rows=rows)
 
-    def forecast(self, ctx: LayerContext, distance: int) -> np.ndarray:
-        """float64 [E]: predicted tokens per expert of layer `ctx.layer + distance`."""
+    def forecast(self, ctx: LayerContext, distance: int, num_tokens: Optional[int] = None) -> np.ndarray:
+        """float64 [E]: predicted tokens per expert of layer `ctx.layer + distance` (scaled to
+        `num_tokens` when `ctx` holds a sample of the pass)."""
         pred = self.predictors[distance]
         topk = getattr(pred, "predict_topk", None)
         experts = topk(ctx) if topk is not None else topk_experts(pred.predict(ctx), self.k)
         self._pending.setdefault(ctx.layer + distance, []).append((pred, ctx, experts))
-        return np.bincount(experts.reshape(-1), minlength=self.E).astype(np.float64)
+        loads = np.bincount(experts.reshape(-1), minlength=self.E).astype(np.float64)
+        if num_tokens is not None and num_tokens > experts.shape[0] > 0:
+            loads *= num_tokens / experts.shape[0]
+        return loads
 
     def settle(self, layer: int, rows: np.ndarray) -> None:
         """Score every forecast made for `layer` against its true routing (called at its gate)."""
@@ -75,7 +91,7 @@ class LazyForecasts(Mapping):
         if target not in self._cache:
             if self._ctx is None:
                 self._ctx = self._book.context(self._layer, self._step, self._rows)
-            self._cache[target] = self._book.forecast(self._ctx, target - self._layer)
+            self._cache[target] = self._book.forecast(self._ctx, target - self._layer, num_tokens=self._rows.size)
         return self._cache[target]
 
     def __iter__(self) -> Iterator[int]:
