@@ -90,7 +90,7 @@ def experiment_results(outputs: dict, cache: dict) -> dict:
 def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     from engine.serverless.experiments import compare_with_paper, default_specs, run_experiments
     from engine.serverless.latency_model import LatencySettings, ServerlessCostModel
-    from engine.serverless.policies import slots_per_device
+    from engine.serverless.policies import build_policy, slots_per_device
     from models.loading import resolve_model_config
     from predictors.oracle import NoisyOraclePredictor
 
@@ -101,8 +101,6 @@ def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[st
     lat = sv.latency
     cost_model = ServerlessCostModel(model_cfg, hw, G, LatencySettings(lat.kind, lat.compute, lat.misc_s,
                                                                        lat.bill_keep_alive), sv.bytes_per_param)
-    batches, workload = azure_batches(cfg)
-    trace = serving_trace(cfg, node, model_cfg, batches)
     p = sv.predictor
 
     def make_predictor(d: int):
@@ -113,6 +111,10 @@ def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[st
 
     E = model_cfg.num_experts
     base = default_specs(sv, E, G)
+    for spec in base.values():  # bad settings fail here, before any routing is generated
+        build_policy(spec, E, G, cost_model.expert_bytes)
+    batches, workload = azure_batches(cfg)
+    trace = serving_trace(cfg, node, model_cfg, batches)
     experiments = [e.value for e in cfg.experiments]
     outputs, cache = run_experiments(trace, cost_model, experiments, base, list(cfg.systems), sv.sweeps,
                                      make_predictor, p.history_decay, progress=tm.progress)

@@ -28,7 +28,7 @@ from engine.serverless.executor import ServerlessExecutor
 from engine.workloads.azure import RequestBatch
 from models.generation import left_pad
 from models.moe import DEFAULT_EXECUTOR, ExpertExecutor
-from models.transformer import KVCache, MoETransformer, forward, init_cache
+from models.transformer import KVCache, MoETransformer, forward, forward_jit, init_cache
 
 
 def ep_mesh(num_devices: Optional[int] = None) -> Mesh:
@@ -82,7 +82,8 @@ def _run_batch(model: MoETransformer, mesh: Mesh, executor: ExpertExecutor, prom
                gen: np.ndarray, n_real: int, now_s: float, serverless: Optional[ServerlessExecutor]
                ) -> tuple[np.ndarray, list[np.ndarray]]:
     """Greedy prefill + decode of one padded batch; returns generated tokens [B, steps + 1] and the
-    logits of every step (real rows)."""
+    logits of every step (real rows). The in-memory reference runs compiled; the serverless
+    executor eagerly (its per-layer decisions are host code)."""
     B = len(prompts)
     length = max(len(p) for p in prompts)
     steps = int(gen.max())
@@ -95,7 +96,8 @@ def _run_batch(model: MoETransformer, mesh: Mesh, executor: ExpertExecutor, prom
     if serverless is not None:
         serverless.begin_pass(now_s)
     tok_s, pos_s, val_s = _shard_batch(mesh, (jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid)))
-    logits, cache, _ = forward(model, tok_s, cache, pos_s, val_s, executor=executor, last_only=True)
+    fwd = forward if serverless is not None else forward_jit
+    logits, cache, _ = fwd(model, tok_s, cache, pos_s, val_s, executor=executor, last_only=True)
     out = np.full((B, steps), -1, np.int64)
     all_logits = [np.asarray(logits)[:n_real]]
     nxt = np.asarray(jnp.argmax(logits, axis=-1))
@@ -107,9 +109,9 @@ def _run_batch(model: MoETransformer, mesh: Mesh, executor: ExpertExecutor, prom
             break
         if serverless is not None:
             serverless.begin_pass(now_s)
-        logits, cache, _ = forward(model, _shard_batch(mesh, jnp.asarray(nxt[:, None].astype(np.int32))), cache,
-                                   _shard_batch(mesh, jnp.asarray(pos[:, None].astype(np.int32))),
-                                   _shard_batch(mesh, jnp.asarray(active)), executor=executor, last_only=True)
+        logits, cache, _ = fwd(model, _shard_batch(mesh, jnp.asarray(nxt[:, None].astype(np.int32))), cache,
+                               _shard_batch(mesh, jnp.asarray(pos[:, None].astype(np.int32))),
+                               _shard_batch(mesh, jnp.asarray(active)), executor=executor, last_only=True)
         all_logits.append(np.where(active[:n_real], np.asarray(logits)[:n_real], 0.0))
         nxt = np.where(active[:, 0], np.asarray(jnp.argmax(logits, axis=-1)), 0)
         out[:, j] = np.where(active[:, 0], nxt, -1)

@@ -1,0 +1,217 @@
+"""Serving loop and simulator of serverless experts: latency / cost model by hand, Azure replay
+iterations, simulator invariants, the entry point end to end (simulate and real mode), bad input,
+and the two-process (jax.distributed) expert-parallel layer."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conf import compose
+from conf.schemas.hardware import load_hardware
+from engine.serverless.latency_model import ComputeKind, LatencySettings, ServerlessCostModel
+from engine.serverless.policies import PolicyKind, SystemSpec
+from engine.serverless.serving_trace import replay_with_synthetic_routing
+from engine.serverless.simulator import forecast_loads, simulate_system
+from engine.synthetic_routing import SyntheticRouter
+from engine.trace import DECODE, PREFILL
+from engine.workloads import load_azure_trace
+from models.loading import resolve_model_config
+from predictors.oracle import NoisyOraclePredictor
+from schedulers.eplb import EPLBSettings
+from schedulers.ep_placement import Placement
+from schedulers.moeless import MoElessSettings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return resolve_model_config(compose("serve").model)
+
+
+@pytest.fixture(scope="module")
+def trace(mixtral):
+    azure = load_azure_trace("conv").clipped(96, 24)
+    window = azure.window(azure.busiest_window(3.0), 3.0)
+    return window, replay_with_synthetic_routing(window.per_interval(1.0), SyntheticRouter.for_model(mixtral),
+                                                 seed=0, decode_stride=4)
+
+
+def test_latency_and_cost_model_by_hand(mixtral):
+    hw = load_hardware("a6000")
+    cm = ServerlessCostModel(mixtral, hw, 8, LatencySettings(misc_s=1e-3))
+    alpha = 2 * 3 * 4096 * 14336 / (154.8e12 * 0.6)  # expert FLOPs per token / achieved bf16 rate
+    beta = 4096 * 2 / 25.2e9  # bf16 hidden state per token / all-to-all share per device
+    assert cm.alpha_s == pytest.approx(alpha) and cm.beta_s == pytest.approx(beta)
+    loads = np.array([100, 50, 0, 0, 0, 0, 0, 0])
+    static = Placement.from_lists(8, 8, [(e, e) for e in range(8)])
+    t = cm.moe_time(static, loads)  # one expert per device: replica max = device max = 100 tokens
+    assert t.compute_s == pytest.approx(100 * alpha) and t.comm_s == pytest.approx(100 * beta)
+    assert t.moe_s == pytest.approx(100 * alpha + 200 * beta) and t.moe_other_s == pytest.approx(t.moe_s)
+    # expert 0 split over devices 0 and 1, expert 1 on device 1: replicas 50/50/50, devices 50/100
+    split = Placement.from_lists(8, 8, [(0, 0), (0, 1), (1, 1)] + [(e, e) for e in range(2, 8)])
+    t = cm.moe_time(split, loads)
+    assert t.moe_s == pytest.approx(50 * alpha + 200 * beta)  # max over replicas (MoEless §3.3)
+    assert t.moe_other_s == pytest.approx(100 * alpha + 200 * beta)  # device 1 runs two replicas
+    dev = ServerlessCostModel(mixtral, hw, 8, LatencySettings(compute=ComputeKind.device_sum))
+    assert dev.moe_time(split, loads).moe_s == pytest.approx(t.moe_other_s)
+    # cost: a serverless layer bills its replicas while it runs, a serverful one everything resident
+    M_e, M_misc = cm.expert_bytes, cm.misc_bytes
+    assert M_e == 3 * 4096 * 14336 * 2
+    assert cm.layer_cost(2.0, 1.0, 9 * M_e, serverless=True) == pytest.approx(2 * 9 * M_e + 3 * M_misc)
+    assert cm.layer_cost(2.0, 1.0, 256 * M_e, serverless=False) == pytest.approx(3 * (256 * M_e + M_misc))
+
+
+def test_serving_trace_replays_the_azure_batches(trace, mixtral):
+    window, st = trace
+    batches = list(window.per_interval(1.0).nonempty())
+    k = mixtral.num_experts_per_tok
+    assert (st.phase == PREFILL).sum() == len(batches)
+    for b in batches:
+        steps = np.flatnonzero(st.batch == b.index)
+        pre, dec = steps[0], steps[1:]
+        assert st.phase[pre] == PREFILL and st.tokens(pre) == b.context_tokens.sum()
+        gen = np.maximum(b.generated_tokens, 1)
+        assert st.weight[steps].sum() == 1 + gen.max() - 1  # every iteration accounted for
+        for j, s in zip(range(0, gen.max() - 1, 4), dec):  # stride 4: iterations 0, 4, 8, ...
+            assert st.phase[s] == DECODE and st.tokens(s) == int((gen - 1 > j).sum())
+    assert np.array_equal(st.loads.sum(axis=2), np.repeat([[st.tokens(s) * k] for s in range(st.num_steps)],
+                                                           st.num_layers, axis=1))
+
+
+def test_forecasts_use_the_predictor_from_layer_d_and_history_before(trace):
+    _, st = trace
+    exact, _ = forecast_loads(st, NoisyOraclePredictor(st.routing, distance=2, hit_rate=1.0))
+    assert np.array_equal(exact[:, 2:], st.loads[:, 2:])  # a perfect predictor at distance 2
+    # layers 0 and 1: the previous step's shares scaled to this step's assignments
+    for s in range(1, st.num_steps):
+        prev = st.loads[s - 1, 0]
+        np.testing.assert_allclose(exact[s, 0], prev / prev.sum() * st.tokens(s) * st.top_k, rtol=1e-5)
+    noisy, hits = forecast_loads(st, NoisyOraclePredictor(st.routing, distance=1, hit_rate=0.5, seed=3))
+    assert 0.4 < np.mean(list(hits.values())) < 0.6
+    assert not np.array_equal(noisy[:, 1:], st.loads[:, 1:])
+
+
+def test_simulated_systems_keep_their_invariants(trace, mixtral):
+    _, st = trace
+    cm = ServerlessCostModel(mixtral, load_hardware("a6000"), 8)
+    fc, _ = forecast_loads(st, NoisyOraclePredictor(st.routing, distance=1, hit_rate=0.9))
+    run = lambda spec: simulate_system(st, spec, fc, cm).summary()
+    static = run(SystemSpec(PolicyKind.static_ep, "static"))
+    oracle = run(SystemSpec(PolicyKind.oracle, "oracle"))
+    eplb0 = run(SystemSpec(PolicyKind.eplb, "eplb+0", eplb=EPLBSettings(num_redundant=0)))
+    moeless = run(SystemSpec(PolicyKind.moeless, "moeless"))
+    frozen = run(SystemSpec(PolicyKind.moeless, "no scaling", moeless=MoElessSettings(cv_threshold=1e9)))
+    assert static["weight_copies_after_first_plan"]["host"] == 0 and static["weight_copies"]["host"] == 8 * 32
+    assert oracle["lossy"] and oracle["mean_balancedness"] == pytest.approx(1.0)
+    # with E = G every device holds one expert, so any EPLB permutation costs what static EP costs
+    assert eplb0["mean_moe_ms"] == pytest.approx(static["mean_moe_ms"])
+    assert frozen["mean_replicas_per_layer"] == 8
+    assert 8 < moeless["mean_replicas_per_layer"] <= 16  # 2 slots per device
+    assert moeless["mean_moe_ms"] < static["mean_moe_ms"]
+    assert moeless["total_cost_gib_s"] < min(static["total_cost_gib_s"], oracle["total_cost_gib_s"])
+    assert moeless["expert_memory_time_avg_gib"] < static["expert_memory_time_avg_gib"] / 10
+
+
+def run_entry(*overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_SILENT": "true", "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-m", "engine.serve", *overrides], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+SMALL = ["workload.azure.duration_s=2", "workload.azure.max_context_tokens=128", "workload.azure.max_generated_tokens=32",
+         "decode_stride=8"]
+
+
+def test_serve_entry_simulates_every_study_and_writes_figures(tmp_path):
+    proc = run_entry(f"hydra.run.dir={tmp_path}", *SMALL, "experiments=[compare,memory,distance,cv_threshold,ablation]",
+                     "serverless.sweeps.distances=[1,3]", "serverless.sweeps.cv_thresholds=[0.2,1.0]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    ex = r["experiments"]
+    assert list(ex["compare"]["systems"]) == ["Megatron-LM", "EPLB", "Oracle (lossy)", "MoEless"]
+    assert r["lossy_systems"] == ["Oracle (lossy)"] and ex["compare"]["systems"]["Oracle (lossy)"]["lossy"]
+    assert ex["distance"]["values"] == [1, 3] and ex["cv_threshold"]["values"] == [0.2, 1.0]
+    assert set(ex["ablation"]["systems"]) == {"MoEless", "MoEless w/o predictor", "MoEless w/o scaler",
+                                               "MoEless w/o placer"}
+    eplb = {k: v for k, v in ex["memory"]["systems"].items() if k.startswith("EPLB")}
+    assert [v["slots_per_device"] for v in eplb.values()] == [1, 2, 3]
+    assert r["predictor"]["hit_rate_by_distance"]["3"] < r["predictor"]["hit_rate_by_distance"]["1"]
+    assert len(ex["compare"]["balancedness_per_layer"]["MoEless"]) == 32
+    assert set(r["versus_paper"]) == {"ours", "paper"}
+    for name in ("moe_latency_cdf", "total_cost", "latency_vs_memory", "sensitivity_distance", "sensitivity_cv",
+                 "ablation_cdf", "balancedness_per_layer"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000, name
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run written"
+
+
+REAL = ["mode=real", "model=tiny_mixtral", "serverless=tiny", "max_batches=1", "workload.azure.max_context_tokens=6",
+        "workload.azure.max_generated_tokens=3", "workload.azure.duration_s=2", "wandb.mode=disabled"]
+
+
+def test_serve_real_mode_matches_the_in_memory_model(tmp_path):
+    from engine.serve import run
+
+    r = run(compose("serve", [*REAL, "systems=[moeless]"]), run_dir=tmp_path)
+    m = r["systems"]["MoEless"]
+    assert m["verified_batches"] == 1 and m["tokens_equal"] and m["max_logit_diff"] < 1e-4
+    assert m["layer_calls"] == m["iterations"] * 4 and m["copies_host"] > 0 and r["lossy_systems"] == []
+    assert json.loads((tmp_path / "results.json").read_text())["mode"] == "real"
+
+
+@pytest.mark.slow
+def test_serve_real_mode_oracle_is_lossy(tmp_path):
+    from engine.serve import run
+
+    r = run(compose("serve", [*REAL, "systems=[oracle,eplb]"]), run_dir=tmp_path)
+    o, e = r["systems"]["Oracle (lossy)"], r["systems"]["EPLB"]
+    assert o["lossy"] and o["max_logit_diff"] > 1e-3 and r["lossy_systems"] == ["Oracle (lossy)"]
+    assert e["tokens_equal"] and e["max_logit_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["workload=sharegpt"], "workload.kind: serve replays an Azure trace"),
+    (["serverless.eplb.num_redundant=3"], "eplb.num_redundant"),
+    (["mode=real", "model=tiny_mixtral"], "serverless.predictor.kind=oracle"),
+    (["decode_stride=0"], "decode_stride"),
+])
+def test_serve_rejects_bad_settings_by_name(tmp_path, overrides, message):
+    from engine.serve import run
+
+    node = compose("serve", [*overrides, "wandb.mode=disabled"])
+    with pytest.raises(ValueError, match=message):
+        run(node, run_dir=tmp_path)
+    assert not (tmp_path / "results.json").exists()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_run_the_ep_layer_over_jax_distributed():
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "engine.serverless.multihost", "--coordinator", f"localhost:{port}",
+           "--num-processes", "2", "--local-devices", "4", "--process-id"]
+    procs = [subprocess.Popen(cmd + [str(i)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert sorted(r["process"] for r in reports) == [0, 1]
+    for r in reports:
+        assert r["processes"] == 2 and r["devices"] == 8 and r["local_devices"] == 4
+        assert r["hot_expert_replicas"] > 1 and r["overflow"] == 0 and r["max_abs_err"] < 1e-5
