@@ -149,7 +149,7 @@ class OffloadExecutor:
         active = self.link.active()
         inflight: tuple[Transfer, ...] = ()
         alpha = 0.0
-        if active is not None and not active.done.is_set():
+        if active is not None and not active.done.is_set() and not self.cache.is_resident(active.layer, active.expert):
             elapsed = time.perf_counter() - (active.started_at or time.perf_counter())
             alpha = max(self.cost.t_io - elapsed, 0.0)
             inflight = (Transfer(active.layer, active.expert, alpha, active.retain),)

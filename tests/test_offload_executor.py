@@ -1,0 +1,208 @@
+"""The offload executor never changes the model's output, keeps its cache in budget and survives bad transfers.
+
+The central test of the engine (DESIGN.md): greedy tokens and logits equal those of the plain
+in-memory model for every scheduler, predictor and budget, on the shipped trained model and on
+tiny random checkpoints of every family.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conf import compose, to_frozen
+from conf.schemas.hardware import load_hardware
+from conf.schemas.run import OffloadConfig
+from engine.offload.cache import CacheError, DeviceExpertCache
+from engine.offload.executor import OffloadExecutor, OffloadSettings
+from engine.offload.link import Job, TransferError, TransferLink
+from engine.offload.store import ExpertStore
+from engine.run import cache_slots
+from models.generation import Generator
+from models.loading import load_model, resolve_model_config
+from predictors.gate import GatePredictor
+from schedulers.base import LayerState, SchedulerKind, SchedulerSettings, SchedulerSetup, build_scheduler
+from schedulers.cost import CostModel
+
+HW = load_hardware("local_cpu")
+
+
+def _model(name: str, seed: int = 0):
+    cfg, model, _ = load_model(compose("generate", [f"model={name}"]).model, seed=seed)
+    return cfg, model
+
+
+class CheckedScheduler:
+    """Delegates to a real scheduler and asserts the mechanism's view of the cache at every plan point."""
+
+    def __init__(self, inner, slots: int):
+        self.inner, self.slots = inner, slots
+        self.name, self.settings = inner.name, inner.settings
+        self.plans = 0
+
+    @property
+    def micro_batches(self) -> int:
+        return self.inner.micro_batches
+
+    def initial_residency(self):
+        return self.inner.initial_residency()
+
+    def plan(self, state: LayerState):
+        resident = int(state.resident.sum())
+        assert resident + sum(1 for t in state.inflight if t.retain) <= self.slots, "cache over budget"
+        assert 0 <= state.free_slots <= self.slots
+        self.plans += 1
+        return self.inner.plan(state)
+
+
+def _run(cfg, model, store, kind: SchedulerKind, slots: int, predictors: dict, prompts, new: int,
+         async_io: bool = True, fault=None, profile=None):
+    L, E = len(cfg.moe_layers), cfg.num_experts
+    cost = CostModel(cfg, HW)
+    profile = profile if profile is not None else np.arange(L * E).reshape(L, E) % 7
+    inner = build_scheduler(SchedulerSettings(kind=kind, label=kind.value, use_predictor=bool(predictors)),
+                            SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost, profile))
+    sched = CheckedScheduler(inner, slots)
+    with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=slots, async_io=async_io),
+                         predictors, fault=fault) as ex:
+        out = ex.generate(prompts, new, keep_logits=True)
+        budget_bytes = ex.cache.device_bytes
+    assert budget_bytes == (slots + 2) * store.expert_bytes  # preallocated once, never grown
+    assert sched.plans > 0
+    return out
+
+
+def _prompts(cfg, seed: int = 0):
+    rs = np.random.RandomState(seed)
+    return [rs.randint(3, cfg.vocab_size, n).tolist() for n in (6, 11, 3)]
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    cfg, model = _model("mixtral_tiny")
+    store = ExpertStore.from_model(model)
+    prompts = _prompts(cfg)
+    ref = Generator(model).generate(prompts, 6)
+    return cfg, model, store, prompts, ref
+
+
+@pytest.mark.parametrize("kind", list(SchedulerKind), ids=lambda k: k.value)
+def test_every_scheduler_and_budget_gives_the_in_memory_tokens(shipped, kind: SchedulerKind) -> None:
+    cfg, model, store, prompts, ref = shipped
+    L, E = len(cfg.moe_layers), cfg.num_experts
+    gate = {d: GatePredictor.from_model(model, d) for d in (1, 2)}
+    for slots in (L, L * E // 4, L * E):  # one expert per layer, a quarter, everything
+        out = _run(cfg, model, store, kind, slots, gate, prompts, 6)
+        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{kind.value} with {slots} slots")
+
+
+@pytest.mark.parametrize("predictor", ["none", "gate", "oracle"])
+def test_presched_with_every_predictor_matches_logits(shipped, predictor: str) -> None:
+    cfg, model, store, prompts, ref = shipped
+    from engine.recording import record_generation, trace_meta
+    from engine.trace import TraceRecorder
+    from predictors.oracle import NoisyOraclePredictor
+
+    preds: dict = {}
+    lookup = None
+    if predictor == "gate":
+        preds = {1: GatePredictor.from_model(model, 1)}
+    elif predictor == "oracle":
+        rec = TraceRecorder(trace_meta(cfg, "mixtral-tiny", "test"))
+        record_generation(rec, Generator(model, capture=True).generate(prompts, 6), prompts)
+        trace = rec.build()
+        rows = {(int(s), int(p)): i for i, (s, p) in enumerate(zip(trace.seq, trace.pos))}
+        lookup = lambda s, p: np.array([rows[(int(a), int(b))] for a, b in zip(s, p)])  # noqa: E731
+        preds = {1: NoisyOraclePredictor(trace, 1, 1.0)}
+    L, E = len(cfg.moe_layers), cfg.num_experts
+    cost = CostModel(cfg, HW)
+    sched = build_scheduler(SchedulerSettings(use_predictor=bool(preds)),
+                            SchedulerSetup(L, E, cfg.num_experts_per_tok, L * E // 4, cost, np.ones((L, E), np.int64)))
+    with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=L * E // 4), preds, lookup) as ex:
+        out = ex.generate(prompts, 6, keep_logits=True)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    full = Generator(model)
+    first = full.generate(prompts, 1)
+    assert first.tokens[:, 0].tolist() == out.last_logits.argmax(-1).tolist()
+    if predictor == "oracle":
+        assert out.metrics.predictor_hit_rate[1] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3_moe", "tiny_olmoe", "tiny_deepseek_v2", "tiny_moonlight", "tiny_phimoe"])
+def test_every_family_offloads_exactly(name: str) -> None:
+    cfg, model = _model(name, seed=1)
+    store = ExpertStore.from_model(model)
+    prompts = _prompts(cfg, 2)
+    ref = Generator(model).generate(prompts, 5)
+    L = len(cfg.moe_layers)
+    for kind in (SchedulerKind.presched, SchedulerKind.hybrimoe):
+        out = _run(cfg, model, store, kind, L, {1: GatePredictor.from_model(model, 1)}, prompts, 5)
+        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{name} {kind.value}")
+
+
+def test_synchronous_transfers_ablation_is_exact(shipped) -> None:
+    cfg, model, store, prompts, ref = shipped
+    out = _run(cfg, model, store, SchedulerKind.fate, 8, {1: GatePredictor.from_model(model, 1)}, prompts, 6,
+               async_io=False)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
+def test_failed_transfers_are_retried_or_surface_without_corrupting_the_cache(shipped) -> None:
+    cfg, model, store, prompts, ref = shipped
+    attempts: dict = {}
+
+    def flaky(job: Job, part: str) -> None:  # every expert's first attempt fails half-way
+        if part == "down" and attempts.setdefault(job.key, 0) == 0:
+            attempts[job.key] = 1
+            raise OSError("injected DMA error")
+
+    out = _run(cfg, model, store, SchedulerKind.ondemand, 8, {}, prompts, 6, fault=flaky)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    assert attempts
+
+    cache = DeviceExpertCache(cfg, cache_slots=2, staging_slots=1)
+
+    def broken(job: Job, part: str) -> None:
+        raise OSError("injected: link down")
+
+    link = TransferLink(store, cache, chunks=2, retries=1, fault=broken)
+    slot = cache.reserve(0, 3, staging=False)
+    link.submit([Job(0, 3, slot, retain=True, prefetch=False)])
+    with pytest.raises(TransferError, match=r"expert \(0, 3\) failed after 2 attempts.*link down"):
+        link.wait(0, 3)
+    link.close()
+    assert not cache.is_resident(0, 3) and cache.slot_of(0, 3) is None and cache.free_cache_slots() == 2
+
+
+def test_a_slot_in_use_is_never_overwritten_and_writes_are_in_place(shipped) -> None:
+    cfg, model, store, _, _ = shipped
+    cache = DeviceExpertCache(cfg, cache_slots=1, staging_slots=1)
+    link = TransferLink(store, cache, chunks=3)
+    slot = cache.reserve(0, 1, staging=False)
+    before = cache.gate_up[slot].unsafe_buffer_pointer(), cache.down[slot].unsafe_buffer_pointer()
+    link.submit([Job(0, 1, slot, retain=True, prefetch=False)])
+    link.wait(0, 1)
+    link.close()
+    after = cache.gate_up[slot].unsafe_buffer_pointer(), cache.down[slot].unsafe_buffer_pointer()
+    assert before == after  # no allocation per transfer: the slot's buffers were overwritten in place
+    gate, up, down = store.numpy_views(0, 1)
+    np.testing.assert_array_equal(np.asarray(cache.gate_up[slot]), np.concatenate([gate, up], axis=1))
+    np.testing.assert_array_equal(np.asarray(cache.down[slot]), down)
+    cache.pin([slot])
+    with pytest.raises(CacheError, match="in use"):
+        cache.release(slot)
+    cache.slots[slot].state = cache.slots[slot].state.__class__("loading")
+    with pytest.raises(CacheError, match="refusing to overwrite"):
+        cache.write(slot, "gate", store.part(0, 2, "gate"), 0, 4)
+
+
+def test_budgets_that_cannot_run_or_exceed_the_device_are_errors() -> None:
+    cfg = resolve_model_config(compose("generate", ["model=mixtral_tiny"]).model)
+    expert = cfg.expert_bytes(4)
+    assert cache_slots(cfg, OffloadConfig(budget_fraction=None, budget_experts=10), expert) == 8
+    with pytest.raises(ValueError, match="cannot hold the 2 on-demand staging buffers"):
+        cache_slots(cfg, OffloadConfig(budget_fraction=None, budget_experts=1), expert)
+    with pytest.raises(ValueError, match="exceeds the device"):
+        cache_slots(cfg, OffloadConfig(budget_fraction=None, budget_bytes=1e15), expert)
+    with pytest.raises(ValueError, match="exactly one of"):
+        cache_slots(cfg, OffloadConfig(budget_fraction=0.5, budget_experts=4), expert)
