@@ -22,6 +22,10 @@ from models.moe import DEFAULT_EXECUTOR, ExpertExecutor
 from models.transformer import Captured, KVCache, MoETransformer, forward, init_cache
 
 
+XLA_CPU_OPTIONS: dict[str, Any] = {}
+"""XLA compile options of the prefill and decode programs (per program, not process-wide XLA_FLAGS)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy; otherwise softmax(logits / temperature) restricted to the top-p nucleus."""
@@ -95,15 +99,16 @@ class Generator:
 
     def __init__(self, model: MoETransformer, executor: ExpertExecutor = DEFAULT_EXECUTOR,
                  cache_dtype: Any = None, capture: bool = False, capture_hidden: bool = False,
-                 prompt_bucket: int = 16, cache_bucket: int = 64):
+                 prompt_bucket: int = 16, cache_bucket: int = 64, compiler_options: Optional[dict] = None):
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
         self.executor = executor
         self.cache_dtype = cache_dtype or model.embed[...].dtype
         self.capture, self.capture_hidden = capture, capture_hidden
         self.prompt_bucket, self.cache_bucket = prompt_bucket, cache_bucket
-        self._prefill = jax.jit(self._prefill_impl, donate_argnames=("cache",))
-        self._decode = jax.jit(self._decode_impl, static_argnames=("n_buffer",))
+        opts = dict(XLA_CPU_OPTIONS if compiler_options is None else compiler_options)
+        self._prefill = jax.jit(self._prefill_impl, donate_argnames=("cache",), compiler_options=opts)
+        self._decode = jax.jit(self._decode_impl, static_argnames=("n_buffer",), compiler_options=opts)
 
     # ---- compiled pieces --------------------------------------------------------------------
     def _model(self, state: Any) -> MoETransformer:

@@ -116,27 +116,57 @@ class AttentionInputs:
     total_len: jax.Array
 
 
-def attention_mask(ai: AttentionInputs, sliding_window: Optional[int]) -> jax.Array:
-    """bool [B, S, C]: query s may attend cache slot c."""
+def attention_masks(ai: AttentionInputs, sliding_window: Optional[int]) -> tuple[jax.Array, jax.Array]:
+    """(bool [B, S, C], bool [B, S, S]): query s may attend cache slot c (written by an earlier forward),
+    new token j (of this forward)."""
+    S = ai.positions.shape[1]
     q_pos = ai.positions[:, :, None]
+    earlier = jnp.arange(ai.valid.shape[1]) < ai.write_index
     k_pos = ai.slot_positions[:, None, :]
-    mask = ai.valid[:, None, :] & (k_pos <= q_pos)
+    cached = (ai.valid & earlier[None, :])[:, None, :] & (k_pos <= q_pos)
+    n_pos = ai.positions[:, None, :]
+    new = jax.lax.dynamic_slice_in_dim(ai.valid, ai.write_index, S, axis=1)[:, None, :] & (n_pos <= q_pos)
     if sliding_window is not None:
-        mask = mask & (q_pos - k_pos < sliding_window)
-    return mask
+        cached = cached & (q_pos - k_pos < sliding_window)
+        new = new & (q_pos - n_pos < sliding_window)
+    return cached, new
 
 
-def sdpa(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """q [B, S, Hq, D]; k, v [B, Hkv, C, D(v)]; mask [B, S, C] -> [B, S, Hq, Dv]. GQA by grouping."""
+def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """softmax over the last axis of float32 scores where `mask` (broadcastable) holds."""
+    return jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
+
+
+def after(x: jax.Array, value: jax.Array) -> jax.Array:
+    """`value`, made data-dependent on `x` (adds 0 * one element of x).
+
+    A cache update that depends on the attention output is ordered after every read of the old
+    cache, which lets XLA update the cache buffer in place inside the decode loop instead of copying
+    every layer's cache each step (XLA:CPU's copy insertion cannot order independent ops).
+    """
+    return value + (x.reshape(-1)[0] * 0).astype(value.dtype)
+
+
+def sdpa(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new: jax.Array, v_new: jax.Array,
+         masks: tuple[jax.Array, jax.Array], scale: float) -> jax.Array:
+    """Attention of S queries over the cache and the S new keys, GQA by grouping.
+
+    q [B, S, Hq, D]; k_cache, v_cache [B, Hkv, C, D(v)]; k_new, v_new [B, S, Hkv, D(v)];
+    masks ([B, S, C], [B, S, S]) from `attention_masks` -> [B, S, Hq, Dv].
+    """
     B, S, Hq, D = q.shape
-    Hkv = k.shape[1]
+    Hkv = k_cache.shape[1]
     r = Hq // Hkv
+    C = k_cache.shape[2]
     qg = q.reshape(B, S, Hkv, r, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, r * S, D)
-    scores = jnp.einsum("bgqd,bgcd->bgqc", qg, k, preferred_element_type=jnp.float32) * scale
-    scores = scores.reshape(B, Hkv, r, S, -1)
-    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, Hkv, r * S, -1)
-    out = jnp.einsum("bgqc,bgcd->bgqd", probs, v)
+    kn, vn = k_new.transpose(0, 2, 1, 3).astype(k_cache.dtype), v_new.transpose(0, 2, 1, 3).astype(v_cache.dtype)
+    scores = jnp.concatenate([jnp.einsum("bgqd,bgcd->bgqc", qg, k_cache, preferred_element_type=jnp.float32),
+                              jnp.einsum("bgqd,bgcd->bgqc", qg, kn, preferred_element_type=jnp.float32)], axis=-1)
+    mask = jnp.concatenate(masks, axis=-1)
+    probs = masked_softmax(scores.reshape(B, Hkv, r, S, C + S) * scale, mask[:, None, None])
+    probs = probs.astype(v_cache.dtype).reshape(B, Hkv, r * S, C + S)
+    out = (jnp.einsum("bgqc,bgcd->bgqd", probs[..., :C], v_cache)
+           + jnp.einsum("bgqc,bgcd->bgqd", probs[..., C:], vn))
     return out.reshape(B, Hkv, r, S, -1).transpose(0, 3, 1, 2, 4).reshape(B, S, Hq, -1)
 
 
@@ -188,7 +218,7 @@ class Attention(nnx.Module):
         cos, sin = ai.cos[d], ai.sin[d]
         q = apply_rope(q, cos, sin, rope.interleave)
         k = apply_rope(k, cos, sin, rope.interleave)
-        ck = write_cache(cache["k"], k, ai.write_index)
-        cv = write_cache(cache["v"], v, ai.write_index)
-        out = sdpa(q, ck, cv, attention_mask(ai, self.cfg.sliding_window), self.scale)
+        out = sdpa(q, cache["k"], cache["v"], k, v, attention_masks(ai, self.cfg.sliding_window), self.scale)
+        ck = write_cache(cache["k"], after(out, k), ai.write_index)
+        cv = write_cache(cache["v"], after(out, v), ai.write_index)
         return self.o(out.reshape(B, S, nq * d)), {"k": ck, "v": cv}

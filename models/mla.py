@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig, RopeType
-from models.layers import NEG_INF, AttentionInputs, Linear, RMSNorm, attention_mask
+from models.layers import AttentionInputs, Linear, RMSNorm, after, attention_masks, masked_softmax
 from models.rope import RopeTables, apply_rope
 
 
@@ -72,17 +72,24 @@ class MLAttention(nnx.Module):
         cos, sin = ai.cos[dr], ai.sin[dr]
         q_pe = apply_rope(q_pe, cos, sin, rope.interleave)
         k_pe = apply_rope(k_pe, cos, sin, rope.interleave)[:, :, 0]
-        ckv_all = jax.lax.dynamic_update_slice(cache["ckv"], c_kv.astype(cache["ckv"].dtype), (0, ai.write_index, 0))
-        kpe_all = jax.lax.dynamic_update_slice(cache["kpe"], k_pe.astype(cache["kpe"].dtype), (0, ai.write_index, 0))
+        c_kv, k_pe = c_kv.astype(cache["ckv"].dtype), k_pe.astype(cache["kpe"].dtype)
 
         w_b = self.kv_b.kernel[...].reshape(self.rank, nh, dn + self.d_v)
         w_uk, w_uv = w_b[..., :dn], w_b[..., dn:]
         q_lat = jnp.einsum("bshd,rhd->bshr", q_nope, w_uk)
-        scores = (jnp.einsum("bshr,bcr->bhsc", q_lat, ckv_all, preferred_element_type=jnp.float32)
-                  + jnp.einsum("bshd,bcd->bhsc", q_pe, kpe_all, preferred_element_type=jnp.float32)) * self.scale
-        mask = attention_mask(ai, self.cfg.sliding_window)
-        scores = jnp.where(mask[:, None], scores, NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1).astype(ckv_all.dtype)
-        o_lat = jnp.einsum("bhsc,bcr->bshr", probs, ckv_all)
+        f32 = jnp.float32
+        # scores over the cached slots and over the S new tokens (read before the cache is written)
+        scores = jnp.concatenate([
+            jnp.einsum("bshr,bcr->bhsc", q_lat, cache["ckv"], preferred_element_type=f32)
+            + jnp.einsum("bshd,bcd->bhsc", q_pe, cache["kpe"], preferred_element_type=f32),
+            jnp.einsum("bshr,bcr->bhsc", q_lat, c_kv, preferred_element_type=f32)
+            + jnp.einsum("bshd,bcd->bhsc", q_pe, k_pe, preferred_element_type=f32)], axis=-1) * self.scale
+        C = cache["ckv"].shape[1]
+        mask = jnp.concatenate(attention_masks(ai, self.cfg.sliding_window), axis=-1)
+        probs = masked_softmax(scores, mask[:, None]).astype(c_kv.dtype)
+        o_lat = (jnp.einsum("bhsc,bcr->bshr", probs[..., :C], cache["ckv"])
+                 + jnp.einsum("bhsc,bcr->bshr", probs[..., C:], c_kv))
         out = jnp.einsum("bshr,rhd->bshd", o_lat, w_uv).reshape(B, S, nh * self.d_v)
+        ckv_all = jax.lax.dynamic_update_slice(cache["ckv"], after(o_lat, c_kv), (0, ai.write_index, 0))
+        kpe_all = jax.lax.dynamic_update_slice(cache["kpe"], after(o_lat, k_pe), (0, ai.write_index, 0))
         return self.o(out), {"ckv": ckv_all, "kpe": kpe_all}

@@ -188,36 +188,60 @@ def experts_dense_skip(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Arr
     return out.astype(x.dtype)
 
 
+def group_by_expert(routing: Routing, num_experts: int, pad: int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The T*k (token, slot) pairs sorted by expert: token [n + pad], weight [n + pad], and per expert
+    its pair count [E] and first sorted position [E]. Pairs of padding rows (`routing.valid` False) and
+    expert ids outside [0, E) are left out (sorted past every expert's range)."""
+    T, k = routing.experts.shape
+    flat_e = routing.experts.reshape(-1)
+    if routing.valid is not None:
+        flat_e = jnp.where(jnp.repeat(routing.valid, k), flat_e, num_experts)
+    flat_e = jnp.where((flat_e >= 0) & (flat_e < num_experts), flat_e, num_experts)
+    order = jnp.argsort(flat_e, stable=True)
+    tok = (order // k).astype(jnp.int32)
+    wts = routing.weights.reshape(-1)[order]
+    counts = jnp.bincount(flat_e, length=num_experts)
+    starts = jnp.cumsum(counts) - counts
+    tok = jnp.concatenate([tok, jnp.zeros((pad,), jnp.int32)])
+    wts = jnp.concatenate([wts, jnp.zeros((pad,), wts.dtype)])
+    return tok, wts, counts.astype(jnp.int32), starts.astype(jnp.int32)
+
+
+def default_chunk(num_pairs: int, num_experts: int) -> int:
+    """Rows per expert call: the mean pairs per expert rounded up to a power of two (at least 8)."""
+    return max(8, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(num_pairs / num_experts))))))
+
+
 def experts_grouped(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array], down: Sequence[jax.Array],
                     chunk: Optional[int] = None) -> jax.Array:
-    """Many tokens (prefill): tokens sorted by expert, each expert runs over its own rows in chunks.
+    """Many tokens: pairs sorted by expert, each expert runs over its own rows in chunks of `chunk` rows.
 
-    Exact for any routing: an expert with n rows runs ceil(n / chunk) times; unused experts never run.
+    Exact for any routing: an expert with n rows runs ceil(n / chunk) times (the first chunk under a
+    `cond`, any further ones in a loop that is entered only on overflow); unused experts never run.
     """
     T, k = routing.experts.shape
     E, H = len(gate_up), x.shape[-1]
-    n = T * k
-    chunk = chunk or max(8, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(n / E))))))
-    flat_e = routing.experts.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    tok = (jnp.arange(n, dtype=jnp.int32) // k)[order]
-    wts = routing.weights.reshape(-1)[order]
-    counts = jnp.bincount(flat_e, length=E)
-    starts = jnp.cumsum(counts) - counts
-    pad = chunk
-    tok = jnp.concatenate([tok, jnp.zeros((pad,), jnp.int32)])
-    wts = jnp.concatenate([wts, jnp.zeros((pad,), wts.dtype)])
-    xs = jnp.concatenate([x[tok[:n]], jnp.zeros((pad, H), x.dtype)])
+    chunk = chunk or default_chunk(T * k, E)
+    tok, wts, counts, starts = group_by_expert(routing, E, pad=chunk)
+    xs = x[tok]
+    rows = jnp.arange(chunk)
+
+    def run_chunk(e: int, i: jax.Array, acc: jax.Array) -> jax.Array:
+        start = starts[e] + i * chunk
+        live = rows + i * chunk < counts[e]
+        w = jnp.where(live, jax.lax.dynamic_slice(wts, (start,), (chunk,)), 0.0)
+        y = swiglu(jax.lax.dynamic_slice(xs, (start, 0), (chunk, H)), gate_up[e], down[e]).astype(jnp.float32)
+        y = jnp.where(live[:, None], y * w[:, None], 0.0)
+        return acc.at[jax.lax.dynamic_slice(tok, (start,), (chunk,))].add(y)
+
     out = jnp.zeros((T, H), jnp.float32)
-    for e, (gu, dn) in enumerate(zip(gate_up, down)):
-        def body(i, acc, e=e, gu=gu, dn=dn):
-            start = starts[e] + i * chunk
-            rows = jax.lax.dynamic_slice(xs, (start, 0), (chunk, H))
-            live = (jnp.arange(chunk) + i * chunk) < counts[e]
-            w = jnp.where(live, jax.lax.dynamic_slice(wts, (start,), (chunk,)), 0.0)
-            y = swiglu(rows, gu, dn).astype(jnp.float32) * w[:, None]
-            return acc.at[jax.lax.dynamic_slice(tok, (start,), (chunk,))].add(y)
-        out = jax.lax.fori_loop(0, (counts[e] + chunk - 1) // chunk, body, out)
+    for e in range(E):
+        n_chunks = (counts[e] + chunk - 1) // chunk
+        out = jax.lax.cond(n_chunks > 0, lambda acc, e=e: run_chunk(e, jnp.int32(0), acc), lambda acc: acc, out)
+        if T * k > chunk:  # overflow chunks are possible
+            out = jax.lax.cond(n_chunks > 1, lambda acc, e=e, n=n_chunks: jax.lax.fori_loop(
+                1, n, lambda i, a: run_chunk(e, i, a), acc), lambda acc: acc, out)
     return out.astype(x.dtype)
 
 
