@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(VENV)/bin/python -m models.generate
+	$(VENV)/bin/python -m engine.run
 
 test: install
 	$(VENV)/bin/python -m pytest -q
