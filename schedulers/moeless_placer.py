@@ -12,6 +12,7 @@ Ties go to the lowest expert id, then the lowest device id, so the result is det
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Optional
 
@@ -61,9 +62,10 @@ def place_replicas(counts: np.ndarray, loads: np.ndarray, num_devices: int, capa
     if live is not None and warm_start:
         for e, g in zip(live.replica_expert.tolist(), live.replica_device.tolist()):
             warm_devices.setdefault(e, []).append(g)
-    # plain lists: E and G are small and this runs per layer per iteration
+    # plain lists and a lazy min-heap over (load, device): this runs per layer per iteration
     device_load = [0.0] * num_devices
     used = [0] * num_devices
+    queue = [(0.0, g) for g in range(num_devices)]  # entries go stale when a device's load changes
     experts_out, devices_out = [], []
     warm = cold = 0
     for share, e in replica_order(counts, loads):
@@ -73,10 +75,15 @@ def place_replicas(counts: np.ndarray, loads: np.ndarray, num_devices: int, capa
             warm_devices[e].remove(g)
             warm += 1
         else:
-            g = min((d for d in range(num_devices) if used[d] < capacity), key=lambda d: (device_load[d], d))
+            while True:  # the least-loaded device with a free slot (lowest id on ties)
+                load, g = heapq.heappop(queue)
+                if used[g] < capacity and load == device_load[g]:
+                    break
             cold += 1
         device_load[g] += share
         used[g] += 1
+        if used[g] < capacity:
+            heapq.heappush(queue, (device_load[g], g))
         experts_out.append(e)
         devices_out.append(g)
     placement = Placement(E, num_devices, np.asarray(experts_out, np.int64), np.asarray(devices_out, np.int64))

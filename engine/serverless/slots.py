@@ -62,13 +62,16 @@ class SlotMap:
         self.expert = np.full((num_devices, slots_per_device), EMPTY, dtype=np.int64)
         self.last_used = np.full((num_devices, slots_per_device), -1, dtype=np.int64)
         self._clock = 0
+        self._live: Placement | None = None
 
     def live(self) -> Placement | None:
         """Every expert alive in a slot (kept-alive ones included); None while all slots are empty."""
-        g, s = np.nonzero(self.expert != EMPTY)
-        if g.size == 0:
-            return None
-        return Placement(self.num_experts, self.num_devices, self.expert[g, s], g)
+        if self._live is None:
+            g, s = np.nonzero(self.expert != EMPTY)
+            if g.size == 0:
+                return None
+            self._live = Placement(self.num_experts, self.num_devices, self.expert[g, s], g)
+        return self._live
 
     def resident_replicas(self) -> int:
         return int((self.expert != EMPTY).sum())
@@ -80,20 +83,28 @@ class SlotMap:
                              f"devices, map has {self.num_experts} / {self.num_devices}")
         placement.check_capacity(self.slots)
         self._clock += 1
+        self._live = None
         table = self.expert.tolist()  # [G][S]; plain lists: this runs per layer per iteration
-        before = [set(row) for row in table]
+        slots_of: dict[tuple[int, int], list[int]] = {}  # (device, expert) -> unclaimed slots holding it
+        for g, row in enumerate(table):
+            for i, e in enumerate(row):
+                if e != EMPTY:
+                    slots_of.setdefault((g, e), []).append(i)
+        holders: dict[int, list[int]] = {}  # expert -> devices holding it before this update
+        for g, e in slots_of:
+            holders.setdefault(e, []).append(g)
         claimed = [[False] * self.slots for _ in range(self.num_devices)]
         pairs = list(zip(placement.replica_expert.tolist(), placement.replica_device.tolist()))
         slot_of = [-1] * len(pairs)
         moves: list[Move] = []
         pending = []
         for r, (e, g) in enumerate(pairs):
-            row, taken = table[g], claimed[g]
-            s = next((i for i in range(self.slots) if row[i] == e and not taken[i]), -1)
-            if s >= 0:
-                taken[s] = True
-                slot_of[r] = s
-                moves.append(Move(g, s, e, Source.warm))
+            hits = slots_of.get((g, e))
+            if hits:
+                i = hits.pop(0)
+                claimed[g][i] = True
+                slot_of[r] = i
+                moves.append(Move(g, i, e, Source.warm))
             else:
                 pending.append(r)
         last_used = self.last_used.tolist()
@@ -102,16 +113,15 @@ class SlotMap:
             row, taken = table[g], claimed[g]
             free = [i for i in range(self.slots) if not taken[i]]
             empty = [i for i in free if row[i] == EMPTY]
-            s = empty[0] if empty else min(free, key=lambda i: last_used[g][i])
-            taken[s] = True
-            slot_of[r] = s
-            holders = [h for h in range(self.num_devices) if e in before[h]]
-            if holders:
-                src = g if g in holders else holders[0]  # a copy inside the device if it already has e
-                moves.append(Move(g, s, e, Source.peer, src))
+            i = empty[0] if empty else min(free, key=lambda j: last_used[g][j])
+            taken[i] = True
+            slot_of[r] = i
+            src = holders.get(e)
+            if src:
+                moves.append(Move(g, i, e, Source.peer, g if g in src else src[0]))  # inside the device if it has e
             else:
-                moves.append(Move(g, s, e, Source.host))
-            row[s] = e
+                moves.append(Move(g, i, e, Source.host))
+            row[i] = e
         self.expert = np.asarray(table, dtype=np.int64)
         self.last_used[np.asarray(claimed)] = self._clock
         slot_of = np.asarray(slot_of, dtype=np.int64)
