@@ -49,12 +49,27 @@ def azure_batches(cfg: ServeConfig) -> tuple[list, dict]:
     return batches, summary
 
 
-def serving_trace(cfg: ServeConfig, node: DictConfig, model_cfg, batches: list):
-    """Routing for the batches: synthetic (per request / per decode step) or a recorded trace file."""
+def serving_trace(cfg: ServeConfig, node: DictConfig, model_cfg, batches: list, tm: Telemetry):
+    """Routing for the batches: recorded from a trained checkpoint serving the replay, synthetic
+    (per request / per decode step), or a recorded trace file."""
     from engine.serverless.serving_trace import from_routing_trace, replay_with_synthetic_routing
-    from engine.sim.run import RoutingSpec, load_routing_file
+    from engine.sim.run import RoutingSpec, load_routing_file, tile_layers
     from engine.synthetic_routing import SyntheticRouter, SyntheticRoutingParams
 
+    if cfg.routing_checkpoint:
+        from engine.serverless.model_routing import record_replay_routing
+
+        trace, starts = record_replay_routing(cfg.routing_checkpoint, cfg.workload, cfg.max_batches, cfg.seed,
+                                              progress=tm.progress)
+        if (trace.meta.num_experts, trace.meta.top_k) != (model_cfg.num_experts, model_cfg.num_experts_per_tok):
+            raise ValueError(f"routing_checkpoint: {cfg.routing_checkpoint} routes {trace.meta.num_experts} experts "
+                             f"top-{trace.meta.top_k}; model {cfg.model.name} has {model_cfg.num_experts} top-"
+                             f"{model_cfg.num_experts_per_tok}")
+        trace.save(tm.run_dir / "routing_trace.npz")
+        if trace.num_layers != len(model_cfg.moe_layers):
+            trace = tile_layers(trace, len(model_cfg.moe_layers))
+        return from_routing_trace(trace, batch_times=starts, decode_stride=cfg.decode_stride,
+                                  source=f"{cfg.routing_checkpoint} on azure:{cfg.workload.name}")
     r = cfg.routing
     if r.source.value == "synthetic":
         params = to_frozen(node.routing.synthetic, SyntheticRoutingParams)
@@ -62,7 +77,8 @@ def serving_trace(cfg: ServeConfig, node: DictConfig, model_cfg, batches: list):
         return replay_with_synthetic_routing(batches, router, seed=cfg.seed, decode_stride=cfg.decode_stride,
                                              source=f"azure:{cfg.workload.name}")
     trace = load_routing_file(RoutingSpec(source=r.source.value, name=r.name, path=r.path), model_cfg)
-    return from_routing_trace(trace, seconds_per_batch=cfg.workload.azure.interval_s, source=r.path)
+    return from_routing_trace(trace, seconds_per_batch=cfg.workload.azure.interval_s, decode_stride=cfg.decode_stride,
+                              source=r.path)
 
 
 def experiment_results(outputs: dict, cache: dict) -> dict:
@@ -114,13 +130,13 @@ def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[st
     for spec in base.values():  # bad settings fail here, before any routing is generated
         build_policy(spec, E, G, cost_model.expert_bytes)
     batches, workload = azure_batches(cfg)
-    trace = serving_trace(cfg, node, model_cfg, batches)
+    trace = serving_trace(cfg, node, model_cfg, batches, tm)
     experiments = [e.value for e in cfg.experiments]
     outputs, cache = run_experiments(trace, cost_model, experiments, base, list(cfg.systems), sv.sweeps,
                                      make_predictor, p.history_decay, progress=tm.progress)
     results: dict[str, Any] = {
         "mode": "simulate", "model": str(cfg.model.name), "hardware": hw.name, "num_devices": G,
-        "workload": workload, "routing": cfg.routing.name,
+        "workload": workload, "routing": trace.source if cfg.routing_checkpoint else cfg.routing.name,
         "steps_simulated": trace.num_steps, "iterations": float(trace.weight.sum()), "decode_stride": cfg.decode_stride,
         "tokens_routed": int(trace.routing.num_rows),
         "cost_model": cost_model.summary(), "latency": {"kind": lat.kind.value, "compute": lat.compute.value,

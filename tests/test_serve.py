@@ -21,7 +21,7 @@ from engine.serverless.policies import PolicyKind, SystemSpec
 from engine.serverless.serving_trace import replay_with_synthetic_routing
 from engine.serverless.simulator import forecast_loads, simulate_system
 from engine.synthetic_routing import SyntheticRouter
-from engine.trace import DECODE, PREFILL
+from engine.trace import DECODE, PREFILL, RoutingTrace
 from engine.workloads import load_azure_trace
 from models.loading import resolve_model_config
 from predictors.oracle import NoisyOraclePredictor
@@ -215,3 +215,21 @@ def test_two_processes_run_the_ep_layer_over_jax_distributed():
     for r in reports:
         assert r["processes"] == 2 and r["devices"] == 8 and r["local_devices"] == 4
         assert r["hot_expert_replicas"] > 1 and r["overflow"] == 0 and r["max_abs_err"] < 1e-5
+
+
+@pytest.mark.slow  # compiles the generator for several batch shapes (about a minute on 2 cores)
+def test_routing_recorded_from_a_trained_model_serving_the_replay(tmp_path):
+    from engine.serve import run
+
+    node = compose("serve", ["routing_checkpoint=pkg:models/checkpoints/mixtral-tiny", "workload.azure.duration_s=2",
+                             "workload.azure.max_context_tokens=24", "workload.azure.max_generated_tokens=5",
+                             "decode_stride=1", "systems=[static_ep,moeless]", "wandb.mode=disabled", "plots=false"])
+    r = run(node, run_dir=tmp_path)
+    recorded = RoutingTrace.load(tmp_path / "routing_trace.npz")
+    assert recorded.meta.num_experts == 8 and recorded.num_layers == 8  # mixtral-tiny: 8 MoE layers
+    w = r["workload"]
+    # every prompt token and every decode token of every request is routed once per layer
+    assert recorded.num_rows == w["context_tokens"] + w["generated_tokens"] - w["requests"]
+    assert r["iterations"] == r["steps_simulated"] and r["tokens_routed"] == recorded.num_rows
+    systems = r["experiments"]["compare"]["systems"]
+    assert systems["MoEless"]["mean_moe_ms"] < systems["Megatron-LM"]["mean_moe_ms"]

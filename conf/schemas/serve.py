@@ -123,6 +123,9 @@ class ServeConfig:
     workload: WorkloadConfig = MISSING
     routing: RoutingConfig = MISSING
     serverless: ServerlessConfig = MISSING
+    # simulate: record the routing by serving the replayed requests (ShareGPT text of the trace's
+    # lengths) with this trained checkpoint (same experts / top-k as `model`) instead of `routing`
+    routing_checkpoint: Optional[str] = None
     mode: ServeMode = ServeMode.simulate
     systems: List[PolicyKind] = field(default_factory=lambda: [PolicyKind.static_ep, PolicyKind.eplb,
                                                                PolicyKind.oracle, PolicyKind.moeless])

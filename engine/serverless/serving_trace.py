@@ -149,14 +149,39 @@ def replay_with_synthetic_routing(batches: Iterable[RequestBatch], router: Synth
                         num_seqs=np.asarray(seqs, np.int64), context=np.asarray(context), source=source)
 
 
-def from_routing_trace(trace: RoutingTrace, seconds_per_batch: float = 1.0, source: Optional[str] = None
-                       ) -> ServingTrace:
-    """A recorded trace as it is: step times from its batch ids (one batch per `seconds_per_batch`)."""
+def from_routing_trace(trace: RoutingTrace, seconds_per_batch: float = 1.0, batch_times: Optional[np.ndarray] = None,
+                       decode_stride: int = 1, source: Optional[str] = None) -> ServingTrace:
+    """A recorded trace as it is (prefill steps start batches): step times from `batch_times` (one
+    per batch, in order) or batch index x `seconds_per_batch`; every `decode_stride`-th decode step
+    of a batch is kept, with the weight of the steps it stands for."""
+    if decode_stride < 1:
+        raise ValueError(f"decode_stride must be >= 1, got {decode_stride}")
     b = trace.step_bounds()
     first = b[:-1]
-    seq_counts = [len(np.unique(trace.seq[b[i]:b[i + 1]])) for i in range(len(b) - 1)]
-    ctx = [float(trace.pos[b[i]:b[i + 1]].mean()) + 1 for i in range(len(b) - 1)]
-    return ServingTrace(routing=trace, time_s=trace.batch[first].astype(np.float64) * seconds_per_batch,
-                        weight=np.ones(len(first)), phase=trace.phase[first].astype(np.int8),
-                        batch=trace.batch[first].astype(np.int64), num_seqs=np.asarray(seq_counts, np.int64),
-                        context=np.asarray(ctx), source=source or trace.meta.source)
+    phase = trace.phase[first]
+    batch = np.cumsum(phase == PREFILL) - 1 if (phase == PREFILL).any() else trace.batch[first].astype(np.int64)
+    batch = np.maximum(batch, 0)
+    index_in_batch = np.zeros(len(first), np.int64)
+    for i in range(1, len(first)):
+        index_in_batch[i] = 0 if batch[i] != batch[i - 1] else index_in_batch[i - 1] + 1
+    decode_no = index_in_batch - (phase[np.searchsorted(batch, batch)] == PREFILL)  # decode iteration j of its batch
+    keep = (phase == PREFILL) | (decode_no % decode_stride == 0)
+    weight = np.ones(len(first))
+    last_decode = {int(x): int(decode_no[batch == x].max()) for x in np.unique(batch)}
+    for i in np.flatnonzero(keep & (phase == DECODE)):
+        weight[i] = min(decode_stride, last_decode[int(batch[i])] - decode_no[i] + 1)
+    if batch_times is not None:
+        if len(batch_times) < int(batch.max()) + 1:
+            raise ValueError(f"serving trace: {len(batch_times)} batch times for {int(batch.max()) + 1} batches")
+        times = np.asarray(batch_times, np.float64)[batch]
+    else:
+        times = batch.astype(np.float64) * seconds_per_batch
+    kept_steps = np.flatnonzero(keep)
+    if not keep.all():
+        rows = np.concatenate([np.arange(b[i], b[i + 1]) for i in kept_steps])
+        trace = trace.select(rows)
+    seqs = [len(np.unique(trace.seq[lo:hi])) for lo, hi in zip(trace.step_bounds()[:-1], trace.step_bounds()[1:])]
+    ctx = [float(trace.pos[lo:hi].mean()) + 1 for lo, hi in zip(trace.step_bounds()[:-1], trace.step_bounds()[1:])]
+    return ServingTrace(routing=trace, time_s=times[kept_steps], weight=weight[kept_steps], phase=phase[kept_steps].astype(np.int8),
+                        batch=batch[kept_steps], num_seqs=np.asarray(seqs, np.int64), context=np.asarray(ctx),
+                        source=source or trace.meta.source)
