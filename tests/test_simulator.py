@@ -139,3 +139,30 @@ def test_an_invalid_plan_is_rejected_naming_the_layer() -> None:
                       trace=trace, options=SimOptions(check_invariants=True))
     with pytest.raises(ValueError, match="layer 0: GPU experts \\[0\\]"):
         sim.run_pass(passes[0])
+
+
+def test_recorded_and_jsonl_traces_replay_at_any_batch_size(tmp_path) -> None:
+    import json
+
+    from engine.synthetic_routing import SyntheticRouter
+
+    cfg = mixtral(4)
+    recorded = SyntheticRouter(4, 8, 2, model_seed=1).trace(batch=3, prompt_len=5, gen_len=3, seed=2, num_batches=4)
+    path = recorded.save(tmp_path / "trace.npz")
+    lines = []
+    for seq in range(4):  # a vLLM-style log: one line per (sequence, token, layer), one MoE layer only
+        for tok in range(4):
+            lines.append({"problem_id": seq, "token_idx": tok, "layer": 0, "experts": [(seq + tok) % 8, (seq + tok + 3) % 8],
+                          "gating_probs": [0.6, 0.4]})
+    (tmp_path / "log.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    for source, p, batch in [("trace", path, 4), ("trace", path, 2), ("jsonl", tmp_path / "log.jsonl", 2)]:
+        spec = RunSpec(model=cfg, model_name="mixtral-4l", hardware=load_hardware("v100_pcie3"), scheduler=SchedulerSettings(),
+                       routing=RoutingSpec(source=source, name=source, path=str(p)), batch_size=batch, check_invariants=True,
+                       profile_batches=1, cache_slots=10)
+        prepared = prepare_routing(spec)
+        prefills = [fp for fp in prepared.passes if fp.prefill]
+        assert all(fp.num_seqs == batch for fp in prefills)
+        out = simulate(spec, prepared, record=True)
+        check_events(out.sim.events, prepared.passes, staging_slots=2)
+        assert out.summary["tokens_generated"] == sum(fp.num_seqs for fp in prepared.passes)
+    assert prepare_routing(spec).trace.meta.extra["tiled_from_layers"] == 1  # 1 recorded layer cycled over 4

@@ -33,7 +33,8 @@ class SimPredictorConfig:
 class HotTableConfig:
     """Profiling runs that rank experts for the hot-expert table (LayerScope §4.1 Counter)."""
 
-    profile_batches: int = 2  # synthetic: fresh batches of the same model; traces: the first batches are held out
+    profile_sequences: Optional[int] = 32  # synthetic: prompts of fresh traffic of the same model (None: profile_batches batches)
+    profile_batches: int = 2  # traces: the first batches are held out for profiling
     seed: int = 1000  # synthetic profiling traffic seed (added to the run seed)
 
 

@@ -43,9 +43,9 @@ def scheduler_settings(name: str):
     return settings
 
 
-def run_group(args: tuple[str, int, list[str], str]) -> list[dict[str, Any]]:
+def run_group(args: tuple[str, int, list[str], str, bool]) -> list[dict[str, Any]]:
     """Every system on both machines for one (model, batch): one routing, many replays."""
-    model, batch, systems, routing_name = args
+    model, batch, systems, routing_name, bounds = args
     from dataclasses import replace
 
     from conf import compose
@@ -59,6 +59,7 @@ def run_group(args: tuple[str, int, list[str], str]) -> list[dict[str, Any]]:
     t_routing = time.process_time() - t0
     rows = []
     for hw in HARDWARE:
+        lb = None
         for system in systems:
             spec = replace(base, hardware=load_hardware(hw), scheduler=scheduler_settings(system),
                            async_io=system != "presched_no_async")
@@ -68,6 +69,14 @@ def run_group(args: tuple[str, int, list[str], str]) -> list[dict[str, Any]]:
                    "scheduler": spec.scheduler.label, "routing": routing_name, "sim_cpu_s": time.process_time() - t1,
                    "routing_cpu_s": t_routing if system == systems[0] and hw == HARDWARE[0] else 0.0}
             row.update({k: v for k, v in out.summary.items() if not isinstance(v, dict)})
+            if bounds and spec.async_io:
+                if lb is None:  # the bound does not depend on the schedule
+                    from engine.sim.bounds import lower_bound
+
+                    lb = lower_bound(spec.model, out.cost, routing.passes,
+                                     out.memory.cache_slots + spec.scheduler.staging_slots)
+                row["lower_bound_s"] = lb
+                row["above_lower_bound"] = out.summary["total_s"] / lb - 1
             rows.append(row)
     return rows
 
@@ -80,9 +89,11 @@ def main() -> None:
     ap.add_argument("--routing", default="synthetic", help="a conf/routing/ config name")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--bounds", action="store_true", help="also compute the lower bound of every point (not timed)")
     args = ap.parse_args()
     systems = ABLATION if args.ablation else SYSTEMS
-    groups = [(m, b, systems, args.routing) for m in args.models.split(",") for b in map(int, args.batches.split(","))]
+    groups = [(m, b, systems, args.routing, args.bounds) for m in args.models.split(",")
+              for b in map(int, args.batches.split(","))]
     groups.sort(key=lambda g: -g[1])  # big batches first: better packing over the workers
     wall0, cpu0 = time.perf_counter(), time.process_time()
     rows: list[dict[str, Any]] = []

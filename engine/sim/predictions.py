@@ -91,7 +91,8 @@ class LazyForecasts(Mapping):
         if target not in self._cache:
             if self._ctx is None:
                 self._ctx = self._book.context(self._layer, self._step, self._rows)
-            self._cache[target] = self._book.forecast(self._ctx, target - self._layer, num_tokens=self._rows.size)
+            n = None if self._rows is None else int(self._rows.size)
+            self._cache[target] = self._book.forecast(self._ctx, target - self._layer, num_tokens=n)
         return self._cache[target]
 
     def __iter__(self) -> Iterator[int]:

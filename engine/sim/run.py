@@ -14,7 +14,7 @@ import numpy as np
 from conf.schemas.hardware import HardwareProfile
 from engine.sim.pipeline import PipelineSim, SimOptions
 from engine.sim.predictions import ForecastBook
-from engine.sim.workload import ForwardPass, forward_passes, profile_loads
+from engine.sim.workload import ForwardPass, batch_sequences, forward_passes, profile_loads, sequences_per_batch
 from engine.synthetic_routing import SyntheticRouter, SyntheticRoutingParams
 from engine.trace import RoutingTrace
 from models.config import ModelConfig
@@ -54,7 +54,8 @@ class RunSpec:
     bytes_per_param: int = 2
     async_io: bool = True
     predictor: PredictorSpec = field(default_factory=PredictorSpec)
-    profile_batches: int = 2
+    profile_batches: int = 2  # traces: batches held out for the hot table; synthetic: see profile_sequences
+    profile_sequences: Optional[int] = 32  # synthetic: prompts of the profiling run (None: profile_batches batches)
     profile_seed: int = 1000
     seed: int = 0
     check_invariants: bool = False
@@ -78,11 +79,16 @@ def prepare_routing(spec: RunSpec) -> PreparedRouting:
         router = SyntheticRouter.for_model(cfg, r.synthetic, model_seed=r.model_seed, model_name=spec.model_name)
         trace = router.trace(spec.batch_size, spec.prompt_len, spec.gen_len, seed=spec.seed,
                              num_batches=spec.num_batches)
-        prof = router.trace(spec.batch_size, spec.prompt_len, spec.gen_len, seed=spec.seed + spec.profile_seed,
-                            num_batches=max(spec.profile_batches, 1))
+        if spec.profile_sequences:
+            prof = router.trace(spec.profile_sequences, spec.prompt_len, spec.gen_len, seed=spec.seed + spec.profile_seed)
+        else:
+            prof = router.trace(spec.batch_size, spec.prompt_len, spec.gen_len, seed=spec.seed + spec.profile_seed,
+                                num_batches=max(spec.profile_batches, 1))
         return PreparedRouting(trace, forward_passes(trace), profile_loads(prof))
     trace = load_routing_file(r, cfg)
-    passes = forward_passes(trace, batch=spec.batch_size)
+    if sequences_per_batch(trace) != spec.batch_size:
+        trace = batch_sequences(trace, spec.batch_size)
+    passes = forward_passes(trace)
     batches = sorted({p.batch_id for p in passes})
     held = set(batches[:spec.profile_batches]) if len(batches) > spec.profile_batches else set()
     prof_rows = [p.rows for p in passes if p.batch_id in held]
@@ -202,6 +208,7 @@ def spec_from_config(cfg: Any) -> RunSpec:
         num_batches=int(cfg.num_batches), bytes_per_param=int(cfg.bytes_per_param), async_io=bool(cfg.async_io),
         predictor=PredictorSpec(kind=pred.kind.value if hasattr(pred.kind, "value") else str(pred.kind),
                                 hit_rate=float(pred.hit_rate), distance_decay=float(pred.distance_decay), seed=int(pred.seed)),
-        profile_batches=int(cfg.hot_table.profile_batches), profile_seed=int(cfg.hot_table.seed), seed=int(cfg.seed),
+        profile_batches=int(cfg.hot_table.profile_batches), profile_sequences=cfg.hot_table.profile_sequences,
+        profile_seed=int(cfg.hot_table.seed), seed=int(cfg.seed),
         check_invariants=bool(cfg.check_invariants),
         cache_slots=OmegaConf.select(cfg, "cache_slots", default=None))

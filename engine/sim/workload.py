@@ -1,8 +1,9 @@
 """Forward passes to replay: a routing trace cut into prefill / decode passes with per-layer loads.
 
 A recorded trace already holds batched passes (one prefill step, then decode steps). Imported
-per-sequence logs (one sequence per step) are regrouped by `batch_sequences` into passes of
-`batch` sequences: the prefill rows of the group, then their first decode rows, and so on.
+per-sequence logs (one sequence per step), or recorded batches of another size, are regrouped by
+`batch_sequences` into passes of `batch` sequences: the prefill rows of the group, then their first
+decode rows, and so on.
 """
 
 from __future__ import annotations
@@ -49,20 +50,18 @@ def layer_loads(trace: RoutingTrace, rows: np.ndarray) -> tuple[np.ndarray, np.n
     return loads, scores
 
 
-def is_per_sequence(trace: RoutingTrace) -> bool:
-    """True where every step holds a single sequence (an imported per-sequence log)."""
-    bounds = trace.step_bounds()
-    return all(np.unique(trace.seq[bounds[i]:bounds[i + 1]]).size == 1 for i in range(len(bounds) - 1))
-
-
 def batch_sequences(trace: RoutingTrace, batch: int) -> RoutingTrace:
-    """Regroup a per-sequence trace into passes of `batch` sequences (prefill, then decode steps)."""
+    """Regroup a trace into passes of `batch` sequences each: their prefill rows, then their first
+    decode rows, and so on (sequences in order of first appearance)."""
     if batch < 1:
         raise ValueError(f"batch_sequences: batch must be >= 1, got {batch}")
     seqs = list(dict.fromkeys(trace.seq.tolist()))
     by_seq: dict[int, list[np.ndarray]] = {s: [] for s in seqs}
     for _, sl in trace.iter_steps():
-        by_seq[int(trace.seq[sl.start])].append(np.arange(sl.start, sl.stop))
+        rows = np.arange(sl.start, sl.stop)
+        ids = trace.seq[sl]
+        for s in dict.fromkeys(ids.tolist()):
+            by_seq[s].append(rows[ids == s])
     order: list[np.ndarray] = []
     step_ids: list[np.ndarray] = []
     batch_ids: list[np.ndarray] = []
@@ -71,26 +70,29 @@ def batch_sequences(trace: RoutingTrace, batch: int) -> RoutingTrace:
         group = seqs[b:b + batch]
         depth = max(len(by_seq[s]) for s in group)
         for d in range(depth):
-            rows = [by_seq[s][d] for s in group if d < len(by_seq[s])]
-            rows_cat = np.concatenate(rows)
+            rows_cat = np.concatenate([by_seq[s][d] for s in group if d < len(by_seq[s])])
             order.append(rows_cat)
             step_ids.append(np.full(rows_cat.size, step, np.int32))
             batch_ids.append(np.full(rows_cat.size, b // batch, np.int32))
             step += 1
     idx = np.concatenate(order)
-    out = trace.select(idx)
-    out.step = np.concatenate(step_ids)
-    out.batch = np.concatenate(batch_ids)
-    return out
+    return RoutingTrace(meta=trace.meta, experts=trace.experts[:, idx], weights=trace.weights[:, idx],
+                        step=np.concatenate(step_ids), batch=np.concatenate(batch_ids), seq=trace.seq[idx],
+                        pos=trace.pos[idx], token=trace.token[idx], phase=trace.phase[idx],
+                        hidden=None if trace.hidden is None else trace.hidden[:, idx])
 
 
-def forward_passes(trace: RoutingTrace, batch: Optional[int] = None) -> list[ForwardPass]:
-    """The trace's forward passes in order, with per-layer expert loads.
+def sequences_per_batch(trace: RoutingTrace) -> int:
+    """Sequences in the trace's prefill passes (the largest)."""
+    bounds = trace.step_bounds()
+    counts = [np.unique(trace.seq[bounds[i]:bounds[i + 1]]).size for i in range(len(bounds) - 1)
+              if trace.phase[bounds[i]] == PREFILL]
+    return max(counts, default=0)
 
-    `batch`: regroup a per-sequence trace into passes of this many sequences first.
-    """
-    if batch is not None and is_per_sequence(trace) and batch > 1:
-        trace = batch_sequences(trace, batch)
+
+def forward_passes(trace: RoutingTrace) -> list[ForwardPass]:
+    """The trace's forward passes in order, with per-layer expert loads (regroup first with
+    `batch_sequences` to replay other batch sizes)."""
     passes: list[ForwardPass] = []
     for i, (_, sl) in enumerate(trace.iter_steps()):
         rows = np.arange(sl.start, sl.stop, dtype=np.int64)
@@ -123,4 +125,4 @@ def profile_loads(trace: RoutingTrace) -> np.ndarray:
 
 
 __all__ = ["ForwardPass", "forward_passes", "batch_sequences", "layer_loads", "microbatch_loads", "profile_loads",
-           "is_per_sequence", "PREFILL", "DECODE"]
+           "sequences_per_batch", "PREFILL", "DECODE"]
