@@ -105,7 +105,7 @@ class OnlineSpec:
     threshold: float = 0.10
     buffer: int = 128
     steps: int = 4
-    lr: float = 1e-3
+    lr: float = 3e-4
     weight_decay: float = 0.0
 
 
