@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from conf import hydra_main, to_frozen
 from conf.schemas.hardware import HardwareProfile
-from conf.schemas.serve import LoadPredictorKind, ServeConfig, ServeMode
+from conf.schemas.serve import ServeConfig, ServeMode
 from engine.telemetry import Telemetry
 
 
@@ -108,7 +108,7 @@ def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[st
     from engine.serverless.latency_model import LatencySettings, ServerlessCostModel
     from engine.serverless.policies import build_policy, slots_per_device
     from models.loading import resolve_model_config
-    from predictors.oracle import NoisyOraclePredictor
+    from predictors import load_predictor
 
     model_cfg = resolve_model_config(node.model)
     hw = to_frozen(node.hardware, HardwareProfile)
@@ -117,23 +117,23 @@ def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[st
     lat = sv.latency
     cost_model = ServerlessCostModel(model_cfg, hw, G, LatencySettings(lat.kind, lat.compute, lat.misc_s,
                                                                        lat.bill_keep_alive), sv.bytes_per_param)
-    p = sv.predictor
+    if sv.forecast.use_predictor and cfg.predictor.kind.value != "oracle":
+        raise ValueError(f"predictor={cfg.predictor.name}: simulate mode replays routing without the model's "
+                         "hidden states; use predictor=oracle (degraded by predictor.oracle.hit_rate) here and "
+                         "gate / moeless predictors in mode=real")
 
     def make_predictor(d: int):
-        if p.kind is LoadPredictorKind.historical:
-            return None
-        return NoisyOraclePredictor(trace.routing, distance=d, hit_rate=p.hit_rate * p.distance_decay ** (d - 1),
-                                    seed=p.seed + 7919 * d)
+        return load_predictor(node.predictor, trace=trace.routing, distance=d) if sv.forecast.use_predictor else None
 
     E = model_cfg.num_experts
-    base = default_specs(sv, E, G)
+    base = default_specs(sv, E, G, cfg.predictor.distance)
     for spec in base.values():  # bad settings fail here, before any routing is generated
         build_policy(spec, E, G, cost_model.expert_bytes)
     batches, workload = azure_batches(cfg)
     trace = serving_trace(cfg, node, model_cfg, batches, tm)
     experiments = [e.value for e in cfg.experiments]
     outputs, cache = run_experiments(trace, cost_model, experiments, base, list(cfg.systems), sv.sweeps,
-                                     make_predictor, p.history_decay, progress=tm.progress)
+                                     make_predictor, sv.forecast.history_decay, progress=tm.progress)
     results: dict[str, Any] = {
         "mode": "simulate", "model": str(cfg.model.name), "hardware": hw.name, "num_devices": G,
         "workload": workload, "routing": trace.source if cfg.routing_checkpoint else cfg.routing.name,
@@ -142,7 +142,7 @@ def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[st
         "cost_model": cost_model.summary(), "latency": {"kind": lat.kind.value, "compute": lat.compute.value,
                                                         "other_compute": "device_sum" if lat.compute.value == "replica_max" else "replica_max"},
         "slots_per_device": {spec.label: slots_per_device(spec, E, G) for spec in base.values()},
-        "predictor": {"kind": p.kind.value, "hit_rate_by_distance": {
+        "predictor": {"name": cfg.predictor.name, "used": sv.forecast.use_predictor, "hit_rate_by_distance": {
             str(key[1]): float(np.mean(list(v[1].values()))) for key, v in cache.items() if key[0] == "predictor" and v[1]}},
         "lossy_systems": sorted({spec.label for pairs in outputs.values() for spec, res in pairs if res.lossy}),
         "experiments": experiment_results(outputs, cache),
@@ -163,24 +163,26 @@ def run_real(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any
     from engine.serverless.forecast import LoadForecast
     from engine.serverless.real_serving import ep_mesh, place_model, serve_real
     from models.loading import load_model
+    from predictors import load_predictor
     from predictors.historical_load import HistoricalLoadForecaster
 
     sv = cfg.serverless
-    if sv.predictor.kind is LoadPredictorKind.oracle:
-        raise ValueError("serverless.predictor.kind=oracle: the oracle reads a recorded trace and works in "
-                         "mode=simulate only; use historical (or a predictor object through the Python API)")
+    if sv.forecast.use_predictor and cfg.predictor.kind.value == "oracle":
+        raise ValueError("predictor=oracle: the oracle reads a recorded trace and works in mode=simulate only; "
+                         "use predictor=gate (or a trained predictor.checkpoint), or serverless.forecast.use_predictor=false")
     dtype = jnp.bfloat16 if cfg.dtype.value == "bfloat16" else jnp.float32
     model_cfg, model, _ = load_model(node.model, dtype=dtype, seed=cfg.seed)
     mesh = ep_mesh(sv.num_devices)
     G = int(np.asarray(mesh.devices).size)
     place_model(model, mesh)
     batches, workload = azure_batches(cfg)
-    base = default_specs(sv, model_cfg.num_experts, G)
+    base = default_specs(sv, model_cfg.num_experts, G, cfg.predictor.distance)
     systems: dict[str, Any] = {}
     for kind in cfg.systems:
         spec = base[kind]
-        forecast = LoadForecast(None, HistoricalLoadForecaster(len(model_cfg.moe_layers), model_cfg.num_experts,
-                                                               sv.predictor.history_decay), model_cfg.num_experts_per_tok)
+        predictor = load_predictor(node.predictor, model=model) if sv.forecast.use_predictor else None
+        forecast = LoadForecast(predictor, HistoricalLoadForecaster(len(model_cfg.moe_layers), model_cfg.num_experts,
+                                                                    sv.forecast.history_decay), model_cfg.num_experts_per_tok)
         executor = ServerlessExecutor(model_cfg, mesh, spec, forecast, dispatch=sv.dispatch)
         out = serve_real(model, mesh, batches, executor, seed=cfg.seed, verify=cfg.verify, progress=tm.progress)
         systems[spec.label] = out.summary()

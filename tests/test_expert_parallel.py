@@ -22,7 +22,7 @@ from engine.serverless.slots import Source
 from models.config import Family, ModelConfig
 from models.moe import DEFAULT_EXECUTOR, InMemoryExperts, RoutedExperts, Routing
 from models.transformer import build_model, forward, forward_jit, init_cache
-from predictors.base import LayerContext
+from predictors.gate import GatePredictor
 from predictors.historical_load import HistoricalLoadForecaster
 from schedulers.ep_placement import Placement, assign_tokens
 from schedulers.eplb import EPLBSettings
@@ -147,28 +147,6 @@ def tiny_cfg() -> ModelConfig:
                        num_experts_per_tok=2, max_position_embeddings=64)
 
 
-class GateCopyPredictor:
-    """Forecasts layer l + 1 by applying its router to layer l's gate input (the untrained MoEless
-    predictor; Mixtral-offloading's speculative gate)."""
-
-    name = "gate_copy"
-    distance = 1
-
-    def __init__(self, model):
-        self.model = model
-        self.observed = 0
-
-    def predict(self, ctx: LayerContext) -> np.ndarray:
-        decoder = self.model.cfg.moe_layers[ctx.layer + 1]
-        return np.asarray(self.model.layers[decoder].moe.router.logits(jnp.asarray(ctx.hidden)))
-
-    def observe(self, target_layer: int, ctx: LayerContext, actual_experts: np.ndarray) -> None:
-        self.observed += 1
-
-    def hit_rate(self, target_layer=None) -> float:
-        return 1.0
-
-
 def run_model(model, executor, tokens, positions, valid, decode: bool = True):
     """Prefill (+ one decode step); the in-memory reference runs compiled, the serverless executor
     eagerly (its decisions are host code between layers)."""
@@ -196,7 +174,7 @@ def test_executor_output_equals_the_in_memory_model(mesh, kind):
     valid[6:, :2] = False  # left padding on two rows
     positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
     ref = run_model(model, DEFAULT_EXECUTOR, tokens, positions, valid)
-    predictor = GateCopyPredictor(model)
+    predictor = GatePredictor.from_model(model, 1)
     spec = SystemSpec(kind, kind.value, moeless=MoElessSettings(cv_threshold=0.05), capacity_slots=3,
                       eplb=EPLBSettings(num_redundant=8, rebalance_interval_s=0.0))
     forecast = LoadForecast(predictor, HistoricalLoadForecaster(len(cfg.moe_layers), cfg.num_experts), cfg.num_experts_per_tok)
@@ -215,7 +193,8 @@ def test_executor_output_equals_the_in_memory_model(mesh, kind):
     summary = exe.summary()
     assert summary["layer_calls"] == 3 * len(cfg.moe_layers)
     if kind is PolicyKind.moeless:
-        assert summary["forecast_from_predictor"] > 0 and predictor.observed > 0  # layers >= d used the gate copy
+        assert summary["forecast_from_predictor"] == 2 / 3  # layers 1, 2 of every pass planned from the gate copies
+        assert predictor.hit_rate() > 0  # the forecasts were scored against the routing that followed
         assert summary["mean_replicas"] > cfg.num_experts  # V = 0.05 forces replicas
         assert summary["copies_host"] + summary["copies_peer"] > 0
     if kind is PolicyKind.static_ep:

@@ -154,7 +154,7 @@ def test_serve_entry_simulates_every_study_and_writes_figures(tmp_path):
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run written"
 
 
-REAL = ["mode=real", "model=tiny_mixtral", "serverless=tiny", "max_batches=1", "workload.azure.max_context_tokens=6",
+REAL = ["mode=real", "model=tiny_mixtral", "serverless=tiny", "predictor=gate", "max_batches=1", "workload.azure.max_context_tokens=6",
         "workload.azure.max_generated_tokens=3", "workload.azure.duration_s=2", "wandb.mode=disabled"]
 
 
@@ -165,6 +165,7 @@ def test_serve_real_mode_matches_the_in_memory_model(tmp_path):
     m = r["systems"]["MoEless"]
     assert m["verified_batches"] == 1 and m["tokens_equal"] and m["max_logit_diff"] < 1e-4
     assert m["layer_calls"] == m["iterations"] * 4 and m["copies_host"] > 0 and r["lossy_systems"] == []
+    assert m["forecast_from_predictor"] == 0.75  # layers 1-3 of every pass planned from the gate copies (d = 1)
     assert json.loads((tmp_path / "results.json").read_text())["mode"] == "real"
 
 
@@ -181,7 +182,8 @@ def test_serve_real_mode_oracle_is_lossy(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["workload=sharegpt"], "workload.kind: serve replays an Azure trace"),
     (["serverless.eplb.num_redundant=3"], "eplb.num_redundant"),
-    (["mode=real", "model=tiny_mixtral"], "serverless.predictor.kind=oracle"),
+    (["mode=real", "model=tiny_mixtral"], "predictor=oracle: the oracle reads a recorded trace"),
+    (["predictor=gate"], "simulate mode replays routing without the model's hidden states"),
     (["decode_stride=0"], "decode_stride"),
 ])
 def test_serve_rejects_bad_settings_by_name(tmp_path, overrides, message):

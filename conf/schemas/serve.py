@@ -18,6 +18,7 @@ from conf import unfrozen
 from conf.schemas import store
 from conf.schemas.common import DType, ModelSpec, WandbConfig
 from conf.schemas.hardware import HardwareProfile
+from conf.schemas.predictor import PredictorConfig
 from conf.schemas.routing import RoutingConfig
 from conf.schemas.workload import WorkloadConfig
 from engine.serverless.ep_layer import Dispatch
@@ -38,19 +39,13 @@ class Experiment(enum.Enum):
     ablation = "ablation"  # Fig. 21: MoEless without predictor / scaler / placer
 
 
-class LoadPredictorKind(enum.Enum):
-    oracle = "oracle"  # simulate: the replayed routing of layer l + d, each pair kept with the hit rate
-    historical = "historical"  # the last steps' load shares (no model)
-
-
 @dataclass
-class LoadPredictorConfig:
-    kind: LoadPredictorKind = LoadPredictorKind.oracle
-    distance: int = 1  # d: layers ahead (MoEless §6.4 uses 1)
-    hit_rate: float = 0.9  # top-k hit rate at d = 1 (assumed; MoEless Fig. 8 gives no numbers in the text)
-    distance_decay: float = 0.95  # hit rate multiplier per layer of distance beyond the first (assumed)
-    history_decay: float = 1.0  # historical forecaster: EMA weight of the newest step (1: last step only)
-    seed: int = 0
+class ForecastConfig:
+    """Where MoEless's load forecasts come from: the `predictor` group (at its `distance`), and the
+    historical shares for the first d layers of a pass (and everything without a predictor)."""
+
+    use_predictor: bool = True  # False: historical forecasts only
+    history_decay: float = 1.0  # EMA weight of the newest step's shares (1: the last step only)
 
 
 @dataclass
@@ -96,7 +91,7 @@ class ServerlessConfig:
     capacity_slots: Optional[int] = None  # MoEless replica slots per device per layer; None: 2 * ceil(E / G)
     dispatch: Dispatch = Dispatch.auto  # real mode: padded all_to_all on CPU, ragged elsewhere
     bytes_per_param: int = 2  # simulate: bf16 experts
-    predictor: LoadPredictorConfig = field(default_factory=LoadPredictorConfig)
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
     scaler: ScalerConfig = field(default_factory=ScalerConfig)
     placer: PlacerConfig = field(default_factory=PlacerConfig)
     eplb: EPLBConfig = field(default_factory=EPLBConfig)
@@ -123,6 +118,7 @@ class ServeConfig:
     workload: WorkloadConfig = MISSING
     routing: RoutingConfig = MISSING
     serverless: ServerlessConfig = MISSING
+    predictor: PredictorConfig = MISSING  # the load predictor (any `predictor` group option; d = predictor.distance)
     # simulate: record the routing by serving the replayed requests (ShareGPT text of the trace's
     # lengths) with this trained checkpoint (same experts / top-k as `model`) instead of `routing`
     routing_checkpoint: Optional[str] = None

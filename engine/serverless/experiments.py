@@ -107,15 +107,15 @@ def compare_with_paper(summaries: dict[str, dict]) -> dict:
     return {"ours": ours, "paper": dict(PAPER)}
 
 
-def default_specs(serverless, num_experts: int, num_devices: int) -> dict[PolicyKind, SystemSpec]:
-    """The four systems of MoEless §6.1 from a typed `serverless` config."""
+def default_specs(serverless, num_experts: int, num_devices: int, distance: int = 1) -> dict[PolicyKind, SystemSpec]:
+    """The four systems of MoEless §6.1 from a typed `serverless` config (MoEless predicts `distance` ahead)."""
     from schedulers.eplb import EPLBSettings
     from schedulers.moeless import MoElessSettings
 
     s = serverless
     moeless = MoElessSettings(cv_threshold=s.scaler.cv_threshold, memory_cap_replicas=s.scaler.memory_cap_replicas,
                               max_replicas_per_expert=s.scaler.max_replicas_per_expert, warm_start=s.placer.warm_start)
-    forecast = ForecastKind.history if s.predictor.kind.value == "historical" else ForecastKind.predictor
+    forecast = ForecastKind.predictor if s.forecast.use_predictor else ForecastKind.history
     eplb = EPLBSettings(num_redundant=s.eplb.num_redundant, rebalance_interval_s=s.eplb.rebalance_interval_s,
                         history_window_s=s.eplb.history_window_s, num_groups=s.eplb.num_groups, num_nodes=s.eplb.num_nodes)
     return {
@@ -123,6 +123,6 @@ def default_specs(serverless, num_experts: int, num_devices: int) -> dict[Policy
         PolicyKind.eplb: SystemSpec(PolicyKind.eplb, LABELS[PolicyKind.eplb], eplb=eplb),
         PolicyKind.oracle: SystemSpec(PolicyKind.oracle, LABELS[PolicyKind.oracle]),
         PolicyKind.moeless: SystemSpec(PolicyKind.moeless, LABELS[PolicyKind.moeless], moeless=moeless,
-                                       forecast=forecast, distance=s.predictor.distance,
+                                       forecast=forecast, distance=distance,
                                        capacity_slots=s.capacity_slots),
     }
