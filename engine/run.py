@@ -94,12 +94,13 @@ def reference_trace(full: Any, cfg: ModelConfig, batches: list, name: str) -> tu
     return trace, {(int(s), int(p)): i for i, (s, p) in enumerate(zip(trace.seq, trace.pos))}
 
 
-def make_predictors(node: Any, distances: list[int], model: Any, trace: Any) -> dict[int, Predictor]:
-    """One predictor per forecast distance (a trained checkpoint serves only its own distance)."""
-    if node.predictor.get("checkpoint"):
-        d = int(node.predictor.distance)
-        return {d: load_predictor(node.predictor, model=model, trace=trace, distance=d)}
-    return {d: load_predictor(node.predictor, model=model, trace=trace, distance=d) for d in distances}
+def make_predictors(predictor: Any, distances: list[int], model: Any, trace: Any) -> dict[int, Predictor]:
+    """One predictor per forecast distance from a `predictor` config node (a trained checkpoint serves
+    only its own distance)."""
+    if predictor.get("checkpoint"):
+        d = int(predictor.distance)
+        return {d: load_predictor(predictor, model=model, trace=trace, distance=d)}
+    return {d: load_predictor(predictor, model=model, trace=trace, distance=d) for d in distances}
 
 
 def serve(executor: OffloadExecutor, batches: list, cfg: ModelConfig, seq_offset: int = 0
@@ -139,7 +140,7 @@ def run(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
         if full is None:
             raise ValueError("predictor=oracle and compare_in_memory need the in-memory model (model.checkpoint with experts)")
         trace, rows = reference_trace(full, cfg, profile + batches, str(node.model.name))
-    predictors = make_predictors(node, list(rc.predictor_distances), model, trace) if settings.use_predictor else {}
+    predictors = make_predictors(node.predictor, list(rc.predictor_distances), model, trace) if settings.use_predictor else {}
     lookup = (lambda s, p: np.array([rows[(int(a), int(b))] for a, b in zip(s, p)])) if rows else None
 
     # the Counter: profiling batches served with on-demand loading rank the experts for the hot table

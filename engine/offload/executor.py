@@ -192,12 +192,13 @@ class OffloadExecutor:
         dn = [down[s] for s in slots] + [self._dummy[1]] * (self.E - len(slots))  # type: ignore[index]
         return self.kernels.experts(g, idx, weights, gu, dn), slots  # type: ignore[return-value]
 
-    def _moe_layer(self, layer: int, x: jax.Array, g: jax.Array, phase: Phase, valid_flat: np.ndarray,
-                   seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray, context_len: int) -> jax.Array:
+    def _moe_layer(self, layer: int, g: jax.Array, experts_d: jax.Array, weights_d: jax.Array, phase: Phase,
+                   valid_flat: np.ndarray, seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray, context_len: int
+                   ) -> tuple[list[jax.Array], list[int]]:
+        """Plan MoE layer `layer` (its gate has run) and compute its experts: (partial outputs, pinned slots)."""
         m = self.moe_index[layer]
         start = time.perf_counter()
-        experts_d, weights_d = self.kernels.route(layer, g)
-        experts = np.asarray(experts_d).astype(np.int64)
+        experts = np.asarray(experts_d).astype(np.int64)  # the sync point of the layer
         weights = np.asarray(weights_d).astype(np.float32)
         experts = np.where(valid_flat[:, None], experts, -1)  # padding rows route nowhere
         live = valid_flat
@@ -253,20 +254,17 @@ class OffloadExecutor:
             gpu_busy = time.perf_counter() - gpu_start
         cpu_busy = 0.0
         if cpu_future is not None:
-            parts.append(jnp.asarray(cpu_future.result()))
+            parts.append(jnp.asarray(cpu_future.result()))  # OnCpuGpuDone: both sides of the layer are done
             cpu_busy = time.perf_counter() - cpu_started
             for tokens_n, seconds in self.cpu.timings:
                 self.timer.cpu(tokens_n, seconds)
             self.cpu.timings.clear()
         if not parts:
             parts.append(jnp.zeros((g_host.shape[0], self.cfg.hidden_size), jnp.float32))
-        out = self.kernels.combine(layer, x, g, parts)  # OnCpuGpuDone
-        out.block_until_ready()
-        self.cache.unpin(pinned)
         self.link.flush()  # no AsyncIO: prefetches finish inside the layer that issued them
         seconds = time.perf_counter() - start
         self._account(phase, m, plan, seconds, gpu_busy, cpu_busy, start, gpu_start, cpu_started)
-        return out
+        return parts, pinned
 
     def _account(self, phase: Phase, m: int, plan: LayerPlan, seconds: float, gpu_busy: float, cpu_busy: float,
                  start: float, gpu_start: float, cpu_start: float) -> None:
@@ -282,29 +280,45 @@ class OffloadExecutor:
     # ---- a forward pass --------------------------------------------------------------------------------
     def _forward(self, kv: Any, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray, phase: Phase,
                  seqs: np.ndarray, context_len: int) -> tuple[jax.Array, Any]:
+        """One forward pass; a MoE layer's residual is finished in the same call as the next layer's gate."""
         self._pass += 1
         B, S = tokens.shape
         ai, kv = self.kernels.prepare(kv, jnp.asarray(positions), jnp.asarray(valid))
         x = self.kernels.embed_tokens(jnp.asarray(tokens))
-        valid_flat = valid.reshape(-1)
-        seq_flat = np.repeat(seqs, S)
-        pos_flat = positions.reshape(-1)
-        tok_flat = tokens.reshape(-1)
+        flat = (valid.reshape(-1), np.repeat(seqs, S), positions.reshape(-1), tokens.reshape(-1))
         layers = list(kv.layers)
+        pending: Optional[tuple[int, jax.Array, list, list]] = None  # MoE layer awaiting its residual
         for i, layer in enumerate(self.model.layers):
             t = time.perf_counter()
-            x, layers[i], g = self.kernels.attention(i, x, ai, layers[i])
-            if self._record:
-                x.block_until_ready()
-                self.events.append(Event("gpu", t - self._t0, self._now(), self._pass, self.moe_index.get(i, -1), -1, 0,
-                                         "attn"))
-            if layer.is_moe:
-                x = self._moe_layer(i, x, g, phase, valid_flat, seq_flat, pos_flat, tok_flat, context_len)
+            if not layer.is_moe:
+                if pending is not None:
+                    x = self.kernels.back(pending[0], x, pending[1], pending[2])
+                    pending = self._release(pending, x)
+                x, layers[i] = self.kernels.dense(i, x, ai, layers[i])
+                continue
+            if pending is None:
+                x, layers[i], g, experts, weights = self.kernels.front(i, x, ai, layers[i])
             else:
-                x = self.kernels.dense(i, x, g)
+                x, layers[i], g, experts, weights = self.kernels.back_front(pending[0], x, pending[1], pending[2], i,
+                                                                            ai, layers[i])
+                pending = self._release(pending, experts)
+            if self._record:
+                experts.block_until_ready()
+                self.events.append(Event("gpu", t - self._t0, self._now(), self._pass, self.moe_index[i], -1, 0, "attn"))
+            parts, pinned = self._moe_layer(i, g, experts, weights, phase, *flat, context_len)
+            pending = (i, g, parts, pinned)
+        if pending is not None:
+            x = self.kernels.back(pending[0], x, pending[1], pending[2])
+            self._release(pending, x)
         self.book.drop_pending()
         kv = type(kv)(layers=layers, valid=kv.valid, positions=kv.positions, index=kv.index + S)
         return self.kernels.logits(x[:, -1]), kv
+
+    def _release(self, pending: tuple, result: jax.Array) -> None:
+        """Unpin a finished layer's slots once `result` (computed from its expert outputs) is ready."""
+        result.block_until_ready()
+        self.cache.unpin(pending[3])
+        return None
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: Optional[int] = None,
                  pad_token_id: Optional[int] = None, keep_logits: bool = False) -> OffloadOutput:

@@ -1,16 +1,22 @@
-"""The jitted pieces the offload executor calls layer by layer.
+"""The jitted pieces the offload executor calls, fused so that a MoE layer costs two device calls.
 
-Sub-modules of the same kind share one NNX graphdef across layers (every layer's attention, every
-router, every SwiGLU of the same width), so each piece compiles once per input shape, not once per
-layer; graphdefs are static arguments, parameter states are traced. Device experts index the
-cache's slot list: a pair whose slot index is -1 (a CPU expert, a padding row, an expert computed
-elsewhere) carries weight 0 and contributes nothing.
+Per MoE layer the executor needs the router's output on the host before it can plan, so the
+forward pass is cut at every gate: `front` runs attention + post-norm + router of the first MoE
+layer; `back_front` finishes MoE layer l (its expert outputs, shared experts, residual) and runs
+the next MoE layer's attention and router in the same call; `back` finishes the last one. Dense
+decoder layers (DeepSeek's first) are `dense` calls. Device experts (`experts`) index the slots
+of the expert cache: a pair whose slot index is -1 (a CPU expert, a padding row, an expert
+computed elsewhere) carries weight 0 and contributes nothing.
+
+Sub-modules of the same kind share one NNX graphdef across layers; the compiled functions close
+over the graphdefs and take parameters as plain dicts of arrays (cheap to flatten), and are cached
+per (config, graphdefs, expert executor), so every executor of the same model reuses them.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -49,109 +55,138 @@ class _Head(nnx.Module):
         return out.astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _prepare(cfg: ModelConfig, cache: KVCache, positions: jax.Array, valid: jax.Array) -> tuple[Any, KVCache]:
-    return attention_inputs(cfg, cache, positions, valid)
+@dataclass(frozen=True)
+class _Defs:
+    cfg: ModelConfig
+    attn: tuple  # graphdefs of (input norm, attention, post norm)
+    router: Any
+    mlp: Any
+    shared: Any
+    head: Any
+    executor: ExpertExecutor
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _attention(cfg: ModelConfig, defs: tuple, states: tuple, x: jax.Array, ai: Any, layer_cache: dict
-               ) -> tuple[jax.Array, dict, jax.Array]:
-    n_in, attn, n_post = (nnx.merge(d, s) for d, s in zip(defs, states))
-    h, layer_cache = attn(n_in(x), ai, layer_cache, model_rope(cfg))
-    x = x + h
-    return x, layer_cache, n_post(x)
+@dataclass(frozen=True)
+class _Fns:
+    prepare: Callable
+    embed: Callable
+    front: Callable
+    back_front: Callable
+    back: Callable
+    dense: Callable
+    experts: Callable
+    head: Callable
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _route(gd: Any, state: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    B, S, H = g.shape
-    r = nnx.merge(gd, state)(g.reshape(B * S, H))
-    return r.experts, r.weights
+_COMPILED: dict[_Defs, _Fns] = {}
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _dense(gd: Any, state: Any, x: jax.Array, g: jax.Array) -> jax.Array:
-    return x + nnx.merge(gd, state)(g)
+def _build(d: _Defs) -> _Fns:
+    rope = model_rope(d.cfg)
+
+    def merge(gd: Any, state: dict) -> Any:
+        return nnx.merge(gd, nnx.State(state))
+
+    def attend(states: tuple, x: jax.Array, ai: Any, layer_cache: dict) -> tuple[jax.Array, dict, jax.Array]:
+        n_in, attn, n_post = (merge(gd, s) for gd, s in zip(d.attn, states))
+        h, layer_cache = attn(n_in(x), ai, layer_cache, rope)
+        x = x + h
+        return x, layer_cache, n_post(x)
+
+    def route(router: dict, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+        B, S, H = g.shape
+        r = merge(d.router, router)(g.reshape(B * S, H))
+        return r.experts, r.weights
+
+    def finish(x: jax.Array, g: jax.Array, parts: list, shared: Optional[dict]) -> jax.Array:
+        B, S, H = x.shape
+        y = parts[0]
+        for p in parts[1:]:
+            y = y + p
+        y = y.reshape(B, S, H)
+        if shared is not None:
+            y = y + merge(d.shared, shared)(g).astype(jnp.float32)
+        return x + y.astype(x.dtype)
+
+    def front(states: tuple, router: dict, x: jax.Array, ai: Any, layer_cache: dict) -> tuple:
+        x, layer_cache, g = attend(states, x, ai, layer_cache)
+        return (x, layer_cache, g) + route(router, g)
+
+    def back_front(x: jax.Array, g: jax.Array, parts: list, shared: Optional[dict], states: tuple, router: dict,
+                   ai: Any, layer_cache: dict) -> tuple:
+        return front(states, router, finish(x, g, parts, shared), ai, layer_cache)
+
+    def dense(states: tuple, mlp: dict, x: jax.Array, ai: Any, layer_cache: dict) -> tuple[jax.Array, dict]:
+        x, layer_cache, g = attend(states, x, ai, layer_cache)
+        return x + merge(d.mlp, mlp)(g), layer_cache
+
+    def experts(g: jax.Array, slot_idx: jax.Array, weights: jax.Array, gate_up: list, down: list) -> jax.Array:
+        B, S, H = g.shape
+        live = slot_idx >= 0
+        routing = Routing(experts=jnp.where(live, slot_idx, 0).astype(jnp.int32),
+                          weights=jnp.where(live, weights, 0.0).astype(jnp.float32),
+                          logits=jnp.zeros((B * S, 1), jnp.float32))
+        return d.executor(-1, g.reshape(B * S, H), routing, SlotExperts(gate_up, down)).astype(jnp.float32)
+
+    return _Fns(prepare=jax.jit(lambda cache, pos, valid: attention_inputs(d.cfg, cache, pos, valid)),
+                embed=jax.jit(lambda embed, tokens: embed[tokens]), front=jax.jit(front),
+                back_front=jax.jit(back_front), back=jax.jit(finish), dense=jax.jit(dense), experts=jax.jit(experts),
+                head=jax.jit(lambda head, x_last: merge(d.head, head)(x_last)))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _experts(executor: ExpertExecutor, g: jax.Array, slot_idx: jax.Array, weights: jax.Array, gate_up: list,
-             down: list) -> jax.Array:
-    B, S, H = g.shape
-    live = slot_idx >= 0
-    routing = Routing(experts=jnp.where(live, slot_idx, 0).astype(jnp.int32),
-                      weights=jnp.where(live, weights, 0.0).astype(jnp.float32),
-                      logits=jnp.zeros((B * S, 1), jnp.float32))
-    return executor(-1, g.reshape(B * S, H), routing, SlotExperts(gate_up, down)).astype(jnp.float32)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _combine(gd: Any, shared: Any, x: jax.Array, g: jax.Array, parts: list) -> jax.Array:
-    B, S, H = x.shape
-    y = parts[0]
-    for p in parts[1:]:
-        y = y + p
-    y = y.reshape(B, S, H)
-    if gd is not None:
-        y = y + nnx.merge(gd, shared)(g).astype(jnp.float32)
-    return x + y.astype(x.dtype)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _head(gd: Any, state: Any, x_last: jax.Array) -> jax.Array:
-    return nnx.merge(gd, state)(x_last)
-
-
-@jax.jit
-def _embed(embed: jax.Array, tokens: jax.Array) -> jax.Array:
-    return embed[tokens]
+def _pure(module: nnx.Module) -> tuple[Any, dict]:
+    gd, state = nnx.split(module)
+    return gd, nnx.to_pure_dict(state)
 
 
 class LayerKernels:
-    """The per-layer calls of one model: attention (+ post-norm), router, dense MLP, device experts,
-    combine (residual + shared experts), LM head. Compiled functions are shared by every instance."""
+    """The device calls of one model's offloaded forward pass (see the module docstring)."""
 
     def __init__(self, model: MoETransformer, expert_executor: ExpertExecutor = DEFAULT_EXECUTOR):
         self.cfg = model.cfg
-        self.expert_executor = expert_executor
-        split = nnx.split
-        self.attn_states = [tuple(split(m)[1] for m in (l.input_norm, l.attn, l.post_norm)) for l in model.layers]
-        first = model.layers[0]
-        self.attn_defs = tuple(split(m)[0] for m in (first.input_norm, first.attn, first.post_norm))
-        moe_layers = [l for l in model.layers if l.is_moe]
-        dense_layers = [l for l in model.layers if not l.is_moe]
-        self.router_def = split(moe_layers[0].moe.router)[0] if moe_layers else None
-        self.router_states = {l.index: split(l.moe.router)[1] for l in moe_layers}
-        shared = [l for l in moe_layers if l.moe.shared is not None]
-        self.shared_def = split(shared[0].moe.shared)[0] if shared else None
-        self.shared_states = {l.index: split(l.moe.shared)[1] for l in shared}
-        self.mlp_def = split(dense_layers[0].mlp)[0] if dense_layers else None
-        self.mlp_states = {l.index: split(l.mlp)[1] for l in dense_layers}
-        self.head_def, self.head_state = split(_Head(model))
+        layers = list(model.layers)
+        moe = [l for l in layers if l.is_moe]
+        dense = [l for l in layers if not l.is_moe]
+        shared = [l for l in moe if l.moe.shared is not None]
+        self.attn = [tuple(_pure(m)[1] for m in (l.input_norm, l.attn, l.post_norm)) for l in layers]
+        self.router = {l.index: _pure(l.moe.router)[1] for l in moe}
+        self.shared = {l.index: _pure(l.moe.shared)[1] for l in shared}
+        self.mlp = {l.index: _pure(l.mlp)[1] for l in dense}
+        head_def, self.head = _pure(_Head(model))
         self.embed = model.embed[...]
-
-    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        return _embed(self.embed, tokens)
+        defs = _Defs(cfg=model.cfg, attn=tuple(_pure(m)[0] for m in (layers[0].input_norm, layers[0].attn,
+                                                                       layers[0].post_norm)),
+                     router=_pure(moe[0].moe.router)[0] if moe else None, mlp=_pure(dense[0].mlp)[0] if dense else None,
+                     shared=_pure(shared[0].moe.shared)[0] if shared else None, head=head_def,
+                     executor=expert_executor)
+        if defs not in _COMPILED:
+            _COMPILED[defs] = _build(defs)
+        self.fns = _COMPILED[defs]
 
     def prepare(self, cache: KVCache, positions: jax.Array, valid: jax.Array) -> tuple[Any, KVCache]:
-        return _prepare(self.cfg, cache, positions, valid)
+        return self.fns.prepare(cache, positions, valid)
 
-    def attention(self, layer: int, x: jax.Array, ai: Any, layer_cache: dict) -> tuple[jax.Array, dict, jax.Array]:
-        return _attention(self.cfg, self.attn_defs, self.attn_states[layer], x, ai, layer_cache)
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return self.fns.embed(self.embed, tokens)
 
-    def route(self, layer: int, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return _route(self.router_def, self.router_states[layer], g)
+    def front(self, layer: int, x: jax.Array, ai: Any, layer_cache: dict) -> tuple:
+        """(x, layer cache, gate input g, experts [T, k], weights [T, k]) of MoE layer `layer`."""
+        return self.fns.front(self.attn[layer], self.router[layer], x, ai, layer_cache)
 
-    def dense(self, layer: int, x: jax.Array, g: jax.Array) -> jax.Array:
-        return _dense(self.mlp_def, self.mlp_states[layer], x, g)
+    def back_front(self, done: int, x: jax.Array, g: jax.Array, parts: list, layer: int, ai: Any,
+                   layer_cache: dict) -> tuple:
+        """Finish MoE layer `done`, then `front` of MoE layer `layer`, in one call."""
+        return self.fns.back_front(x, g, parts, self.shared.get(done), self.attn[layer], self.router[layer], ai,
+                                   layer_cache)
+
+    def back(self, done: int, x: jax.Array, g: jax.Array, parts: list) -> jax.Array:
+        return self.fns.back(x, g, parts, self.shared.get(done))
+
+    def dense(self, layer: int, x: jax.Array, ai: Any, layer_cache: dict) -> tuple[jax.Array, dict]:
+        return self.fns.dense(self.attn[layer], self.mlp[layer], x, ai, layer_cache)
 
     def experts(self, g: jax.Array, slot_idx: Any, weights: Any, gate_up: list, down: list) -> jax.Array:
-        return _experts(self.expert_executor, g, slot_idx, weights, gate_up, down)
-
-    def combine(self, layer: int, x: jax.Array, g: jax.Array, parts: list) -> jax.Array:
-        shared = self.shared_states.get(layer)
-        return _combine(self.shared_def if shared is not None else None, shared, x, g, parts)
+        return self.fns.experts(g, slot_idx, weights, gate_up, down)
 
     def logits(self, x_last: jax.Array) -> jax.Array:
-        return _head(self.head_def, self.head_state, x_last)
+        return self.fns.head(self.head, x_last)
