@@ -22,6 +22,48 @@ from typing import Any, Iterable, Optional
 
 REFERENCE = "LayerScope"
 
+# LayerScope §5.2 / §5.3 numbers quoted next to ours: (what, model, hardware, batch, metric, system, paper value)
+# metric "gain": throughput gain of LayerScope over `system`; "latency_cut": decode-latency reduction;
+# "thr" / "lat": LayerScope's absolute throughput (tokens/s) / decode latency (s); "ablation": throughput
+# loss of the ablated variant `system` against LayerScope.
+PAPER = [
+    ("§5.2.1 small experts, V100 b64", "deepseek-v2-lite", "v100_pcie3", 64, "gain", "Klotski", 0.557),
+    ("§5.2.1 small experts, V100 b64", "qwen3-30b-a3b", "v100_pcie3", 64, "gain", "Klotski", 0.672),
+    ("§5.2.1 small experts, V100 b64", "moonlight-16b-a3b", "v100_pcie3", 64, "gain", "Klotski", 0.856),
+    ("§5.2.1 small experts, V100 b64", "deepseek-v2-lite", "v100_pcie3", 64, "gain", "Fate", 1.45),
+    ("§5.2.1 small experts, V100 b64", "qwen3-30b-a3b", "v100_pcie3", 64, "gain", "Fate", 1.20),
+    ("§5.2.1 small experts, V100 b64", "moonlight-16b-a3b", "v100_pcie3", 64, "gain", "Fate", 1.61),
+    ("§5.2.1 small experts, A100 b64", "deepseek-v2-lite", "a100_pcie4", 64, "gain", "HybriMoE", 0.527),
+    ("§5.2.1 small experts, A100 b64", "qwen3-30b-a3b", "a100_pcie4", 64, "gain", "HybriMoE", 0.376),
+    ("§5.2.1 small experts, A100 b64", "moonlight-16b-a3b", "a100_pcie4", 64, "gain", "HybriMoE", 0.584),
+    ("§5.2.1 small experts, A100 b64", "deepseek-v2-lite", "a100_pcie4", 64, "gain", "Fiddler", 0.823),
+    ("§5.2.1 small experts, A100 b64", "qwen3-30b-a3b", "a100_pcie4", 64, "gain", "Fiddler", 0.596),
+    ("§5.2.1 small experts, A100 b64", "moonlight-16b-a3b", "a100_pcie4", 64, "gain", "Fiddler", 1.38),
+    ("§5.2.1 absolute, A100 b64", "deepseek-v2-lite", "a100_pcie4", 64, "thr", REFERENCE, 41.7),
+    ("§5.2.1 absolute, A100 b64", "qwen3-30b-a3b", "a100_pcie4", 64, "thr", REFERENCE, 17.4),
+    ("§5.2.1 absolute, A100 b64", "moonlight-16b-a3b", "a100_pcie4", 64, "thr", REFERENCE, 59.5),
+    ("§5.2.1 Mixtral, V100 b8", "mixtral-8x7b", "v100_pcie3", 8, "gain", "Klotski", 0.921),
+    ("§5.2.1 Mixtral, V100 b64", "mixtral-8x7b", "v100_pcie3", 64, "gain", "Klotski", 0.141),
+    ("§5.2.1 Mixtral, V100 b8", "mixtral-8x7b", "v100_pcie3", 8, "gain", "Fate", 2.19),
+    ("§5.2.1 Mixtral, V100 b64", "mixtral-8x7b", "v100_pcie3", 64, "gain", "Fate", 0.583),
+    ("§5.2.1 Mixtral, A100 b64", "mixtral-8x7b", "a100_pcie4", 64, "gain", "HybriMoE", 0.39),
+    ("§5.2.1 Mixtral, A100 b64", "mixtral-8x7b", "a100_pcie4", 64, "gain", "Fiddler", 0.99),
+    ("§5.2.2 latency, V100 b4", "deepseek-v2-lite", "v100_pcie3", 4, "lat", REFERENCE, 0.37),
+    ("§5.2.2 latency, V100 b4", "deepseek-v2-lite", "v100_pcie3", 4, "latency_cut", "HybriMoE", 0.421),
+    ("§5.2.2 latency, V100 b4", "deepseek-v2-lite", "v100_pcie3", 4, "latency_cut", "Fiddler", 0.723),
+    ("§5.2.2 latency, V100 b64", "qwen3-30b-a3b", "v100_pcie3", 64, "lat", REFERENCE, 3.74),
+    ("§5.2.2 latency, V100 b64", "qwen3-30b-a3b", "v100_pcie3", 64, "latency_cut", "Klotski", 0.746),
+    ("§5.2.2 latency, V100 b64", "qwen3-30b-a3b", "v100_pcie3", 64, "latency_cut", "Fate", 0.467),
+    ("§5.2.2 latency, V100 b64", "mixtral-8x7b", "v100_pcie3", 64, "lat", REFERENCE, 2.79),
+    ("§5.2.2 latency, V100 b64", "mixtral-8x7b", "v100_pcie3", 64, "latency_cut", "Fate", 0.305),
+    ("§5.2.2 latency, V100 b64", "mixtral-8x7b", "v100_pcie3", 64, "latency_cut", "Klotski", 0.539),
+    ("§5.2.2 Klotski plateau, V100 b64", "mixtral-8x7b", "v100_pcie3", 64, "lat", "Klotski", 5.82),
+    ("§5.3 ablation, V100 b4", "deepseek-v2-lite", "v100_pcie3", 4, "ablation", "LayerScope w/o hot table", 0.222),
+    ("§5.3 ablation, A100 b64", "mixtral-8x7b", "a100_pcie4", 64, "ablation", "LayerScope w/o PreSched", 0.541),
+    ("§5.3 ablation, A100 b32", "moonlight-16b-a3b", "a100_pcie4", 32, "ablation", "LayerScope w/o predictor", 0.202),
+    ("§5.3 ablation, A100 b64", "mixtral-8x7b", "a100_pcie4", 64, "ablation", "LayerScope w/o AsyncIO", 0.493),
+]
+
 
 def load_rows(folder: Path) -> list[dict[str, Any]]:
     """Every run below `folder`: `results.json` files and `results.jsonl` lines."""
@@ -98,6 +140,37 @@ def markdown_table(table: dict[str, dict[int, float]], digits: int = 3, percent:
             cells.append("-" if v is None else (f"{100 * v:+.1f}%" if percent else _fmt(v, digits)))
         lines.append(f"| {system} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def paper_comparison(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: each of LayerScope's quoted numbers beside the simulated one (where the run exists)."""
+    thr, lat = pivot(rows, "throughput_tok_s"), pivot(rows, "decode_latency_s")
+    out = []
+    for what, model, hw, batch, metric, system, paper in PAPER:
+        t, l = thr.get((model, hw), {}), lat.get((model, hw), {})
+        ref_t, ref_l = t.get(REFERENCE, {}).get(batch), l.get(REFERENCE, {}).get(batch)
+        other_t, other_l = t.get(system, {}).get(batch), l.get(system, {}).get(batch)
+        ours: Optional[float] = None
+        if metric == "gain" and ref_t and other_t:
+            ours, fmt = ref_t / other_t - 1, "pct"
+        elif metric == "latency_cut" and ref_l and other_l:
+            ours, fmt = 1 - ref_l / other_l, "pct"
+        elif metric == "ablation" and ref_t and other_t:
+            ours, fmt = 1 - other_t / ref_t, "pct"
+        elif metric == "thr" and other_t:
+            ours, fmt = other_t, "num"
+        elif metric == "lat" and other_l:
+            ours, fmt = other_l, "num"
+        if ours is None:
+            continue
+        label = {"gain": f"throughput gain over {system}", "latency_cut": f"latency cut vs {system}",
+                 "ablation": f"throughput lost by {system}", "thr": f"{system} tokens/s",
+                 "lat": f"{system} s per decode step"}[metric]
+        cell = (lambda v: f"{100 * v:+.1f}%") if fmt == "pct" else (lambda v: f"{v:.3g}")
+        out.append(f"| {what} | {model} | {label} | {cell(paper)} | {cell(ours)} |")
+    if not out:
+        return []
+    return ["## Beside the paper", "", "| where | model | quantity | paper | simulated |", "|---|---|---|---|---|", *out, ""]
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -208,6 +281,7 @@ def write_report(out: Path, rows: list[dict[str, Any]]) -> Path:
         if worst:
             v, where = min(worst)
             lines += [f"Smallest margin: {100 * v:+.2f}% ({where}).", ""]
+    lines += paper_comparison(rows)
     bounds = [r for r in rows if r.get("lower_bound_s")]
     if bounds:
         lines += ["## Distance to the lower bound", "", "| model | hardware | system | batch | above bound |", "|---|---|---|---|---|"]

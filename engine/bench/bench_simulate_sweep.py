@@ -43,16 +43,19 @@ def scheduler_settings(name: str):
     return settings
 
 
-def run_group(args: tuple[str, int, list[str], str, bool]) -> list[dict[str, Any]]:
+def run_group(args: tuple[str, int, list[str], str, bool, str]) -> list[dict[str, Any]]:
     """Every system on both machines for one (model, batch): one routing, many replays."""
-    model, batch, systems, routing_name, bounds = args
+    model, batch, systems, routing_name, bounds, routing_path = args
     from dataclasses import replace
 
     from conf import compose
     from conf.schemas.hardware import load_hardware
     from engine.sim.run import prepare_routing, simulate, spec_from_config
 
-    cfg = compose("simulate", [f"model={model}", f"batch_size={batch}", f"routing={routing_name}"])
+    overrides = [f"model={model}", f"batch_size={batch}", f"routing={routing_name}"]
+    if routing_path:
+        overrides.append(f"routing.path={routing_path}")
+    cfg = compose("simulate", overrides)
     base = spec_from_config(cfg)
     t0 = time.process_time()
     routing = prepare_routing(base)
@@ -87,12 +90,13 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench/simulate_sweep")
     ap.add_argument("--ablation", action="store_true", help="the Figure-13 ablation instead of the Figure-11 systems")
     ap.add_argument("--routing", default="synthetic", help="a conf/routing/ config name")
+    ap.add_argument("--routing-path", default="", help="trace / jsonl file for --routing trace|jsonl")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--bounds", action="store_true", help="also compute the lower bound of every point (not timed)")
     args = ap.parse_args()
     systems = ABLATION if args.ablation else SYSTEMS
-    groups = [(m, b, systems, args.routing, args.bounds) for m in args.models.split(",")
+    groups = [(m, b, systems, args.routing, args.bounds, args.routing_path) for m in args.models.split(",")
               for b in map(int, args.batches.split(","))]
     groups.sort(key=lambda g: -g[1])  # big batches first: better packing over the workers
     wall0, cpu0 = time.perf_counter(), time.process_time()
