@@ -19,7 +19,8 @@ def plot_timeline(events: Sequence[Event], pass_index: int, max_layers: Optional
 
     evs = [e for e in events if e.pass_index == pass_index]
     if max_layers is not None:
-        evs = [e for e in evs if e.layer < max_layers]
+        last = max((e.end for e in evs if 0 <= e.layer < max_layers), default=float("inf"))
+        evs = [e for e in evs if e.layer < max_layers and (e.layer >= 0 or e.start < last)]
     if not evs:
         raise ValueError(f"timeline: no recorded events for pass {pass_index}")
     t0 = min(e.start for e in evs)
