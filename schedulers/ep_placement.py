@@ -187,6 +187,24 @@ class ReplicaPolicy(Protocol):
         ...
 
 
+class PolicyBase:
+    """What the policies share: the last decision's stats, no history, the routing's own loads."""
+
+    serverless = False
+    lossy = False
+    _stats = PlacementStats()
+
+    @property
+    def last_stats(self) -> PlacementStats:
+        return self._stats
+
+    def observe(self, layer: int, actual: np.ndarray, now_s: float) -> None:
+        """Policies without history ignore what happened."""
+
+    def effective_loads(self, actual: np.ndarray) -> np.ndarray:
+        return np.asarray(actual)
+
+
 def check_devices_experts(num_experts: int, num_devices: int, where: str) -> None:
     if num_experts < 1:
         raise ValueError(f"{where}: num_experts must be >= 1, got {num_experts}")

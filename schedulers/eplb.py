@@ -25,7 +25,7 @@ from typing import Deque, Optional
 
 import numpy as np
 
-from schedulers.ep_placement import Placement, PlacementStats, check_devices_experts
+from schedulers.ep_placement import Placement, PlacementStats, PolicyBase, check_devices_experts
 
 
 def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -160,15 +160,12 @@ class EPLBSettings:
     num_nodes: int = 1
 
 
-class EPLBPolicy:
+class EPLBPolicy(PolicyBase):
     """EPLB as a serving baseline: frozen placement, recomputed from recent history every interval.
 
     Before any load was observed the weights are uniform. The first rebalance happens at the first
     plan after an observation, then every `rebalance_interval_s` of trace time.
     """
-
-    serverless = False
-    lossy = False
 
     def __init__(self, num_experts: int, num_devices: int, settings: EPLBSettings = EPLBSettings(),
                  name: str = "EPLB"):
@@ -189,16 +186,11 @@ class EPLBPolicy:
         self._current: dict[int, Placement] = {}
         self._rebalanced_at: dict[int, Optional[float]] = {}
         self._now = 0.0
-        self._stats = PlacementStats()
         self.rebalances = 0
 
     @property
     def slots_per_device(self) -> int:
         return self.num_physical // self.num_devices
-
-    @property
-    def last_stats(self) -> PlacementStats:
-        return self._stats
 
     def placement_from_weights(self, weight: np.ndarray) -> Placement:
         groups, nodes = self.settings.num_groups, self.settings.num_nodes
@@ -237,6 +229,3 @@ class EPLBPolicy:
         while hist and self._now - hist[0][0] > self.window_s:
             _, old = hist.popleft()
             self._history_sum[layer] -= old
-
-    def effective_loads(self, actual: np.ndarray) -> np.ndarray:
-        return np.asarray(actual)

@@ -14,7 +14,8 @@ from typing import Optional
 
 import numpy as np
 
-from schedulers.ep_placement import Placement, PlacementStats, check_devices_experts, coefficient_of_variation
+from schedulers.ep_placement import Placement, PlacementStats, PolicyBase, check_devices_experts, \
+    coefficient_of_variation
 from schedulers.moeless_placer import place_replicas
 from schedulers.moeless_scaler import scale_replicas
 
@@ -56,11 +57,10 @@ def fixed_placement(counts: np.ndarray, num_devices: int, capacity: int) -> Plac
     return Placement(E, num_devices, np.asarray(experts, np.int64), np.asarray(devices, np.int64))
 
 
-class MoElessPolicy:
-    """Elastic replicas per layer from forecast loads (MoEless §4.2-4.3)."""
+class MoElessPolicy(PolicyBase):
+    """Elastic replicas per layer from forecast loads (MoEless §4.2-4.3); decides from forecasts only."""
 
     serverless = True
-    lossy = False
 
     def __init__(self, num_experts: int, num_devices: int, capacity: int, expert_bytes: float,
                  settings: MoElessSettings = MoElessSettings(), name: str = "MoEless"):
@@ -76,11 +76,6 @@ class MoElessPolicy:
         free = capacity * num_devices - num_experts
         cap = free if settings.memory_cap_replicas is None else min(settings.memory_cap_replicas, free)
         self.memory_cap_bytes = cap * self.expert_bytes
-        self._stats = PlacementStats()
-
-    @property
-    def last_stats(self) -> PlacementStats:
-        return self._stats
 
     def plan(self, layer: int, forecast: np.ndarray, live: Optional[Placement], now_s: Optional[float] = None
              ) -> Placement:
@@ -104,9 +99,3 @@ class MoElessPolicy:
                                      forecast_cv=coefficient_of_variation(placement.replica_loads(forecast)),
                                      warm_replicas=warm, cold_replicas=cold)
         return placement
-
-    def observe(self, layer: int, actual: np.ndarray, now_s: float) -> None:
-        """MoEless decides from forecasts only."""
-
-    def effective_loads(self, actual: np.ndarray) -> np.ndarray:
-        return np.asarray(actual)

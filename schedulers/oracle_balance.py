@@ -11,12 +11,10 @@ distinct (k <= E).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
-from schedulers.ep_placement import Placement, PlacementStats
-from schedulers.static_ep import static_placement
+from schedulers.ep_placement import Placement
+from schedulers.static_ep import StaticEPPolicy
 
 
 def uniform_loads(actual: np.ndarray) -> np.ndarray:
@@ -32,29 +30,16 @@ def balanced_reroute(num_tokens: int, top_k: int, num_experts: int) -> np.ndarra
     return (np.arange(num_tokens * top_k, dtype=np.int64) % num_experts).reshape(num_tokens, top_k)
 
 
-class OracleBalancePolicy:
+class OracleBalancePolicy(StaticEPPolicy):
     """Static placement, routing replaced by an even spread (lossy)."""
 
-    serverless = False
     lossy = True
 
     def __init__(self, num_experts: int, num_devices: int, name: str = "Oracle (lossy)"):
-        self.name = name
-        base = static_placement(num_experts, num_devices)
+        super().__init__(num_experts, num_devices, name)
+        base = self.placement
         self.placement = Placement(base.num_experts, base.num_devices, base.replica_expert, base.replica_device,
                                    lossy=True)
-        self._stats = PlacementStats()
-
-    @property
-    def last_stats(self) -> PlacementStats:
-        return self._stats
-
-    def plan(self, layer: int, forecast: np.ndarray, live: Optional[Placement], now_s: Optional[float] = None
-             ) -> Placement:
-        return self.placement
-
-    def observe(self, layer: int, actual: np.ndarray, now_s: float) -> None:
-        """The Oracle needs no history."""
 
     def effective_loads(self, actual: np.ndarray) -> np.ndarray:
         return uniform_loads(actual)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from schedulers.ep_placement import Placement, PlacementStats, check_devices_experts
+from schedulers.ep_placement import Placement, PolicyBase, check_devices_experts
 
 
 def static_placement(num_experts: int, num_devices: int) -> Placement:
@@ -23,27 +23,13 @@ def static_placement(num_experts: int, num_devices: int) -> Placement:
     return Placement(num_experts, num_devices, experts, experts // (num_experts // num_devices))
 
 
-class StaticEPPolicy:
+class StaticEPPolicy(PolicyBase):
     """The Megatron-LM baseline of MoEless §6.1: no load balancing."""
-
-    serverless = False
-    lossy = False
 
     def __init__(self, num_experts: int, num_devices: int, name: str = "Megatron-LM"):
         self.name = name
         self.placement = static_placement(num_experts, num_devices)
-        self._stats = PlacementStats()
-
-    @property
-    def last_stats(self) -> PlacementStats:
-        return self._stats
 
     def plan(self, layer: int, forecast: np.ndarray, live: Optional[Placement], now_s: Optional[float] = None
              ) -> Placement:
         return self.placement
-
-    def observe(self, layer: int, actual: np.ndarray, now_s: float) -> None:
-        """Static: history is ignored."""
-
-    def effective_loads(self, actual: np.ndarray) -> np.ndarray:
-        return np.asarray(actual)

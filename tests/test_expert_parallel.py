@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from engine.serverless.ep_layer import Dispatch, ReplicaTables, ep_moe, replicate, required_capacity, \
-    resolve_dispatch, shard_rows, tables_from_slots
+import functools
+
+from engine.serverless.ep_layer import Dispatch, ReplicaTables, _ragged_body, ep_moe, replicate, required_capacity, \
+    resolve_dispatch, run_body, shard_rows, tables_from_slots
 from engine.serverless.executor import ServerlessExecutor
 from engine.serverless.forecast import LoadForecast
 from engine.serverless.policies import PolicyKind, SystemSpec
@@ -98,11 +100,50 @@ def test_ep_layer_equals_single_device_reference(mesh, layer, name):
         assert int(short[0]) > 0
 
 
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """`jax.lax.ragged_all_to_all` from padded all_to_all (XLA:CPU has no ragged one): rows
+    input_offsets[g] + i (i < send_sizes[g]) go to device g, landing at its row output_offsets[g] + i."""
+    N, G = operand.shape[0], send_sizes.shape[0]
+    i = jnp.arange(N)
+    live = i[None, :] < send_sizes[:, None]  # [G, N]
+    rows = jnp.clip(input_offsets[:, None] + i[None, :], 0, N - 1)
+    chunks = jnp.where(live.reshape(live.shape + (1,) * (operand.ndim - 1)), operand[rows], 0)
+    got = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # [G src, N, ...]
+    where = jax.lax.all_to_all(output_offsets[:, None], axis_name, 0, 0, tiled=True)[:, 0]  # src's offset for me
+    target = jnp.where(i[None, :] < recv_sizes[:, None], where[:, None] + i[None, :], output.shape[0])
+    return output.at[target].set(got, mode="drop")
+
+
+@pytest.mark.parametrize("name", ["hot_expert_replicated_incl_same_device", "five_empty_devices"])
+def test_ragged_dispatch_equals_the_reference(mesh, layer, name):
+    """The ragged path's offsets, run through an emulated ragged_all_to_all."""
+    experts, x, ids, w, valid = layer
+    placement = Placement.from_lists(E, G, PLACEMENTS[name])
+    slot_of = slots_in_order(placement)
+    gate_up, down = experts.arrays()
+    gu = [np.zeros((G, H, 2 * F), np.float32) for _ in range(S)]
+    dn = [np.zeros((G, F, H), np.float32) for _ in range(S)]
+    for r, (e, g) in enumerate(zip(placement.replica_expert, placement.replica_device)):
+        gu[slot_of[r]][g], dn[slot_of[r]][g] = np.asarray(gate_up[e]), np.asarray(down[e])
+    tables = replicate(mesh, ReplicaTables(**{k: jnp.asarray(v) for k, v in
+                                             tables_from_slots(placement, slot_of, G * S).items()}))
+    need = required_capacity(ids, valid, placement, Dispatch.ragged)
+    args = shard_rows(mesh, jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), jnp.asarray(valid))
+    args += (shard_rows(mesh, *map(jnp.asarray, gu)), shard_rows(mesh, *map(jnp.asarray, dn)))
+    body = functools.partial(_ragged_body, a2a=emulated_ragged_all_to_all)
+    out, overflow = jax.jit(functools.partial(run_body, body, mesh=mesh, capacity=need))(*args, tables)
+    assert int(overflow[0]) == 0
+    np.testing.assert_allclose(np.asarray(out), reference(experts, x, ids, w, valid), atol=2e-6)
+    _, short = jax.jit(functools.partial(run_body, body, mesh=mesh, capacity=need - 1))(*args, tables)
+    assert int(short[0]) >= 1  # a row past the busiest receiver's buffer is reported
+
+
 def test_required_capacity_counts_the_busiest_device_pair():
     placement = Placement.from_lists(2, 2, [(0, 0), (1, 1)])
     ids = np.array([[0], [0], [0], [1]], np.int32)  # device 0 rows: 0, 0 -> dev 0 twice; device 1 rows: 0, 1
     assert required_capacity(ids, np.ones(4, bool), placement) == 2
     assert required_capacity(ids, np.array([True, False, True, True]), placement) == 1
+    assert required_capacity(ids, np.ones(4, bool), placement, Dispatch.ragged) == 3  # device 0 receives three
     rep = assign_tokens(np.array([[0], [0], [0]]), Placement.from_lists(2, 2, [(0, 0), (0, 1), (1, 1)]))
     assert rep[:, 0].tolist() == [0, 1, 0]
 

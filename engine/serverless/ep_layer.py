@@ -85,8 +85,10 @@ def tables_from_slots(placement: Placement, slot_of_replica: np.ndarray, max_rep
     return {"device": device, "slot": slot, "count": counts.astype(np.int32)}
 
 
-def required_capacity(experts: np.ndarray, valid: np.ndarray, placement: Placement) -> int:
-    """Largest number of assignments one device sends to one device (rows of experts [T, k], T = G * t)."""
+def required_capacity(experts: np.ndarray, valid: np.ndarray, placement: Placement,
+                      dispatch: Dispatch = Dispatch.padded) -> int:
+    """The dispatch capacity `ep_moe` needs to drop nothing (experts [T, k], T = G * t): padded, the
+    most assignments one device sends to one device; ragged, the most one device receives."""
     G = placement.num_devices
     T = experts.shape[0]
     if T % G:
@@ -96,6 +98,8 @@ def required_capacity(experts: np.ndarray, valid: np.ndarray, placement: Placeme
         return 0
     rep = assign_tokens(experts[live], placement)
     dst = placement.replica_device[rep].reshape(-1)
+    if dispatch is Dispatch.ragged:
+        return int(np.bincount(dst, minlength=G).max())
     src = np.repeat(np.flatnonzero(live) // (T // G), experts.shape[1])
     return int(np.bincount(src * G + dst, minlength=G * G).max())
 
@@ -124,22 +128,25 @@ def _local_experts(rows: jax.Array, slot: jax.Array, gate_up: tuple, down: tuple
     return experts_grouped(rows, routing, [w[0] for w in gate_up], [w[0] for w in down])
 
 
-def _padded_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTables, *, capacity: int,
-                 num_devices: int):
+def _assignments(experts, valid, tables: ReplicaTables, num_devices: int):
+    """Per local (token, k) assignment: its token row, whether it is real, its destination device
+    (G for padding: nowhere) and slot there. Inside shard_map."""
     t, k = experts.shape
-    H = x.shape[-1]
-    S = len(gate_up)
-    G = num_devices
     e = experts.reshape(-1)
     ok = jnp.repeat(valid, k)
-    dst, slot = _replica_choice(e, ok, tables, G)
-    dst = jnp.where(ok, dst, G)  # G: nowhere (dropped by the scatters below)
+    dst, slot = _replica_choice(e, ok, tables, num_devices)
+    return jnp.arange(t * k) // k, ok, jnp.where(ok, dst, num_devices), slot
+
+
+def _padded_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTables, *, capacity: int,
+                 num_devices: int):
+    t, H, S, G = experts.shape[0], x.shape[-1], len(gate_up), num_devices
+    token, ok, dst, slot = _assignments(experts, valid, tables, G)
     onehot = jax.nn.one_hot(dst, G, dtype=jnp.int32)  # [n, G]; row of zeros for dst == G
     pos = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
     fits = ok & (pos < capacity)
     overflow = jnp.sum(ok & ~fits)
     dst = jnp.where(fits, dst, G)
-    token = jnp.arange(t * k) // k
     send_x = jnp.zeros((G, capacity, H), x.dtype).at[dst, pos].set(x[token], mode="drop")
     send_slot = jnp.full((G, capacity), S, jnp.int32).at[dst, pos].set(slot, mode="drop")
     recv_x = jax.lax.all_to_all(send_x, EP_AXIS, 0, 0, tiled=True)
@@ -153,19 +160,13 @@ def _padded_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTable
 
 
 def _ragged_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTables, *, capacity: int,
-                 num_devices: int):
-    """Same contract as `_padded_body`; `capacity` bounds the rows one device receives in all."""
-    t, k = experts.shape
-    n = t * k
-    H = x.shape[-1]
-    S = len(gate_up)
-    G = num_devices
-    e = experts.reshape(-1)
-    ok = jnp.repeat(valid, k)
-    dst, slot = _replica_choice(e, ok, tables, G)
-    dst = jnp.where(ok, dst, G)
-    order = jnp.argsort(dst, stable=True)  # rows grouped by destination, invalid ones last
-    token = jnp.arange(n) // k
+                 num_devices: int, a2a=jax.lax.ragged_all_to_all):
+    """Same contract as `_padded_body`; `capacity` bounds the rows one device receives in all.
+    `a2a` is `jax.lax.ragged_all_to_all` (tests substitute an emulation where XLA lacks it)."""
+    t, H, S, G = experts.shape[0], x.shape[-1], len(gate_up), num_devices
+    n = t * experts.shape[1]
+    token, ok, dst, slot = _assignments(experts, valid, tables, G)
+    order = jnp.argsort(dst, stable=True)  # rows grouped by destination, padding last
     send_sizes = jnp.bincount(dst, length=G).astype(jnp.int32)  # [G]
     sizes = jax.lax.all_gather(send_sizes, EP_AXIS)  # [G src, G dst]
     me = jax.lax.axis_index(EP_AXIS)
@@ -178,20 +179,27 @@ def _ragged_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTable
     overflow = jnp.maximum(received - capacity, 0)
     send_x = x[token[order]]
     send_slot = slot[order].astype(jnp.int32)
-    recv_x = jax.lax.ragged_all_to_all(send_x, jnp.zeros((capacity, H), x.dtype), input_offsets, send_sizes,
-                                       output_offsets, recv_sizes, axis_name=EP_AXIS)
-    recv_slot = jax.lax.ragged_all_to_all(send_slot, jnp.full((capacity,), S, jnp.int32), input_offsets, send_sizes,
-                                          output_offsets, recv_sizes, axis_name=EP_AXIS)
+    recv_x = a2a(send_x, jnp.zeros((capacity, H), x.dtype), input_offsets, send_sizes, output_offsets, recv_sizes,
+                 axis_name=EP_AXIS)
+    recv_slot = a2a(send_slot, jnp.full((capacity,), S, jnp.int32), input_offsets, send_sizes, output_offsets,
+                    recv_sizes, axis_name=EP_AXIS)
     recv_slot = jnp.where(jnp.arange(capacity) < received, recv_slot, S)
     y = _local_experts(recv_x, recv_slot, gate_up, down)
-    # the way back: my received chunk from src returns to src's send offset for me
+    # the way back: the chunk I received from src returns to src's send offset for me
     back_offsets = jnp.sum(jnp.where((jnp.arange(G) < me)[None, :], sizes, 0), axis=1).astype(jnp.int32)
-    back = jax.lax.ragged_all_to_all(y, jnp.zeros((n, H), y.dtype), recv_offsets, recv_sizes, back_offsets,
-                                     send_sizes, axis_name=EP_AXIS)
+    back = a2a(y, jnp.zeros((n, H), y.dtype), recv_offsets, recv_sizes, back_offsets, send_sizes, axis_name=EP_AXIS)
     unsorted = jnp.zeros((n, H), jnp.float32).at[order].set(back.astype(jnp.float32))
     contrib = unsorted * (weights.reshape(-1) * ok)[:, None]
     out = jax.ops.segment_sum(contrib, token, num_segments=t)
     return out.astype(x.dtype), jax.lax.psum(overflow, EP_AXIS)[None]
+
+
+def run_body(body, x, experts, weights, valid, gate_up, down, tables: ReplicaTables, *, mesh: Mesh, capacity: int):
+    """One dispatch body under shard_map over the `ep` axis of `mesh` (see `ep_moe`)."""
+    rows = P(EP_AXIS)
+    fn = jax.shard_map(functools.partial(body, capacity=capacity, num_devices=mesh.shape[EP_AXIS]), mesh=mesh,
+                       in_specs=(rows, rows, rows, rows, rows, rows, P()), out_specs=(rows, rows), check_vma=False)
+    return fn(x, experts, weights, valid, tuple(gate_up), tuple(down), tables)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "capacity", "dispatch"))
@@ -204,14 +212,11 @@ def ep_moe(x: jax.Array, experts: jax.Array, weights: jax.Array, valid: jax.Arra
     rows, T = G * t); gate_up: S arrays [G, H, 2F] and down: S arrays [G, F, H], slot s of every
     device, sharded over `ep` (row g lives on device g); tables replicated. Returns the combined
     expert output [T, H] (sharded like x) and the number of assignments that did not fit [G]
-    (every entry the same total; 0 when `capacity` sufficed).
+    (every entry the same total; 0 when `capacity` sufficed). `capacity`: padded, the rows one
+    device sends another at most; ragged, the rows one device receives in all.
     """
-    G = mesh.shape[EP_AXIS]
     body = _padded_body if dispatch is Dispatch.padded else _ragged_body
-    rows = P(EP_AXIS)
-    fn = jax.shard_map(functools.partial(body, capacity=capacity, num_devices=G), mesh=mesh,
-                       in_specs=(rows, rows, rows, rows, rows, rows, P()), out_specs=(rows, rows), check_vma=False)
-    return fn(x, experts, weights, valid, tuple(gate_up), tuple(down), tables)
+    return run_body(body, x, experts, weights, valid, gate_up, down, tables, mesh=mesh, capacity=capacity)
 
 
 def shard_rows(mesh: Mesh, *arrays: jax.Array) -> tuple[jax.Array, ...]:

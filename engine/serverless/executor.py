@@ -136,7 +136,7 @@ class ServerlessExecutor:
             exp_p = np.concatenate([served, np.zeros((pad, k), np.int32)])
             wts = jnp.concatenate([jnp.asarray(routing.weights), jnp.zeros((pad, k), routing.weights.dtype)])
             val = np.concatenate([valid, np.zeros(pad, bool)])
-        need = required_capacity(exp_p, val, placement)
+        need = required_capacity(exp_p, val, placement, self.dispatch)
         capacity = max(self.capacity_multiple, _pow2(need))
         tables = replicate(self.mesh, ReplicaTables(**{key: jnp.asarray(v) for key, v in tables_from_slots(
             placement, update.slot_of_replica, G * self.slots).items()}))
