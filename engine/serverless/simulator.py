@@ -11,6 +11,7 @@ Oracle), and the policy observes those loads.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -22,7 +23,7 @@ from engine.serverless.policies import ForecastKind, SystemSpec, build_policy, s
 from engine.serverless.serving_trace import ServingTrace
 from engine.serverless.slots import SlotMap, Source
 from engine.trace import PREFILL
-from predictors.base import LayerContext, Predictor, predicted_loads
+from predictors.base import LayerContext, Predictor, topk_experts
 from predictors.historical_load import HistoricalLoadForecaster
 from schedulers.ep_placement import balancedness
 
@@ -41,6 +42,8 @@ def forecast_loads(trace: ServingTrace, predictor: Optional[Predictor], history_
     out = np.zeros((S, L, E), dtype=np.float32)
     d = predictor.distance if predictor is not None else L
     experts, weights = trace.routing.experts, trace.routing.weights
+    # score the very forecast that was used where the predictor lets us (else it forecasts again)
+    scored = predictor is not None and "predicted" in inspect.signature(predictor.observe).parameters
     for s in progress(range(S), "forecast"):
         rows = trace.rows(s)
         n = rows.size
@@ -50,8 +53,13 @@ def forecast_loads(trace: ServingTrace, predictor: Optional[Predictor], history_
                 continue
             ctx = LayerContext(layer=layer - d, step=s, experts=experts[layer - d, rows], weights=weights[layer - d, rows],
                                seq=trace.routing.seq[rows], pos=trace.routing.pos[rows], rows=rows)
-            out[s, layer] = predicted_loads(predictor.predict(ctx), k)
-            predictor.observe(layer, ctx, experts[layer, rows].astype(np.int64))
+            top = topk_experts(predictor.predict(ctx), k)
+            out[s, layer] = np.bincount(top.reshape(-1), minlength=E)
+            actual = experts[layer, rows].astype(np.int64)
+            if scored:
+                predictor.observe(layer, ctx, actual, predicted=top)
+            else:
+                predictor.observe(layer, ctx, actual)
         for layer in range(L):
             history.observe(layer, trace.loads[s, layer])
     hits = {} if predictor is None else {str(layer): predictor.hit_rate(layer) for layer in range(d, L)}
