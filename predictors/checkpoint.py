@@ -53,7 +53,8 @@ def predictor_meta(pred: TrainedPredictor) -> dict[str, Any]:
     meta: dict[str, Any] = {"schema": SCHEMA, "version": VERSION, "kind": pred.kind, "name": pred.name,
                             "distance": pred.distance, "num_layers": pred.num_layers, "num_experts": pred.num_experts,
                             "top_k": pred.top_k, "targets": pred.targets,
-                            "memory_mb": {str(t): mb for t, mb in pred.memory_mb().items()}}
+                            "memory_mb": {str(t): mb for t, mb in pred.memory_mb().items()},
+                            "measured_hit": {str(t): h for t, h in pred.prior_hit.items()}}
     cfg = getattr(pred, "cfg", None)
     if isinstance(cfg, PredictorConfig):
         meta["config"] = config_dict(cfg)
@@ -122,8 +123,13 @@ def _layer(tree: dict[str, Any], target: int, where: Path) -> Any:
 
 
 def load_predictor_folder(folder: str | Path) -> TrainedPredictor:
-    """The trained predictor saved in `folder` (any kind but oracle)."""
-    folder = Path(folder)
+    """The trained predictor saved in `folder` (any kind but oracle), with its offline hit rates."""
+    pred = _build(Path(folder))
+    pred.prior_hit = {int(t): float(h) for t, h in read_meta(folder).get("measured_hit", {}).items()}
+    return pred
+
+
+def _build(folder: Path) -> TrainedPredictor:
     meta = read_meta(folder)
     tree = load_arrays(folder)
     kind, name, d = meta["kind"], meta["name"], int(meta["distance"])

@@ -43,6 +43,7 @@ class TrainedPredictor:
         self.num_experts = num_experts
         self.top_k = top_k
         self.stats = HitStats()
+        self.prior_hit: dict[int, float] = {}  # hit rate per target layer measured offline (held-out test)
 
     # ---- contract -----------------------------------------------------------------------------------------
     @property
@@ -77,7 +78,14 @@ class TrainedPredictor:
         self.learn(target_layer, ctx, actual_experts, predicted)
 
     def hit_rate(self, target_layer: Optional[int] = None) -> float:
-        return self.stats.hit_rate(target_layer)
+        """Measured top-k hit rate: at run time once forecasts were scored, else the offline test figure
+        saved with the predictor, else 1.0 (no evidence)."""
+        seen = self.stats.total.get(target_layer, 0) if target_layer is not None else sum(self.stats.total.values())
+        if seen:
+            return self.stats.hit_rate(target_layer)
+        if target_layer is None and self.prior_hit:
+            return float(np.mean(list(self.prior_hit.values())))
+        return self.prior_hit.get(target_layer, 1.0) if target_layer is not None else 1.0
 
     # ---- for subclasses -------------------------------------------------------------------------------------
     def scores(self, target: int, ctx: LayerContext) -> np.ndarray:

@@ -8,7 +8,8 @@
 - token coverage: per step, the true tokens of the forecast hot n experts over those of the true
   hottest n (1 = the forecast hot set covers as many tokens as the ideal one);
 - load Pearson correlation (MoEless Fig. 16): forecast vs true tokens per expert, all (step,
-  expert) pairs of a layer pooled;
+  expert) pairs of a layer pooled (`pearson`), and the mean of the per-step correlations
+  (`pearson_step`);
 - load accuracy (MoEless Fig. 15): per step, overlap of forecast and true load shares
   (`engine.routing_stats.load_accuracy`).
 """
@@ -21,7 +22,11 @@ import numpy as np
 
 from engine.routing_stats import hit_rate, load_accuracy
 
-METRICS = ("hit", "hot", "coverage", "pearson", "load_acc")
+METRICS = ("hit", "hot", "coverage", "pearson", "pearson_step", "load_acc")
+
+
+def _nanmean(x: np.ndarray) -> float:
+    return float(np.nanmean(x)) if np.isfinite(x).any() else float("nan")
 
 
 def per_step_loads(experts: np.ndarray, step: np.ndarray, num_experts: int) -> np.ndarray:
@@ -80,6 +85,14 @@ def load_pearson(pred_loads: np.ndarray, true_loads: np.ndarray) -> float:
     return float(np.corrcoef(p, t)[0, 1])
 
 
+def per_step_pearson(pred_loads: np.ndarray, true_loads: np.ndarray) -> np.ndarray:
+    """float64 [S]: per step, Pearson correlation of forecast vs true tokens per expert (NaN if either is constant)."""
+    p = pred_loads.astype(np.float64) - pred_loads.mean(axis=1, keepdims=True)
+    t = true_loads.astype(np.float64) - true_loads.mean(axis=1, keepdims=True)
+    den = np.sqrt((p * p).sum(axis=1) * (t * t).sum(axis=1))
+    return np.divide((p * t).sum(axis=1), den, out=np.full(den.shape, np.nan), where=den > 0)
+
+
 def layer_metrics(predicted: np.ndarray, actual: np.ndarray, step: np.ndarray, num_experts: int,
                   scores: Optional[np.ndarray] = None, n_hot: int = 4, slack: int = 2) -> dict[str, float]:
     """Every metric of one layer. predicted, actual: int [T, k]; step: [T]; scores: optional [T, E] (ties)."""
@@ -94,6 +107,7 @@ def layer_metrics(predicted: np.ndarray, actual: np.ndarray, step: np.ndarray, n
             "hot": hot_topn_accuracy(pred_loads, true_loads, n_hot, slack, tiebreak),
             "coverage": token_coverage(pred_loads, true_loads, n_hot, tiebreak),
             "pearson": load_pearson(pred_loads, true_loads),
+            "pearson_step": _nanmean(per_step_pearson(pred_loads, true_loads)),
             "load_acc": load_accuracy(predicted, actual, step, num_experts),
             "tokens": int(actual.shape[0]), "steps": int(true_loads.shape[0])}
 
@@ -105,8 +119,7 @@ def mean_over(per_layer: Mapping[int, Mapping[str, float]], layers: Sequence[int
         return {}
     out = {}
     for key in METRICS:
-        vals = np.array([r[key] for r in rows], np.float64)
-        out[key] = float(np.nanmean(vals)) if np.isfinite(vals).any() else float("nan")
+        out[key] = _nanmean(np.array([r[key] for r in rows], np.float64))
     return out
 
 

@@ -2,7 +2,7 @@
 
 - accuracy per layer for every method (LayerScope Figs. 5 / 14), groups shaded;
 - MoEless vs raw gate load accuracy at each prediction distance (MoEless Fig. 15);
-- forecast vs true expert loads, pooled over layers (MoEless Fig. 16);
+- per-step correlation of forecast and true expert loads per layer (MoEless Fig. 16);
 - LLaPor before / with online fine-tuning per layer.
 """
 
@@ -74,18 +74,31 @@ def distance_figure(by_distance: Mapping[str, Mapping[int, Mapping[str, float]]]
 
 
 def load_correlation_figure(loads: Mapping[str, Mapping[int, tuple[np.ndarray, np.ndarray]]], model: str = "") -> Figure:
-    """2-D histogram of forecast vs true tokens per (step, expert), pooled over layers, per method."""
+    """MoEless Fig. 16: per target layer, the distribution of per-step Pearson correlations between
+    forecast and true tokens per expert (darker: more steps in the bin), one panel per method."""
+    from predictors.metrics import per_step_pearson
+
+    bins = np.linspace(-1.0, 1.0, 21)
     fig = Figure(figsize=(4.2 * len(loads), 3.8))
     axes = np.atleast_1d(fig.subplots(1, len(loads), squeeze=False)[0])
     for ax, (name, per_layer) in zip(axes, loads.items()):
-        pred = np.concatenate([p.reshape(-1) for p, _ in per_layer.values()]).astype(np.float64)
-        true = np.concatenate([t.reshape(-1) for _, t in per_layer.values()]).astype(np.float64)
-        hi = max(1.0, float(np.percentile(np.concatenate([pred, true]), 99)))
-        ax.hist2d(true, pred, bins=30, range=[[0, hi], [0, hi]], cmap="Blues", cmin=1)
-        r = np.corrcoef(pred, true)[0, 1] if pred.std() > 0 and true.std() > 0 else float("nan")
-        ax.set_title(f"{name}: Pearson r = {r:.3f}")
-        ax.set_xlabel("true tokens per expert (per step)")
-        ax.set_ylabel("forecast tokens per expert")
+        layers = sorted(per_layer)
+        grid = np.zeros((len(bins) - 1, len(layers)))
+        rs = []
+        for i, layer in enumerate(layers):
+            r = per_step_pearson(*per_layer[layer])
+            r = r[np.isfinite(r)]
+            rs.append(r)
+            if r.size:
+                grid[:, i] = np.histogram(r, bins=bins)[0] / r.size
+        im = ax.imshow(grid, origin="lower", aspect="auto", cmap="Blues", vmin=0,
+                       extent=(min(layers) - 0.5, max(layers) + 0.5, -1.0, 1.0))
+        mean = float(np.mean(np.concatenate(rs))) if rs and np.concatenate(rs).size else float("nan")
+        ax.set_title(f"{name}: mean r = {mean:.3f}")
+        ax.set_xlabel("target MoE layer")
+        ax.set_ylabel("Pearson r per step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        fig.colorbar(im, ax=ax, label="share of steps")
     fig.suptitle(model)
     fig.tight_layout()
     return fig

@@ -259,17 +259,19 @@ def run(cfg: PredictorsTrainConfig, node: DictConfig, tm: Telemetry) -> dict[str
         preds, notes = train_method(pcfg, data, distances)
         train_s = time.perf_counter() - t0
         for key, pred in preds.items():
-            folder = save_predictor(pred, out_dir / key.replace("@", "_"))
-            if pcfg is cfg.predictor:
-                headline_folder = folder
-            mem = pred.memory_mb()
-            entry = {"kind": pred.kind, "distance": pred.distance, "checkpoint": str(folder), "memory_mb": mem,
+            entry = {"kind": pred.kind, "distance": pred.distance, "memory_mb": pred.memory_mb(),
                      "train_seconds": train_s / len(preds), **notes.get(key, {})}
             for which, (tr, rows) in sets.items():
                 keep: dict = {}
                 entry[which] = evaluate_offline(pred, tr, rows, group_layers, cfg.hot_n, cfg.hot_slack, keep)
                 if which == "test" and pred.distance == 1 and pred.kind in ("gate", "moeless", "llapor"):
                     loads[key] = keep
+            # the held-out hit rates travel with the predictor: consumers' hit_rate() before run-time evidence
+            pred.prior_hit = {t: m["hit"] for t, m in entry["test"]["layers"].items()}
+            folder = save_predictor(pred, out_dir / key.replace("@", "_"))
+            entry["checkpoint"] = str(folder)
+            if pcfg is cfg.predictor:
+                headline_folder = folder
             methods[key] = entry
             for which in sets:
                 tm.log({f"{key}/{which}/{g}/{m}": v for g, ms in entry[which]["groups"].items() for m, v in ms.items()})

@@ -4,6 +4,7 @@ groups, splits, and orbax save / restore through `load_predictor`."""
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from predictors.config import predictor_config
 from predictors.data import layer_pairs, pairs_context, split_rows, trace_context
 from predictors.evaluate import evaluate_offline, evaluate_online
 from predictors.groups import GroupsSpec, groups_from_spec, split_by_score
-from predictors.metrics import hot_topn_accuracy, layer_metrics, load_pearson, per_step_loads, token_coverage
+from predictors.metrics import (hot_topn_accuracy, layer_metrics, load_pearson, per_step_loads, per_step_pearson,
+                                token_coverage)
 from predictors.nets import hybrid_loss
 from predictors.online import OnlineMonitor, token_errors
 from predictors.stats import StatsPredictor
@@ -62,8 +64,10 @@ def test_load_pearson_matches_scipy_and_per_step_loads_count_tokens() -> None:
     assert p.shape == (5, 8) and p.sum() == 100 and p[2].sum() == 20
     assert p[0, 3] == int((pred[:10] == 3).sum())
     assert load_pearson(p, t) == pytest.approx(pearsonr(p.ravel(), t.ravel())[0])
+    np.testing.assert_allclose(per_step_pearson(p, t), [pearsonr(p[i], t[i])[0] for i in range(5)], atol=1e-12)
+    assert np.isnan(per_step_pearson(np.ones((1, 8)), t[:1])[0])  # a constant forecast has no correlation
     perfect = layer_metrics(true, true, step, 8)
-    assert all(perfect[m] == pytest.approx(1.0) for m in ("hit", "hot", "coverage", "pearson", "load_acc"))
+    assert all(perfect[m] == pytest.approx(1.0) for m in ("hit", "hot", "coverage", "pearson", "pearson_step", "load_acc"))
 
 
 # ---- data ------------------------------------------------------------------------------------------------------
@@ -214,6 +218,8 @@ def test_llapor_online_fine_tunes_input_layers_on_shifted_routing_only(llapor_fi
     from predictors.llapor import LayerNet, LLaPorPredictor
 
     trace, split, cfg, groups, trained, _ = llapor_fit
+    cfg = copy.deepcopy(cfg)
+    cfg.llapor.online.lr = 3e-3  # a brisk learner: the mechanism, not the shipped rate, is under test
 
     def clone() -> LLaPorPredictor:
         layers = {t: LayerNet(l.group, l.net, l.mean, l.comps, l.inv_freq) for t, l in trained.layers.items()}
@@ -250,12 +256,17 @@ def test_orbax_round_trip_through_load_predictor(llapor_fit, tmp_path: Path) -> 
     moeless = MoElessPredictor("moeless@d1", 1, mcfg, kernels, {t: np.zeros(8, np.float32) for t in kernels},
                                {1: {"before": 0.5, "after": 0.9, "tuned": True, "epochs": 3}})
     ctx = trace_context(trace, 1, np.flatnonzero(split.test)[:64])
+    llapor.prior_hit = {1: 0.5, 2: 0.75, 3: 1.0}
     for pred in (llapor, token, moeless, StatsPredictor.fit(trace, split.train)):
         folder = save_predictor(pred, tmp_path / pred.kind)
         back = load_predictor({"name": pred.name, "kind": pred.kind, "checkpoint": str(folder)})
         assert type(back) is type(pred) and back.targets == pred.targets
         np.testing.assert_allclose(back.predict(ctx), pred.predict(ctx), rtol=1e-6, atol=1e-7)
         assert back.memory_mb() == pytest.approx(pred.memory_mb())
+    back = load_predictor({"name": "l", "kind": "llapor", "checkpoint": str(tmp_path / "llapor")})
+    assert back.hit_rate(2) == 0.75 and back.hit_rate() == 0.75  # offline figures until run-time evidence
+    back.observe(2, ctx, trace.experts[2, ctx.rows], predicted=trace.experts[2, ctx.rows])
+    assert back.hit_rate(2) == 1.0 and back.hit_rate(1) == 0.5
     tuned = load_predictor({"name": "m", "kind": "moeless", "checkpoint": str(tmp_path / "moeless")})
     assert tuned.profile[1]["tuned"] is True
     with pytest.raises(ValueError, match="holds a llapor predictor"):

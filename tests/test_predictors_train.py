@@ -46,7 +46,7 @@ def test_entry_point_trains_evaluates_saves_and_logs_offline(tmp_path: Path) -> 
     assert sorted(groups["input"] + groups["middle"] + groups["output"]) == [1, 2, 3]
     for name, m in res["methods"].items():
         for which in ("test", "shift"):
-            assert set(m[which]["groups"]["all"]) == {"hit", "hot", "coverage", "pearson", "load_acc"}
+            assert set(m[which]["groups"]["all"]) == {"hit", "hot", "coverage", "pearson", "pearson_step", "load_acc"}
     assert res["methods"]["oracle"]["test"]["groups"]["all"]["hit"] == 1.0
     assert sorted(res["methods"]["gate@d2"]["test"]["layers"]) == ["2", "3"]
     assert set(res["online"]) == {"test", "shift"} and "cycles" in res["online"]["shift"]
@@ -76,3 +76,20 @@ def test_mismatched_trace_fails_naming_the_key(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=r"trace=.*bad.npz.*16 experts"):
             run(OmegaConf.to_object(node), node, tm)
     assert not (tmp_path / "run" / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_shipped_mixtral_tiny_llapor_beats_stats_and_moeless_beats_gate(tmp_path: Path) -> None:
+    """The real pipeline on the trained checkpoint: record both workloads, train, evaluate (minutes)."""
+    from engine.telemetry import Telemetry
+    from predictors.train import run
+
+    node = compose("predictors_train", ["model=mixtral_tiny", "workload.num_batches=6", "shift_workload.num_batches=2",
+                                        "predictor.train.epochs=10", "baselines.token.train.epochs=5",
+                                        "distances=[1,2]", "plots=false", "wandb.mode=disabled"])
+    with Telemetry(node, task="predictors_train", run_dir=tmp_path) as tm:
+        res = run(OmegaConf.to_object(node), node, tm)
+    hit = {name: m["test"]["groups"]["all"]["hit"] for name, m in res["methods"].items()}
+    assert hit["llapor"] > hit["stats"] + 0.1 and hit["llapor"] > hit["gate@d1"]
+    assert all(v["met"] for v in res["targets"]["moeless_ge_gate_load_acc"].values())
+    assert (tmp_path / "trace.npz").is_file() and (tmp_path / "shift_trace.npz").is_file()
