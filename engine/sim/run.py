@@ -92,7 +92,8 @@ def prepare_routing(spec: RunSpec) -> PreparedRouting:
     batches = sorted({p.batch_id for p in passes})
     held = set(batches[:spec.profile_batches]) if len(batches) > spec.profile_batches else set()
     prof_rows = [p.rows for p in passes if p.batch_id in held]
-    replay = [p for p in passes if p.batch_id not in held]
+    kept = [b for b in batches if b not in held][:max(spec.num_batches, 1)]  # replay num_batches batches
+    replay = [p for p in passes if p.batch_id in set(kept)]
     profile = trace.expert_loads(np.concatenate(prof_rows)) if prof_rows else trace.expert_loads()
     for i, p in enumerate(replay):
         p.index = i
