@@ -28,13 +28,13 @@ prefetches land in the dynamic cache region (LRU); on-demand loads stay there to
 
 Prefill passes: eq. 4's strict T_G(i') < T_C(i') can never hold at i' = 0 (no CPU expert, T_C = 0),
 so read literally it always leaves the coldest missing expert on the CPU. At decode sizes that costs
-at most one expert's CPU time; in a prefill pass (hundreds of tokens per expert, eq. 2's CPU time in
-seconds against a transfer in milliseconds) it would dominate the pass. The cost model of §4.3
-(Premise 5, token-invariant GPU/PCIe cost) is built for decode, so prefill passes run every expert
-on the GPU, loads hottest first. Every expert of the next layer is active in a prefill pass, so a
-prefetch can only replace an on-demand load of the same expert: the eq. 6 trade-off (R_miss -> 0)
-always favours it, and PreSched prefetches all of the next layer's predicted missing experts,
-hottest first, keeping the link busy while the GPU finishes the layer.
+at most one expert's CPU time; in a prefill pass (hundreds of tokens per hot expert, eq. 2's CPU
+time far above a transfer) it would dominate the pass. The cost model of §4.3 (Premise 5,
+token-invariant GPU/PCIe cost) is built for decode, so a prefill pass takes the per-layer optimum of
+eq. 1 (the missing experts split to minimise max(T_C, T_G), GPU work counted), and prefetches every
+predicted expert of the next layer that is worth a transfer there (t_c above t_io), hottest first:
+in a prefill nearly every such expert is active, so a prefetch replaces an on-demand load of the
+same expert (eq. 6 with R_miss -> 0).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import numpy as np
 
 from schedulers.base import LayerPlan, LayerState, Phase, SchedulerKind, register
 from schedulers.cost import CostModel
+from schedulers.layerwise import greedy_split
 from schedulers.policy import OffloadPolicy, by_tokens, split_by_availability
 
 
@@ -150,7 +151,8 @@ class PreSched(OffloadPolicy):
         nxt, nxt_m = self._next_candidates(state, layer + 1)
         queue = cross_layer_queue(cur, cur_m, nxt, nxt_m, alpha, t_io, t_g, t_attn, cost, busy)
         if state.phase is Phase.prefill:
-            i = 0
+            ready_s = float(np.sum(np.atleast_1d(cost.t_g(tokens[ready])))) if ready.size else 0.0
+            i = greedy_split(cur_m, ready_s + cost.t_shared(state.batch_tokens), alpha, t_io, t_g, cost)
         else:
             i = ondemand_start(queue, cur, cur_m, alpha, t_io, t_g, cost, busy)
         cpu = tuple(cur[:i].tolist())
@@ -162,8 +164,9 @@ class PreSched(OffloadPolicy):
         gap = prefetch_gap(cur_m, i, alpha, t_io, cost, busy)
         window = max(self.settings.max_window, 1) if self.settings.use_predictor else 0
         if state.phase is Phase.prefill and window:
-            nxt1, _ = self._next_candidates(state, layer + 1)
-            prefetch = [(layer + 1, int(e)) for e in nxt1[::-1]]
+            nxt1, m1 = self._next_candidates(state, layer + 1)
+            worth = np.atleast_1d(cost.t_c(m1)) > t_io  # experts the next layer would rather load than run on the CPU
+            prefetch = [(layer + 1, int(e)) for e in nxt1[worth][::-1]]
             window = 0
         for distance in range(1, window + 1):
             target = layer + distance

@@ -121,11 +121,14 @@ def test_no_predictor_means_no_prefetch(cost: CostModel) -> None:
     assert plan.prefetch == () and plan.ondemand == (C,)
 
 
-def test_prefill_runs_every_expert_on_the_gpu(cost: CostModel) -> None:
+def test_prefill_takes_the_per_layer_optimum(cost: CostModel) -> None:
+    # eq. 1 over E_cur (t_c = 2, 3, 5 ms; loads 4 ms each): i=2 gives max(5, 4 + t_g), the least
     plan = presched(cost).plan(state(cost, {1: loads(x=3, y=5)}, {1: 0.9}, phase=Phase.prefill))
-    assert plan.cpu == () and set(plan.ondemand) == {A, B, C}
-    assert plan.ondemand[0] == C  # hottest first
-    assert [e for _, e in plan.prefetch] == [Y, X]  # every predicted missing expert of l + 1, hottest first
+    assert plan.cpu == (A, B) and plan.ondemand == (C,)
+    # of the next layer only y is worth a transfer (t_c(5) = 6 > t_io = 4; x: t_c(3) = 4 is not)
+    assert plan.prefetch == ((1, Y),)
+    many = {1: loads(x=9, y=5, z=12)}
+    assert presched(cost).plan(state(cost, many, {1: 0.9}, phase=Phase.prefill)).prefetch == ((1, Z), (1, X), (1, Y))
 
 
 @settings(max_examples=60, deadline=None)
