@@ -33,6 +33,7 @@ def run(cfg: Any) -> dict[str, Any]:
             "scheduler_kind": spec.scheduler.kind.value, "routing": spec.routing.name, "batch_size": spec.batch_size,
             "prompt_len": spec.prompt_len, "gen_len": spec.gen_len, "async_io": spec.async_io,
             "hot_table": spec.scheduler.hot_table, "predictor": spec.predictor.kind if spec.scheduler.use_predictor else "none",
+            "predictor_hit_rate_target": spec.predictor.hit_rate,
             "memory": {k: v for k, v in dataclasses.asdict(out.memory).items()},
             **summary,
         }

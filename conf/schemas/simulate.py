@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -12,21 +11,9 @@ from conf import unfrozen
 from conf.schemas import store
 from conf.schemas.common import ModelSpec, WandbConfig
 from conf.schemas.hardware import HardwareProfile
+from conf.schemas.predictor import PredictorConfig
 from conf.schemas.routing import RoutingConfig
 from schedulers.base import SchedulerSettings
-
-
-class PredictorKind(enum.Enum):
-    oracle = "oracle"  # the true routing of the target layer, each (token, expert) kept with probability hit_rate
-    none = "none"  # no forecasts (LayerScope ablation "no LLaPor")
-
-
-@dataclass
-class SimPredictorConfig:
-    kind: PredictorKind = PredictorKind.oracle
-    hit_rate: float = 0.95  # LayerScope Table 4: LLaPor top-4 hit rate >= 94%
-    distance_decay: float = 0.9  # hit rate multiplier per layer of distance beyond the first
-    seed: int = 0
 
 
 @dataclass
@@ -63,7 +50,7 @@ class SimulateConfig:
     num_batches: int = 1
     bytes_per_param: int = 2  # bf16 experts (LayerScope Table 3)
     async_io: bool = True  # False: synchronous pageable copies (LayerScope ablation "no AsyncIO")
-    predictor: SimPredictorConfig = field(default_factory=SimPredictorConfig)
+    predictor: PredictorConfig = MISSING  # the `predictor` group: oracle (default) or a trained checkpoint
     hot_table: HotTableConfig = field(default_factory=HotTableConfig)
     timeline: TimelineConfig = field(default_factory=TimelineConfig)
     bounds: BoundsConfig = field(default_factory=BoundsConfig)

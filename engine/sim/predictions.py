@@ -44,8 +44,10 @@ class ForecastBook:
             if step not in self._sample:
                 self._sample = {step: np.sort(self._rng.choice(rows, self.max_tokens, replace=False))}
             rows = self._sample[step]
+        hidden = None if self.trace.hidden is None else self.trace.hidden[layer, rows].astype(np.float32)
         return LayerContext(layer=layer, step=step, experts=self.trace.experts[layer, rows],
-                            weights=self.trace.weights[layer, rows], rows=rows)
+                            weights=self.trace.weights[layer, rows], hidden=hidden, tokens=self.trace.token[rows],
+                            seq=self.trace.seq[rows], pos=self.trace.pos[rows], rows=rows)
 
     def forecast(self, ctx: LayerContext, distance: int, num_tokens: Optional[int] = None) -> np.ndarray:
         """float64 [E]: predicted tokens per expert of layer `ctx.layer + distance` (scaled to

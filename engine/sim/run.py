@@ -60,6 +60,7 @@ class RunSpec:
     seed: int = 0
     check_invariants: bool = False
     cache_slots: Optional[int] = None  # override the memory plan's expert-cache size (small studies)
+    predictor_config: Any = None  # a `predictor` config node: built by predictors.load_predictor (overrides `predictor`)
 
     def with_scheduler(self, settings: SchedulerSettings) -> "RunSpec":
         return replace(self, scheduler=settings)
@@ -142,6 +143,10 @@ def make_predictors(spec: RunSpec, trace: RoutingTrace) -> dict[int, Any]:
     if p.kind == "none" or not s.use_predictor:
         return {}
     window = max(s.max_window, 1) if s.kind is SchedulerKind.presched else 1
+    if spec.predictor_config is not None:
+        from predictors import load_predictor
+
+        return {d: load_predictor(spec.predictor_config, trace=trace, distance=d) for d in range(1, window + 1)}
     return {d: NoisyOraclePredictor(trace, distance=d, hit_rate=p.hit_rate * p.distance_decay ** (d - 1),
                                     seed=p.seed + 7919 * d) for d in range(1, window + 1)}
 
@@ -199,7 +204,6 @@ def spec_from_config(cfg: Any) -> RunSpec:
 
     routing = cfg.routing
     source = routing.source.value if hasattr(routing.source, "value") else str(routing.source)
-    pred = cfg.predictor
     return RunSpec(
         model=resolve_model_config(cfg.model), model_name=str(cfg.model.name),
         hardware=to_frozen(cfg.hardware, HardwareProfile), scheduler=to_frozen(cfg.scheduler, SchedulerSettings),
@@ -207,8 +211,9 @@ def spec_from_config(cfg: Any) -> RunSpec:
                             synthetic=to_frozen(routing.synthetic, SyntheticRoutingParams)),
         batch_size=int(cfg.batch_size), prompt_len=int(cfg.prompt_len), gen_len=int(cfg.gen_len),
         num_batches=int(cfg.num_batches), bytes_per_param=int(cfg.bytes_per_param), async_io=bool(cfg.async_io),
-        predictor=PredictorSpec(kind=pred.kind.value if hasattr(pred.kind, "value") else str(pred.kind),
-                                hit_rate=float(pred.hit_rate), distance_decay=float(pred.distance_decay), seed=int(pred.seed)),
+        predictor=PredictorSpec(kind=str(cfg.predictor.name), hit_rate=float(cfg.predictor.oracle.hit_rate),
+                                distance_decay=float(cfg.predictor.oracle.distance_decay), seed=int(cfg.predictor.seed)),
+        predictor_config=cfg.predictor,
         profile_batches=int(cfg.hot_table.profile_batches), profile_sequences=cfg.hot_table.profile_sequences,
         profile_seed=int(cfg.hot_table.seed), seed=int(cfg.seed),
         check_invariants=bool(cfg.check_invariants),
