@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-import pytest
 
 from conf import compose
 from conf.schemas.hardware import load_hardware

@@ -16,7 +16,6 @@ from engine.sim.bounds import exact_best_pass, lower_bound
 from engine.sim.invariants import check_events
 from engine.sim.pipeline import PipelineSim, SimOptions
 from engine.sim.run import RoutingSpec, RunSpec, build_sim, prepare_routing, simulate
-from engine.sim.workload import ForwardPass
 from engine.synthetic_routing import LayerGroupParams, SyntheticRoutingParams
 from engine.trace import DECODE, TraceMeta, TraceRecorder
 from models.loading import resolve_model_config
