@@ -43,6 +43,7 @@ class NoisyOraclePredictor:
         self.top_k = trace.meta.top_k
         self.stats = HitStats()
         self._rng = np.random.default_rng(seed)
+        self._sum_hits = self._sum_total = 0  # running totals behind hit_rate() (asked at every layer)
 
     def predict_topk(self, ctx: LayerContext) -> np.ndarray:
         """int [T, k]: the forecast experts of MoE layer `ctx.layer + distance` for the tokens of `ctx`."""
@@ -87,8 +88,13 @@ class NoisyOraclePredictor:
         """Record the hit rate of a forecast (pass `predicted` [T, k] to score that exact forecast)."""
         if predicted is None:
             predicted = self.predict_topk(ctx)
-        self.stats.hits[target_layer] = self.stats.hits.get(target_layer, 0) + count_hits(predicted, actual_experts)
-        self.stats.total[target_layer] = self.stats.total.get(target_layer, 0) + int(actual_experts.size)
+        hits, total = count_hits(predicted, actual_experts), int(actual_experts.size)
+        self.stats.hits[target_layer] = self.stats.hits.get(target_layer, 0) + hits
+        self.stats.total[target_layer] = self.stats.total.get(target_layer, 0) + total
+        self._sum_hits += hits
+        self._sum_total += total
 
     def hit_rate(self, target_layer: Optional[int] = None) -> float:
+        if target_layer is None:
+            return self._sum_hits / self._sum_total if self._sum_total else 1.0
         return self.stats.hit_rate(target_layer)
