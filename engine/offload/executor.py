@@ -146,10 +146,12 @@ class OffloadExecutor:
                batch_tokens: int, context_len: int, rows: int, seq_len: int) -> LayerState:
         tokens = np.bincount(experts.reshape(-1), minlength=self.E).astype(np.int64)
         scores = np.bincount(experts.reshape(-1), weights=weights.reshape(-1), minlength=self.E)
+        resident = self.cache.resident_mask()  # one snapshot: a transfer landing after it still counts as in flight
         active = self.link.active()
         inflight: tuple[Transfer, ...] = ()
         alpha = 0.0
-        if active is not None and not active.done.is_set() and not self.cache.is_resident(active.layer, active.expert):
+        if active is not None and not active.done.is_set() and not resident[active.layer, active.expert] \
+                and not self.cache.is_resident(active.layer, active.expert):
             elapsed = time.perf_counter() - (active.started_at or time.perf_counter())
             alpha = max(self.cost.t_io - elapsed, 0.0)
             inflight = (Transfer(active.layer, active.expert, alpha, active.retain),)
@@ -157,7 +159,7 @@ class OffloadExecutor:
         reserved_by_queue = sum(1 for j in self.link.queued() if j.slot >= 0 and not self.cache.slots[j.slot].staging)
         return LayerState(layer=m, num_layers=self.L, phase=phase, tokens=tokens, scores=scores,
                           predicted=LazyForecasts(self.book, m, self._pass, ctx.rows, self.L),
-                          resident=self.cache.resident_mask(), inflight=inflight, queued=queued, alpha_s=alpha,
+                          resident=resident, inflight=inflight, queued=queued, alpha_s=alpha,
                           cache_slots=self.cache.cache_slots,
                           free_slots=self.cache.free_cache_slots() + reserved_by_queue,
                           batch_tokens=batch_tokens, context_len=context_len, hit_rate=self.book.hit_rates(),
