@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,11 @@ SYSTEMS = ["presched", "hybrimoe", "fiddler", "klotski", "fate", "ktransformers"
 ABLATION = ["presched", "presched_no_hot", "layerwise", "presched_no_predictor", "presched_no_async"]
 
 
+@lru_cache(maxsize=None)
 def scheduler_settings(name: str):
-    """The `conf/scheduler/<name>.yaml` settings (`presched_no_async`: PreSched with synchronous copies)."""
+    """The `conf/scheduler/<name>.yaml` settings (`presched_no_async`: PreSched with synchronous copies).
+
+    Cached per worker process: a Hydra compose costs ~0.3 s, more than most simulated runs."""
     from conf import compose, to_frozen
     from schedulers.base import SchedulerSettings
 
@@ -43,20 +47,32 @@ def scheduler_settings(name: str):
     return settings
 
 
-def run_group(args: tuple[str, int, list[str], str, bool, str]) -> list[dict[str, Any]]:
+@lru_cache(maxsize=None)
+def hardware(name: str):
+    """The `conf/hardware/<name>.yaml` profile (cached per worker process)."""
+    from conf.schemas.hardware import load_hardware
+
+    return load_hardware(name)
+
+
+def run_group(args: tuple[str, int, list[str], str, bool, str, tuple[str, ...]]) -> list[dict[str, Any]]:
     """Every system on both machines for one (model, batch): one routing, many replays."""
-    model, batch, systems, routing_name, bounds, routing_path = args
+    model, batch, systems, routing_name, bounds, routing_path, extra = args
     from dataclasses import replace
 
     from conf import compose
-    from conf.schemas.hardware import load_hardware
     from engine.sim.run import prepare_routing, simulate, spec_from_config
 
     overrides = [f"model={model}", f"batch_size={batch}", f"routing={routing_name}"]
     if routing_path:
         overrides.append(f"routing.path={routing_path}")
+    overrides.extend(extra)
     cfg = compose("simulate", overrides)
     base = spec_from_config(cfg)
+    if base.predictor_config is not None:  # validate the predictor node once, not once per run
+        from predictors.config import predictor_config
+
+        base = replace(base, predictor_config=predictor_config(base.predictor_config))
     t0 = time.process_time()
     routing = prepare_routing(base)
     t_routing = time.process_time() - t0
@@ -64,7 +80,7 @@ def run_group(args: tuple[str, int, list[str], str, bool, str]) -> list[dict[str
     for hw in HARDWARE:
         lb = None
         for system in systems:
-            spec = replace(base, hardware=load_hardware(hw), scheduler=scheduler_settings(system),
+            spec = replace(base, hardware=hardware(hw), scheduler=scheduler_settings(system),
                            async_io=system != "presched_no_async")
             t1 = time.process_time()
             out = simulate(spec, routing)
@@ -93,10 +109,12 @@ def main() -> None:
     ap.add_argument("--routing-path", default="", help="trace / jsonl file for --routing trace|jsonl")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra `simulate` override for every run, e.g. cache_slots=96 (repeatable)")
     ap.add_argument("--bounds", action="store_true", help="also compute the lower bound of every point (not timed)")
     args = ap.parse_args()
     systems = ABLATION if args.ablation else SYSTEMS
-    groups = [(m, b, systems, args.routing, args.bounds, args.routing_path) for m in args.models.split(",")
+    groups = [(m, b, systems, args.routing, args.bounds, args.routing_path, tuple(args.set)) for m in args.models.split(",")
               for b in map(int, args.batches.split(","))]
     groups.sort(key=lambda g: -g[1])  # big batches first: better packing over the workers
     wall0, cpu0 = time.perf_counter(), time.process_time()
