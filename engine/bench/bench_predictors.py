@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -96,6 +97,14 @@ def bench_online_step(pred: Any, hidden_size: int, rng: np.random.Generator, rep
     return out
 
 
+def machine_conditions(load_before: tuple[float, ...], load_after: tuple[float, ...]) -> dict[str, Any]:
+    """What the figures were measured under: CPUs, 1-minute load averages, JAX backend."""
+    import jax
+
+    return {"cpus": os.cpu_count(), "load_before": load_before[0], "load_after": load_after[0],
+            "jax": jax.__version__, "backend": jax.default_backend()}
+
+
 def synthetic_predictors(hidden: int, experts: int, top_k: int, layers: int, epochs: int) -> list[TrainedPredictor]:
     """LLaPor, token, gate and MoEless at the given shapes, fitted briefly on a random trace (shapes, not accuracy)."""
     from conf import compose
@@ -152,8 +161,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     else:
         preds = [(p.name, p) for p in synthetic_predictors(args.hidden, args.experts, args.top_k, args.layers,
                                                            args.epochs)]
+    load_before = os.getloadavg()
     results = {name: bench_predictor(p, args.tokens, args.reps, args.hidden) for name, p in preds}
-    table = Table(title=f"predictor benchmark ({args.tokens} tokens per forecast, median of {args.reps})")
+    conditions = machine_conditions(load_before, os.getloadavg())
+    table = Table(title=f"predictor benchmark ({args.tokens} tokens per forecast, median of {args.reps})",
+                  caption=f"{conditions['cpus']} CPUs, load average {conditions['load_before']:.2f} before, "
+                          f"{conditions['load_after']:.2f} after (other processes inflate every figure)")
     for col in ("predictor", "forecast ms/layer (max median)", "online step ms (max median)", "MB/layer (min-max)"):
         table.add_column(col, justify="right")
     for name, r in results.items():
@@ -165,7 +178,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if args.json:
         from engine.telemetry import atomic_write_text, to_jsonable
 
-        atomic_write_text(args.json, json.dumps(to_jsonable(results), indent=2))
+        atomic_write_text(args.json, json.dumps(to_jsonable({"conditions": conditions, "predictors": results}), indent=2))
     return results
 
 
