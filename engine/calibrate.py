@@ -7,8 +7,14 @@ Measured with the real mechanism on the real device: expert transfers through th
 (and synchronous copies, for the ablation's slowdown), one expert on the device for several token
 counts (t_g), one expert on the CPU with torch (eq. 2: t_c(m) = beta * m + C, fitted), a dense
 GEMM and a memory-bound reduction on the device (roofline of attention), and the fixed cost of one
-device call. Efficiencies are 1: every number is an achieved rate. The profile carries the
-model's per-expert times under `measured`, which the cost model prefers to its roofline.
+device call. The expert kernel is timed with one expert and with every expert in one call, which
+separates the per-call dispatch (`call_overhead_us`) from the per-expert cost (`kernel_overhead_us`).
+Finally the offload executor itself decodes a batch with every expert resident, and its Timer's
+medians give the fixed host time per MoE layer (`layer_overhead_us`: router output to the host,
+planning, issuing; attention as modelled is subtracted) and per pass (`pass_overhead_us`).
+Efficiencies are 1: every number is an achieved rate. The profile carries the model's times under
+`measured`, which the cost model prefers to its roofline; other models' `measured` entries already
+in the output file are kept.
 """
 
 from __future__ import annotations
@@ -94,6 +100,46 @@ def measure_device_expert(model: MoETransformer, store: ExpertStore, token_count
     return out
 
 
+def measure_expert_call(model: MoETransformer, store: ExpertStore, repeats: int) -> tuple[float, float]:
+    """(seconds of one call with one expert, seconds of one call with every expert), one token each."""
+    cfg = model.cfg
+    kernels = LayerKernels(model)
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    gate, up, down = (jnp.asarray(np.asarray(p)) for p in store.numpy_views(0, 0))
+    gate_up = jnp.concatenate([gate, up], axis=1)
+    gu, dn = [gate_up + 0 for _ in range(E)], [down + 0 for _ in range(E)]
+    g = jnp.asarray(np.random.default_rng(0).standard_normal((1, E, cfg.hidden_size)), gate.dtype)
+    w = np.ones((E, k), np.float32)
+    one = np.full((E, k), -1, np.int32)
+    one[0, 0] = 0
+    every = np.full((E, k), -1, np.int32)
+    every[:, 0] = np.arange(E)
+    t_one = best_of(lambda: kernels.experts(g, one, w, gu, dn).block_until_ready(), repeats * 4)
+    t_all = best_of(lambda: kernels.experts(g, every, w, gu, dn).block_until_ready(), repeats * 4)
+    return t_one, t_all
+
+
+def measure_executor_overheads(model: MoETransformer, store: ExpertStore, cost: Any, batch: int, prompt_len: int,
+                               new_tokens: int, seed: int = 0) -> tuple[float, float]:
+    """(fixed host seconds per MoE layer, per forward pass): the Timer's medians over a decode with every
+    expert resident (the same definition the Timer refines online)."""
+    from engine.offload.executor import OffloadExecutor, OffloadSettings
+    from schedulers.base import SchedulerKind, SchedulerSettings, SchedulerSetup, build_scheduler
+
+    cfg = model.cfg
+    L, E = len(cfg.moe_layers), cfg.num_experts
+    sched = build_scheduler(SchedulerSettings(kind=SchedulerKind.ktransformers, label="calibrate", use_predictor=False),
+                            SchedulerSetup(L, E, cfg.num_experts_per_tok, L * E, cost, np.ones((L, E), np.int64)))
+    prompts = np.random.default_rng(seed).integers(3, cfg.vocab_size, (batch, prompt_len)).tolist()
+    with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=L * E, validate_plans=False)) as ex:
+        ex.generate(prompts, new_tokens)  # compiles
+        ex.timer.samples.clear()
+        ex.generate(prompts, new_tokens)
+        layer = float(np.median(ex.timer.samples["layer_overhead_s"]))
+        pass_ = float(np.median(ex.timer.samples["pass_overhead_s"]))
+    return max(layer, 0.0), max(pass_, 0.0)
+
+
 def measure_device_roofline(repeats: int) -> tuple[float, float, float]:
     """(TFLOP/s of a 1024^2 GEMM, GB/s of a 64 MiB reduction, seconds of an empty call) on the device."""
     a = jnp.ones((1024, 1024), jnp.float32)
@@ -119,8 +165,13 @@ def device_memory_gib() -> float:
 
 
 def calibrate(cfg: ModelConfig, model: MoETransformer, store: ExpertStore, name: str, model_name: str,
-              repeats: int = 5, token_counts: Optional[list[int]] = None) -> tuple[HardwareProfile, dict[str, float]]:
+              repeats: int = 5, token_counts: Optional[list[int]] = None, batch: int = 8, prompt_len: int = 32,
+              new_tokens: int = 16) -> tuple[HardwareProfile, dict[str, float]]:
     """Measure everything and return (profile, raw figures)."""
+    import dataclasses
+
+    from schedulers.cost import CostModel
+
     token_counts = token_counts or [1, 4, 16, 64]
     t_io = measure_transfers(store, synchronous=False, repeats=repeats)
     t_io_sync = measure_transfers(store, synchronous=True, repeats=repeats)
@@ -129,12 +180,16 @@ def calibrate(cfg: ModelConfig, model: MoETransformer, store: ExpertStore, name:
     t_g = measure_device_expert(model, store, token_counts, repeats)
     tflops, gbps, call_s = measure_device_roofline(repeats)
     flops_per_token = 2 * cfg.expert_params
+    roofline_1 = max(flops_per_token / (tflops * 1e12), store.expert_bytes / (gbps * 1e9))
+    t_one, t_all = measure_expert_call(model, store, repeats)
+    per_expert = max((t_all - t_one) / max(cfg.num_experts - 1, 1) - roofline_1, 0.0)
+    expert_call = max(t_one - roofline_1 - per_expert, 0.0)
     device = jax.devices()[0]
     profile = HardwareProfile(
         name=name, num_devices=1,
         gpu=GpuSpec(name=f"{device.platform}:{getattr(device, 'device_kind', '')}", memory_gib=device_memory_gib(),
                     bf16_tflops=tflops, hbm_gbps=gbps, matmul_efficiency=1.0, hbm_efficiency=1.0,
-                    kernel_overhead_us=call_s * 1e6, reserved_gib=0.0),
+                    kernel_overhead_us=per_expert * 1e6, reserved_gib=0.0, call_overhead_us=expert_call * 1e6),
         cpu=CpuSpec(name=platform.processor() or platform.machine(), cores=_cores(),
                     peak_gflops=flops_per_token / beta / 1e9, memory_gbps=gbps, matmul_efficiency=1.0,
                     memory_efficiency=1.0, expert_overhead_us=c * 1e6),
@@ -144,10 +199,32 @@ def calibrate(cfg: ModelConfig, model: MoETransformer, store: ExpertStore, name:
         measured={model_name: ExpertTimes(transfer_ms=t_io * 1e3, gpu_ms=t_g[min(t_g)] * 1e3, cpu_beta_ms=beta * 1e3,
                                           cpu_startup_ms=c * 1e3)},
     )
-    raw = {"t_io_ms": t_io * 1e3, "t_io_sync_ms": t_io_sync * 1e3, "cpu_beta_ms": beta * 1e3, "cpu_startup_ms": c * 1e3,
+    # the executor's fixed host times, measured against the cost model of everything above
+    cost = CostModel(cfg, profile, model_name, bytes_per_param=store.dtype.itemsize)
+    layer_s, pass_s = measure_executor_overheads(model, store, cost, batch, prompt_len, new_tokens)
+    gpu = dataclasses.replace(profile.gpu, layer_overhead_us=layer_s * 1e6, pass_overhead_us=pass_s * 1e6)
+    times = dataclasses.replace(profile.measured[model_name], call_overhead_ms=expert_call * 1e3,
+                                layer_overhead_ms=layer_s * 1e3, pass_overhead_ms=pass_s * 1e3)
+    profile = dataclasses.replace(profile, gpu=gpu, measured={model_name: times})
+    raw = {"t_io_ms": t_io * 1e3, "expert_call_1_ms": t_one * 1e3, f"expert_call_{cfg.num_experts}_ms": t_all * 1e3,
+           "call_overhead_ms": expert_call * 1e3, "kernel_overhead_ms": per_expert * 1e3,
+           "layer_overhead_ms": layer_s * 1e3, "pass_overhead_ms": pass_s * 1e3, "device_nop_call_us": call_s * 1e6, "t_io_sync_ms": t_io_sync * 1e3, "cpu_beta_ms": beta * 1e3, "cpu_startup_ms": c * 1e3,
            **{f"t_g_{m}_ms": s * 1e3 for m, s in t_g.items()}, "device_gemm_tflops": tflops,
            "device_stream_gbps": gbps, "device_call_us": call_s * 1e6, "expert_mib": store.expert_bytes / 2**20}
     return profile, raw
+
+
+def keep_other_models(profile: HardwareProfile, path: Any) -> HardwareProfile:
+    """`profile` with the `measured` entries of other models already in the YAML at `path` (if any)."""
+    import dataclasses
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        return profile
+    old = (yaml.safe_load(Path(path).read_text()) or {}).get("measured") or {}
+    merged = {str(k): ExpertTimes(**{f: v.get(f) for f in ExpertTimes.__dataclass_fields__}) for k, v in old.items()
+              if k not in profile.measured}
+    return dataclasses.replace(profile, measured={**merged, **profile.measured})
 
 
 def _cores() -> int:
@@ -174,9 +251,10 @@ def main(node: DictConfig) -> Optional[dict[str, Any]]:
         model_cfg, model, _ = load_model(node.model, seed=cfg.seed)
         store = ExpertStore.from_model(model)
         profile, raw = calibrate(model_cfg, model, store, cfg.name, str(node.model.name), cfg.repeats,
-                                 list(cfg.token_counts))
-        text = profile_yaml(profile, f"model={node.model.name}")
+                                 list(cfg.token_counts), cfg.batch, cfg.prompt_len, cfg.new_tokens)
         out = resolve_path(cfg.out) if cfg.out else tm.run_dir / f"{cfg.name}.yaml"
+        profile = keep_other_models(profile, out)
+        text = profile_yaml(profile, f"model={node.model.name}")
         atomic_write_text(out, text)
         raw["profile"] = str(out)
         tm.write_results(raw)

@@ -4,8 +4,12 @@ Built from a `ModelConfig` and a `HardwareProfile`; every time is in seconds.
 
 - `t_io`: one expert host -> device, `latency + bytes / (peak * efficiency)` (pinned, asynchronous,
   chunked: AsyncIO) or a measured value; `t_io_sync` the synchronous pageable copy (no AsyncIO).
-- `t_g(m)`: one expert on the GPU for m tokens, a roofline over the expert GEMMs plus a fixed
-  launch/dispatch cost.
+- `t_g(m)`: one expert on the GPU for m tokens in a call of its own (an on-demand load), a roofline
+  over the expert GEMMs plus the per-expert kernel cost plus the per-call dispatch cost;
+  `t_g_group(ms)` the same experts run in one call (the resident experts of a layer): one dispatch.
+- `layer_overhead_s` / `pass_overhead_s`: the executor's fixed host time per MoE layer (router
+  output to the host, planning, issuing the plan) and per forward pass (embedding, masks, logits to
+  the host). 0 for the paper's GPU profiles; measured by `engine.calibrate` on this machine.
 - `t_c(m) = beta * m + C` (eq. 2): one expert on the CPU; beta from the CPU's achieved GEMM rate,
   C = dispatch overhead + streaming the expert's weights from DRAM once.
 - `t_attn(batch, ctx, phase)`: a decoder layer's attention block (projections + attention over the
@@ -147,6 +151,9 @@ class CostModel:
         self._gpu_flops = gpu.bf16_tflops * 1e12 * gpu.matmul_efficiency
         self._gpu_bw = gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency
         self.gpu_overhead_s = gpu.kernel_overhead_us * 1e-6
+        self.call_overhead_s = gpu.call_overhead_us * 1e-6
+        self.layer_overhead_s = gpu.layer_overhead_us * 1e-6
+        self.pass_overhead_s = gpu.pass_overhead_us * 1e-6
         self.t_io = link.transfer_s(self.expert_bytes)
         self.beta_s = self.expert_flops / (cpu.peak_gflops * 1e9 * cpu.matmul_efficiency)
         self.cpu_startup_s = cpu.expert_overhead_us * 1e-6 + self.expert_bytes / (cpu.memory_gbps * 1e9 * cpu.memory_efficiency)
@@ -154,8 +161,12 @@ class CostModel:
             self.t_io = measured.transfer_ms * 1e-3 if measured.transfer_ms is not None else self.t_io
             self.beta_s = measured.cpu_beta_ms * 1e-3 if measured.cpu_beta_ms is not None else self.beta_s
             self.cpu_startup_s = measured.cpu_startup_ms * 1e-3 if measured.cpu_startup_ms is not None else self.cpu_startup_s
-            if measured.gpu_ms is not None:
-                self.gpu_overhead_s = max(measured.gpu_ms * 1e-3 - self._gpu_roofline(1), 0.0)
+            for attr, ms in (("call_overhead_s", measured.call_overhead_ms), ("layer_overhead_s", measured.layer_overhead_ms),
+                             ("pass_overhead_s", measured.pass_overhead_ms)):
+                if ms is not None:
+                    setattr(self, attr, ms * 1e-3)
+            if measured.gpu_ms is not None:  # one expert in its own call: the call's dispatch is part of it
+                self.gpu_overhead_s = max(measured.gpu_ms * 1e-3 - self._gpu_roofline(1) - self.call_overhead_s, 0.0)
         self._cpu_fit = _RunningFit()
         self._attn_params = attention_params(cfg)
         self._kv_bytes = kv_bytes_per_token(cfg, bytes_per_param)
@@ -186,15 +197,25 @@ class CostModel:
         return np.maximum(m_arr * self.expert_flops / self._gpu_flops, self.expert_bytes / self._gpu_bw)
 
     def t_g(self, m: ArrayLike) -> ArrayLike:
-        """GPU time of one resident expert for m tokens; 0 where m == 0. Vectorised over arrays."""
+        """GPU time of one resident expert for m tokens in a call of its own; 0 where m == 0. Vectorised."""
+        fixed = self.gpu_overhead_s + self.call_overhead_s
         if np.ndim(m) == 0:
             if m <= 0:
                 return 0.0
-            return self.gpu_overhead_s + max(float(m) * self.expert_flops / self._gpu_flops,
-                                             self.expert_bytes / self._gpu_bw)
+            return fixed + max(float(m) * self.expert_flops / self._gpu_flops, self.expert_bytes / self._gpu_bw)
         m_arr = np.asarray(m, dtype=np.float64)
-        out = np.where(m_arr > 0, self.gpu_overhead_s + self._gpu_roofline(m_arr), 0.0)
+        out = np.where(m_arr > 0, fixed + self._gpu_roofline(m_arr), 0.0)
         return float(out) if out.ndim == 0 else out
+
+    def t_g_group(self, m: np.ndarray) -> np.ndarray:
+        """float [n]: per-expert GPU times of experts run together in one call (the first carries the
+        call's dispatch, the others only their own work); 0 where m == 0."""
+        m_arr = np.atleast_1d(np.asarray(m, dtype=np.float64))
+        out = np.where(m_arr > 0, self.gpu_overhead_s + self._gpu_roofline(m_arr), 0.0)
+        live = np.flatnonzero(m_arr > 0)
+        if live.size:
+            out[live[0]] += self.call_overhead_s
+        return out
 
     def _gpu_block(self, flops: float, nbytes: float, kernels: int = 1) -> float:
         return kernels * self.gpu_overhead_s + max(flops / self._gpu_flops, nbytes / self._gpu_bw)
@@ -252,11 +273,22 @@ class CostModel:
             self.beta_s, self.cpu_startup_s = fit
 
     def update_gpu(self, tokens: int, seconds: float) -> None:
-        """A measured GPU expert time; the fixed part absorbs the error of the roofline."""
-        overhead = max(float(seconds) - float(self._gpu_roofline(tokens)), 0.0)
-        self.gpu_overhead_s = (1 - self.ema) * self.gpu_overhead_s + self.ema * overhead
+        """A measured GPU expert time (one expert, one call); the per-call dispatch absorbs the error of
+        the roofline and the per-expert kernel cost."""
+        overhead = max(float(seconds) - float(self._gpu_roofline(tokens)) - self.gpu_overhead_s, 0.0)
+        self.call_overhead_s = (1 - self.ema) * self.call_overhead_s + self.ema * overhead
+
+    def update_layer_overhead(self, seconds: float) -> None:
+        """A measured fixed host time of one MoE layer (its wall time up to the plan, minus t_attn)."""
+        self.layer_overhead_s = (1 - self.ema) * self.layer_overhead_s + self.ema * max(float(seconds), 0.0)
+
+    def update_pass_overhead(self, seconds: float) -> None:
+        """A measured fixed host time of one forward pass (outside its layers, minus the modelled head)."""
+        self.pass_overhead_s = (1 - self.ema) * self.pass_overhead_s + self.ema * max(float(seconds), 0.0)
 
     def summary(self) -> dict[str, float]:
         """The per-expert numbers in milliseconds (results.json, reports)."""
         return {"t_io_ms": self.t_io * 1e3, "t_g_1_ms": self.t_g(1) * 1e3, "cpu_beta_ms": self.beta_s * 1e3,
-                "cpu_startup_ms": self.cpu_startup_s * 1e3, "expert_mib": self.expert_bytes / 2**20}
+                "cpu_startup_ms": self.cpu_startup_s * 1e3, "call_overhead_ms": self.call_overhead_s * 1e3,
+                "layer_overhead_ms": self.layer_overhead_s * 1e3, "pass_overhead_ms": self.pass_overhead_s * 1e3,
+                "expert_mib": self.expert_bytes / 2**20}

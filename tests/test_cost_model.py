@@ -119,3 +119,63 @@ def test_memory_plan_matches_hand_count_for_mixtral() -> None:
     assert 0 < large.cache_slots < small.cache_slots < 256  # 24 GB cannot hold Mixtral's 256 experts
     with pytest.raises(ValueError, match="cannot hold"):
         memory_plan(cfg, hw, 4096, 4096, 64)
+
+
+def _with_gpu(hw: HardwareProfile, **fields) -> HardwareProfile:
+    import dataclasses
+
+    return dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, **fields))
+
+
+def test_paper_profiles_charge_no_executor_overheads() -> None:
+    for name in PROFILES:  # LayerScope gives no per-call / per-layer host numbers: they are 0, documented
+        gpu = load_hardware(name).gpu
+        assert gpu.call_overhead_us == gpu.layer_overhead_us == gpu.pass_overhead_us == 0.0
+    with pytest.raises(ValueError, match="gpu.layer_overhead_us"):
+        _with_gpu(load_hardware("v100_pcie3"), layer_overhead_us=-1.0)
+
+
+def test_one_call_for_a_group_pays_the_dispatch_once() -> None:
+    hw = _with_gpu(load_hardware("a100_pcie4"), call_overhead_us=200.0)
+    cost = CostModel(model("qwen3_30b_a3b"), hw)
+    m = np.array([3, 0, 1, 5])
+    alone = np.atleast_1d(cost.t_g(m))
+    group = cost.t_g_group(m)
+    assert alone[0] == pytest.approx(cost.t_g(3)) and group[1] == 0.0
+    # three live experts in one call: two dispatches fewer than three calls of their own
+    assert alone.sum() - group.sum() == pytest.approx(2 * 200e-6)
+    assert group[0] - group[2] == pytest.approx(200e-6 + float(cost._gpu_roofline(3) - cost._gpu_roofline(5)))
+    cost.update_gpu(1, cost.t_g(1) + 1e-3)  # a slower single-expert call: the dispatch estimate grows
+    assert cost.call_overhead_s > 200e-6
+
+
+def test_measured_overheads_override_and_the_timer_ema_tracks_them() -> None:
+    hw = load_hardware("v100_pcie3")
+    prof = HardwareProfile(name="m", gpu=hw.gpu, cpu=hw.cpu, host_link=hw.host_link,
+                           measured={"q": {"layer_overhead_ms": 0.5, "pass_overhead_ms": 2.0, "call_overhead_ms": 0.1}})
+    cost = CostModel(model("qwen3_30b_a3b"), prof, model_name="q")
+    assert (cost.layer_overhead_s, cost.pass_overhead_s, cost.call_overhead_s) == pytest.approx((5e-4, 2e-3, 1e-4))
+    for _ in range(60):
+        cost.update_layer_overhead(1e-3)
+        cost.update_pass_overhead(4e-3)
+    assert cost.layer_overhead_s == pytest.approx(1e-3, rel=1e-3) and cost.pass_overhead_s == pytest.approx(4e-3, rel=1e-3)
+
+
+def test_the_simulator_charges_the_fixed_host_times_per_layer_and_pass() -> None:
+    from engine.sim.run import RunSpec, simulate
+    from schedulers.base import SchedulerKind, SchedulerSettings
+
+    cfg = model("mixtral_8x7b").replace(num_hidden_layers=3)
+    base = load_hardware("a100_pcie4")
+    every = cfg.num_experts * len(cfg.moe_layers)
+
+    def decode_s(hw: HardwareProfile) -> tuple[float, float]:
+        spec = RunSpec(model=cfg, model_name="m3", hardware=hw, batch_size=2, prompt_len=8, gen_len=4,
+                       scheduler=SchedulerSettings(kind=SchedulerKind.ktransformers, label="k"), cache_slots=every)
+        out = simulate(spec)  # everything resident: no transfer, the overheads add up exactly
+        return out.summary["decode_latency_s"], out.summary["prefill_s"]
+
+    d0, p0 = decode_s(base)
+    d1, p1 = decode_s(_with_gpu(base, layer_overhead_us=300.0, pass_overhead_us=1000.0))
+    assert d1 - d0 == pytest.approx(3 * 300e-6 + 1000e-6, rel=1e-6)
+    assert p1 - p0 == pytest.approx(3 * 300e-6 + 1000e-6, rel=1e-6)

@@ -18,6 +18,9 @@ class CalibrateConfig:
     out: Optional[str] = None  # where to write the YAML; default: <run dir>/<name>.yaml
     repeats: int = 5
     token_counts: List[int] = field(default_factory=lambda: [1, 4, 16, 64])  # CPU / device expert timings
+    batch: int = 8  # decode batch of the executor run that measures the fixed host times per layer / pass
+    prompt_len: int = 32
+    new_tokens: int = 16
     seed: int = 0
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

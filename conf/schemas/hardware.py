@@ -18,6 +18,9 @@ TFLOP/s = 1e12, µs / ms as named.
 |                | matmul_efficiency           | achieved fraction of bf16_tflops on expert / attention GEMMs |
 |                | hbm_efficiency              | achieved fraction of hbm_gbps on weight-streaming GEMVs      |
 |                | kernel_overhead_us          | fixed cost of one expert (or one attention block) on the GPU: launches + framework dispatch |
+|                | call_overhead_us            | fixed cost of one host -> device call of the expert kernel (the executor runs the resident experts of a layer in one call, each on-demand load in its own): Python/jit dispatch, argument transfer. 0 in the paper's profiles (LayerScope gives no number; CUDA launches are in kernel_overhead_us) |
+|                | layer_overhead_us           | fixed host time per MoE layer of the offload executor beyond attention: router output to the host (a device sync), LayerState, planning, issuing the plan. 0 in the paper's profiles |
+|                | pass_overhead_us            | fixed host time per forward pass beyond the modelled blocks: embedding, mask preparation, logits to the host. 0 in the paper's profiles |
 |                | reserved_gib                | memory held by the runtime (CUDA context, allocator slack, activation workspace) |
 | `cpu`          | name, sockets, cores        | the host processor(s) that run CPU experts                   |
 |                | peak_gflops                 | fp32 FMA peak of the cores used, all sockets                 |
@@ -63,6 +66,9 @@ class GpuSpec:
     hbm_efficiency: float = 0.8
     kernel_overhead_us: float = 30.0
     reserved_gib: float = 1.5
+    call_overhead_us: float = 0.0
+    layer_overhead_us: float = 0.0
+    pass_overhead_us: float = 0.0
 
     @property
     def budget_bytes(self) -> float:
@@ -112,6 +118,9 @@ class ExpertTimes:
     gpu_ms: Optional[float] = None  # t_g at one token
     cpu_beta_ms: Optional[float] = None  # eq. 2 slope per token
     cpu_startup_ms: Optional[float] = None  # eq. 2 intercept C
+    call_overhead_ms: Optional[float] = None  # one expert-kernel call (dispatch), see GpuSpec.call_overhead_us
+    layer_overhead_ms: Optional[float] = None  # host time per MoE layer, see GpuSpec.layer_overhead_us
+    pass_overhead_ms: Optional[float] = None  # host time per forward pass, see GpuSpec.pass_overhead_us
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,11 @@ class HardwareProfile:
                 raise ValueError(f"hardware {self.name}: {key}: {msg}")
 
         need(self.num_devices >= 1, "num_devices", f"must be >= 1, got {self.num_devices}")
+        for key in ("gpu.call_overhead_us", "gpu.layer_overhead_us", "gpu.pass_overhead_us", "gpu.kernel_overhead_us",
+                    "host_link.latency_us"):
+            block, attr = key.split(".")
+            value = getattr(getattr(self, block), attr)
+            need(value >= 0, key, f"must be >= 0, got {value}")
         for key in ("gpu.memory_gib", "gpu.bf16_tflops", "gpu.hbm_gbps", "cpu.cores", "cpu.peak_gflops",
                     "cpu.memory_gbps", "host_link.peak_gbps"):
             block, attr = key.split(".")

@@ -106,7 +106,10 @@ def main() -> None:
     ap.add_argument("--predictor", default="gate", help="conf/predictor entry for PreSched (llapor needs a checkpoint)")
     ap.add_argument("--hardware", default="local_cpu")
     ap.add_argument("--schedulers", default="presched,hybrimoe,fiddler,ondemand")
+    ap.add_argument("--sections", default="1,2,3", help="1: all resident vs in-memory; 2: the budget; 3: simulator "
+                    "agreement (needs 2)")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
 
     node, cfg, model, batches = batches_for(args.model, args.batch, args.prompt, args.new, args.batches + 1, seed=1)
     store = ExpertStore.from_model(model)
@@ -118,20 +121,40 @@ def main() -> None:
     print(f"model {args.model}: {L} MoE layers x {E} experts, expert {store.expert_bytes / 2**20:.2f} MiB, "
           f"batch {args.batch}, prompt <= {args.prompt}, +{args.new} tokens, hardware profile {hw.name}")
 
-    # 1. machinery cost, every expert resident
+    model_name = str(node.model.name)
+    bpp = store.dtype.itemsize
+
+    def cost_model() -> CostModel:
+        return CostModel(cfg, hw, model_name, bytes_per_param=bpp)
+
+    if "1" in sections:
+        section_resident(args, cfg, model, store, batches, lookup, cost_model)
+    if "2" not in sections:
+        return
+    results = section_budget(args, cfg, model, store, batches, lookup, profile, trace, cost_model)
+    if "3" in sections:
+        section_sim(args, cfg, model_name, hw, store, trace, results, int(max(round(args.budget * L * E) - 2, 0)))
+
+
+def section_resident(args, cfg, model, store, batches, lookup, cost_model) -> None:
+    """[1] machinery cost, every expert resident."""
+    L, E = len(cfg.moe_layers), cfg.num_experts
     gen = Generator(model)
     gen.generate(batches[1].token_lists(), args.new)
     t = time.perf_counter()
     ref = [gen.generate(b.token_lists(), b.gen_len) for b in batches[1:]]
     ref_decode = sum(int(np.maximum(o.lengths - 1, 0).sum()) for o in ref) / sum(o.decode_s for o in ref)
-    full = executor_run(cfg, model, store, SchedulerKind.ktransformers, L * E, CostModel(cfg, hw), {}, lookup,
+    full = executor_run(cfg, model, store, SchedulerKind.ktransformers, L * E, cost_model(), {}, lookup,
                         batches, np.ones((L, E), np.int64), "all resident")
     same = all(np.array_equal(a.tokens, b.tokens) for a, b in zip(full["outs"], ref))
     print(f"\n[1] all {L * E} experts resident: in-memory {ref_decode:.1f} decode tok/s, offload executor "
           f"{full['decode_tok_s']:.1f} tok/s -> ratio {full['decode_tok_s'] / ref_decode:.3f}; "
           f"planning {full['plan_us_per_layer']:.0f} us per MoE layer; tokens equal: {same}")
 
-    # 2. a quarter of the experts
+
+def section_budget(args, cfg, model, store, batches, lookup, profile, trace, cost_model) -> dict:
+    """[2] a budget of a fraction of the experts: every scheduler on the same batches."""
+    L, E = len(cfg.moe_layers), cfg.num_experts
     slots = max(int(round(args.budget * L * E)) - 2, 0)
     node_pred = compose("run", [f"model={args.model}", f"predictor={args.predictor}"]).predictor
     print(f"\n[2] budget {args.budget:g} of the experts: {slots} cache slots + 2 staging buffers")
@@ -140,7 +163,7 @@ def main() -> None:
         kind = SchedulerKind(name)
         preds = make_predictors(node_pred, [1, 2, 3], model, trace) if kind in (
             SchedulerKind.presched, SchedulerKind.hybrimoe, SchedulerKind.fate, SchedulerKind.klotski) else {}
-        r = executor_run(cfg, model, store, kind, slots, CostModel(cfg, hw), preds, lookup, batches, profile)
+        r = executor_run(cfg, model, store, kind, slots, cost_model(), preds, lookup, batches, profile)
         results[name] = r
         print(f"  {name:14s} decode {r['decode_tok_s']:8.1f} tok/s  throughput {r['throughput_tok_s']:8.1f} tok/s  "
               f"{r['decode_ms_per_step']:7.2f} ms/step  predictor hit {r['hit_rate'] if r['hit_rate'] is not None else '-'}")
@@ -148,18 +171,22 @@ def main() -> None:
         base = results["presched"]["throughput_tok_s"]
         print("  PreSched throughput ratios: " + ", ".join(f"vs {k} {base / v['throughput_tok_s']:.2f}x"
                                                         for k, v in results.items() if k != "presched"))
+    return results
 
-    # 3. simulator agreement on the same routing
+
+def section_sim(args, cfg, model_name, hw, store, trace, results: dict, slots: int) -> None:
+    """[3] the simulator replays the same routing with the profile's cost model."""
     from engine.sim.run import PredictorSpec, RoutingSpec, RunSpec, simulate
 
     with tempfile.TemporaryDirectory() as tmp:
         path = trace.save(Path(tmp) / "trace.npz")
         print("\n[3] simulator vs executor, decode latency per step (same routing, same cost model):")
         for name, r in results.items():
-            spec = RunSpec(model=cfg, model_name=str(node.model.name), hardware=hw,
+            spec = RunSpec(model=cfg, model_name=model_name, hardware=hw,
                            scheduler=SchedulerSettings(kind=SchedulerKind(name), label=name),
                            routing=RoutingSpec(source="trace", name="reference", path=str(path)),
                            batch_size=args.batch, prompt_len=args.prompt, gen_len=args.new, profile_batches=1,
+                           num_batches=args.batches,
                            bytes_per_param=store.dtype.itemsize, cache_slots=slots,
                            predictor=PredictorSpec(kind="oracle", hit_rate=r["hit_rate"] or 1.0))
             sim = simulate(spec).summary

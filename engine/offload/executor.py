@@ -101,6 +101,7 @@ class OffloadExecutor:
         self.seq_offset = 0  # sequence id of the next batch's first row (row_lookup into a reference trace)
         self._t0 = time.perf_counter()
         self._pass = -1
+        self._moe_wall = 0.0  # wall time of the current pass's MoE layers (the rest is the pass's overhead)
         self._record = False
         self._preload(np.asarray(scheduler.initial_residency(), bool))
 
@@ -195,9 +196,12 @@ class OffloadExecutor:
         return self.kernels.experts(g, idx, weights, gu, dn), slots  # type: ignore[return-value]
 
     def _moe_layer(self, layer: int, g: jax.Array, experts_d: jax.Array, weights_d: jax.Array, phase: Phase,
-                   valid_flat: np.ndarray, seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray, context_len: int
-                   ) -> tuple[list[jax.Array], list[int]]:
-        """Plan MoE layer `layer` (its gate has run) and compute its experts: (partial outputs, pinned slots)."""
+                   valid_flat: np.ndarray, seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray, context_len: int,
+                   begin: float) -> tuple[list[jax.Array], list[int]]:
+        """Plan MoE layer `layer` (its gate has run) and compute its experts: (partial outputs, pinned slots).
+
+        `begin`: when the layer's attention call was dispatched; the wall time from there to the issued
+        plan, minus the modelled attention, is the layer's fixed host overhead (the Timer's sample)."""
         m = self.moe_index[layer]
         start = time.perf_counter()
         experts = np.asarray(experts_d).astype(np.int64)  # the sync point of the layer
@@ -218,6 +222,8 @@ class OffloadExecutor:
             if self.settings.validate_plans:
                 plan.validate(state)
             self._issue(m, plan)
+        if phase is Phase.decode:  # prefill's attention is far from its model; decode is what the overhead serves
+            self.timer.layer_overhead(time.perf_counter() - begin - state.t_attn_next_s)
         available = state.available(m)
         self.metrics.add_residency(phase is Phase.prefill, len(state.active), int(available[state.active].sum()))
         prefetched = self._prefetched.pop(m, set())
@@ -284,6 +290,7 @@ class OffloadExecutor:
                  seqs: np.ndarray, context_len: int) -> tuple[jax.Array, Any]:
         """One forward pass; a MoE layer's residual is finished in the same call as the next layer's gate."""
         self._pass += 1
+        self._moe_wall = 0.0
         B, S = tokens.shape
         ai, kv = self.kernels.prepare(kv, jnp.asarray(positions), jnp.asarray(valid))
         x = self.kernels.embed_tokens(jnp.asarray(tokens))
@@ -307,7 +314,8 @@ class OffloadExecutor:
             if self._record:
                 experts.block_until_ready()
                 self.events.append(Event("gpu", t - self._t0, self._now(), self._pass, self.moe_index[i], -1, 0, "attn"))
-            parts, pinned = self._moe_layer(i, g, experts, weights, phase, *flat, context_len)
+            parts, pinned = self._moe_layer(i, g, experts, weights, phase, *flat, context_len, t)
+            self._moe_wall += time.perf_counter() - t
             pending = (i, g, parts, pinned)
         if pending is not None:
             x = self.kernels.back(pending[0], x, pending[1], pending[2])
@@ -315,6 +323,12 @@ class OffloadExecutor:
         self.book.drop_pending()
         kv = type(kv)(layers=layers, valid=kv.valid, positions=kv.positions, index=kv.index + S)
         return self.kernels.logits(x[:, -1]), kv
+
+    def _modelled_outside_moe(self, rows: int, context_len: int) -> float:
+        """What the cost model charges a decode pass outside its MoE layers: dense layers and the head."""
+        n_dense = self.cfg.num_hidden_layers - self.L
+        dense = n_dense * (self.cost.t_attn(rows, context_len) + self.cost.t_dense_mlp(rows)) if n_dense else 0.0
+        return dense + self.cost.t_head(rows)
 
     def _release(self, pending: tuple, result: jax.Array) -> None:
         """Unpin a finished layer's slots once `result` (computed from its expert outputs) is ready."""
@@ -366,6 +380,7 @@ class OffloadExecutor:
             host = np.asarray(logits)
             steps.append(time.perf_counter() - t)
             self.metrics.add_pass(False, steps[-1])
+            self.timer.pass_overhead(steps[-1] - self._moe_wall - self._modelled_outside_moe(B, int(next_pos.mean())))
             nxt = np.where(done, pad, host.argmax(-1)).astype(np.int32)
             out[:, step] = nxt
             done |= nxt == eos

@@ -39,14 +39,29 @@ class Timer:
             if self.update_cost:
                 self.cost.update_gpu(tokens, seconds)
 
+    def layer_overhead(self, seconds: float) -> None:
+        """Fixed host time of one MoE layer: its wall time up to the issued plan minus the modelled attention."""
+        with self._lock:
+            self.samples["layer_overhead_s"].append(seconds)
+            if self.update_cost:
+                self.cost.update_layer_overhead(seconds)
+
+    def pass_overhead(self, seconds: float) -> None:
+        """Fixed host time of one forward pass outside its MoE layers minus the modelled dense layers and head."""
+        with self._lock:
+            self.samples["pass_overhead_s"].append(seconds)
+            if self.update_cost:
+                self.cost.update_pass_overhead(seconds)
+
     def summary(self) -> dict[str, float]:
         """Medians in milliseconds and the achieved transfer bandwidth."""
         out: dict[str, float] = {}
         with self._lock:
             for name, values in self.samples.items():
                 if name.endswith("_s") or name.endswith("_per_expert"):
-                    out[f"{name.replace('_s', '')}_median_ms"] = float(np.median(values)) * 1e3
-                    out[f"{name.replace('_s', '')}_count"] = len(values)
+                    stem = name[:-2] if name.endswith("_s") else name.replace("_s_", "_")
+                    out[f"{stem}_median_ms"] = float(np.median(values)) * 1e3
+                    out[f"{stem}_count"] = len(values)
             if self.samples.get("transfer_s"):
                 out["transfer_gbps"] = self.expert_bytes / float(np.median(self.samples["transfer_s"])) / 1e9
         return out

@@ -44,7 +44,7 @@ def layer_floor(cost: CostModel, tokens: np.ndarray, t_attn: float, t_shared: fl
     m = np.sort(tokens[tokens > 0]).astype(np.float64)
     n = m.size
     tc = np.concatenate([[0.0], np.cumsum(np.atleast_1d(cost.t_c(m)))]) if n else np.zeros(1)
-    tg = np.concatenate([[0.0], np.cumsum(np.atleast_1d(cost.t_g(m)))]) if n else np.zeros(1)
+    tg = np.concatenate([[0.0], np.cumsum(cost.t_g_group(m))]) if n else np.zeros(1)  # one device call at best
     j = np.arange(n + 1)
     gpu = np.where(n - j > 0, t_shared + tg[n - j], t_shared)
     return t_attn + np.maximum(tc[j], gpu)
@@ -57,8 +57,9 @@ def pass_fixed_time(cfg: ModelConfig, cost: CostModel, fp: ForwardPass) -> tuple
     else:
         t_attn = cost.t_attn(fp.num_seqs, fp.context_len)
     n_dense = cfg.num_hidden_layers - len(cfg.moe_layers)
-    fixed = n_dense * (t_attn + cost.t_dense_mlp(fp.tokens)) + cost.t_head(fp.num_seqs)
-    return t_attn, cost.t_shared(fp.tokens), fixed
+    fixed = n_dense * (t_attn + cost.t_dense_mlp(fp.tokens)) + cost.t_head(fp.num_seqs) + cost.pass_overhead_s
+    # the fixed host time of every MoE layer comes before its plan, like attention
+    return t_attn + cost.layer_overhead_s, cost.t_shared(fp.tokens), fixed
 
 
 def lower_bound(cfg: ModelConfig, cost: CostModel, passes: Iterable[ForwardPass], resident_capacity: int,

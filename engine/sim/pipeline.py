@@ -187,7 +187,8 @@ class PipelineSim:
     def _run_layer(self, fp: ForwardPass, layer: int, t_attn_parts: list[float], t_shared: float,
                    t_attn_next: float, mb: Optional[np.ndarray]) -> None:
         start = self.now
-        gates = np.cumsum(t_attn_parts) + start
+        # the executor's fixed host time per MoE layer (router output to the host, planning) delays the plan
+        gates = np.cumsum(t_attn_parts) + start + self.cost.layer_overhead_s
         gate0, gate_last = float(gates[0]), float(gates[-1])
         rec = self._recording
         if rec:
@@ -242,7 +243,7 @@ class PipelineSim:
             ready_now = list(gpu_set[:n_ready])
         if ready_now:
             m = tokens[ready_now]
-            tg = self.cost.t_g(m)
+            tg = self.cost.t_g_group(m)  # the resident experts run in one device call
             if rec:
                 t = gpu_t
                 for e, dt, mm in zip(ready_now, np.atleast_1d(tg), m):
@@ -379,6 +380,7 @@ class PipelineSim:
         for _ in range(self._dense_before[self.L]):
             self._gpu_block(ctx.t_dense, -1, "dense")
         self._gpu_block(self.cost.t_head(ctx.fp.num_seqs), -1, "head")
+        self.now += self.cost.pass_overhead_s  # the executor's fixed host time per pass (embedding, logits to host)
         if self.forecasts is not None:
             self.forecasts.drop_pending()
         duration = self.now - ctx.begin
