@@ -16,6 +16,15 @@ from matplotlib.ticker import MaxNLocator
 
 GROUP_COLOURS = {"input": "#dbe9f6", "middle": "#f3f3f3", "output": "#fbe3d6"}
 SET_TITLES = {"test": "in-distribution (ShareGPT test)", "shift": "shifted (code)"}
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def method_style(index: int) -> dict[str, Any]:
+    """A distinct marker, line style and (shrinking) marker size per method, so that methods with equal
+    figures (a MoEless copy nobody fine-tuned and its raw gate) stay visible on top of each other."""
+    return {"marker": MARKERS[index % len(MARKERS)], "linestyle": LINESTYLES[index % len(LINESTYLES)],
+            "markersize": max(3.0, 8.0 - index)}
 
 
 def _shade_groups(ax: Any, groups: Mapping[str, Sequence[int]]) -> None:
@@ -36,12 +45,12 @@ def accuracy_figure(methods: Mapping[str, Any], groups: Mapping[str, Sequence[in
         for row, (key, label) in enumerate(metrics):
             ax = axes[row, col]
             _shade_groups(ax, groups)
-            for name, res in methods.items():
+            for i, (name, res) in enumerate(methods.items()):
                 layers = res.get(which, {}).get("layers", {})
                 if not layers:
                     continue
                 xs = sorted(layers)
-                ax.plot(xs, [layers[t][key] for t in xs], marker="o", ms=3, label=name)
+                ax.plot(xs, [layers[t][key] for t in xs], label=name, **method_style(i))
             ax.set_ylim(0, 1.02)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("target MoE layer")
@@ -60,9 +69,9 @@ def distance_figure(by_distance: Mapping[str, Mapping[int, Mapping[str, float]]]
     fig = Figure(figsize=(10, 3.6))
     axes = fig.subplots(1, 2)
     for ax, (key, label) in zip(axes, (("load_acc", "expert load accuracy"), ("hit", "top-k hit rate"))):
-        for name, rows in by_distance.items():
+        for i, (name, rows) in enumerate(by_distance.items()):
             ds = sorted(rows)
-            ax.plot(ds, [rows[d][key] for d in ds], marker="o", label=name)
+            ax.plot(ds, [rows[d][key] for d in ds], label=name, **method_style(i))
         ax.set_xlabel("prediction distance d")
         ax.set_ylabel(label)
         ax.set_ylim(0, 1.02)
