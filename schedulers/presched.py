@@ -26,6 +26,11 @@ Prefetches are non-interruptible and the link is serial (Premises 3-4: the mecha
 prefetches land in the dynamic cache region (LRU); on-demand loads stay there too while it has room
 (`retain_loads`: a buffer is only overwritten when needed), else they pass through the staging buffer.
 
+The hot table (§4.1) is preloaded until the memory budget is full: the hottest experts are pinned,
+and the dynamic region starts with the next hottest (evictable, LRU) rather than empty. An empty
+dynamic region is memory the budget pays for and leaves unused until enough prefetches have been
+issued, which at small budgets (or when eq. 5 prefetches little) is the whole run.
+
 Prefill passes: eq. 4's strict T_G(i') < T_C(i') can never hold at i' = 0 (no CPU expert, T_C = 0),
 so read literally it always leaves the coldest missing expert on the CPU. At decode sizes that costs
 at most one expert's CPU time; in a prefill pass (hundreds of tokens per hot expert, eq. 2's CPU
@@ -44,8 +49,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schedulers.base import LayerPlan, LayerState, Phase, SchedulerKind, register
+from schedulers.base import LayerPlan, LayerState, Phase, SchedulerKind, SchedulerSettings, SchedulerSetup, register
 from schedulers.cost import CostModel
+from schedulers.hot_table import hot_table
 from schedulers.layerwise import greedy_split
 from schedulers.policy import OffloadPolicy, by_tokens, split_by_availability
 
@@ -125,6 +131,11 @@ def prefetch_count(t_gap: float, t_attn: float, t_io: float, hit_rate: float, ha
 @register(SchedulerKind.presched)
 class PreSched(OffloadPolicy):
     """LayerScope's scheduler; see the module docstring."""
+
+    def __init__(self, settings: SchedulerSettings, setup: SchedulerSetup):
+        super().__init__(settings, setup)
+        if settings.hot_table:  # fill the budget: pinned hot experts + the next hottest in the dynamic region
+            self._initial = hot_table(self.profile, setup.cache_slots) | self.pinned
 
     def _next_candidates(self, state: LayerState, target: int) -> tuple[np.ndarray, np.ndarray]:
         """E_next for `target`: predicted experts neither resident nor landing (ascending predicted tokens)."""
