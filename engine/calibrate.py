@@ -140,6 +140,25 @@ def measure_executor_overheads(model: MoETransformer, store: ExpertStore, cost: 
     return max(layer, 0.0), max(pass_, 0.0)
 
 
+def measure_cpu_dispatch(store: ExpertStore, repeats: int, threads: int = 1) -> float:
+    """Seconds a layer's CPU side costs beyond its experts' compute: hand-over to the worker thread and
+    the result back as a device array (one expert, one token; the executor's own path)."""
+    cpu = CpuExperts(store, threads=threads)
+    x = np.random.default_rng(0).standard_normal((1, store.cfg.hidden_size)).astype(np.float32)
+    experts, weights = np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32)
+    best = float("inf")
+    try:
+        for r in range(repeats * 4 + 1):
+            cpu.timings.clear()
+            t = time.perf_counter()
+            jnp.asarray(cpu.submit(0, x, experts, weights, [0]).result()).block_until_ready()
+            if r:
+                best = min(best, time.perf_counter() - t - sum(s for _, s in cpu.timings))
+    finally:
+        cpu.close()
+    return max(best, 0.0)
+
+
 def measure_device_roofline(repeats: int) -> tuple[float, float, float]:
     """(TFLOP/s of a 1024^2 GEMM, GB/s of a 64 MiB reduction, seconds of an empty call) on the device."""
     a = jnp.ones((1024, 1024), jnp.float32)
@@ -177,6 +196,7 @@ def calibrate(cfg: ModelConfig, model: MoETransformer, store: ExpertStore, name:
     t_io_sync = measure_transfers(store, synchronous=True, repeats=repeats)
     part_store_bytes = store.expert_bytes
     beta, c = measure_cpu_expert(store, token_counts, repeats)
+    cpu_dispatch = measure_cpu_dispatch(store, repeats)
     t_g = measure_device_expert(model, store, token_counts, repeats)
     tflops, gbps, call_s = measure_device_roofline(repeats)
     flops_per_token = 2 * cfg.expert_params
@@ -192,7 +212,7 @@ def calibrate(cfg: ModelConfig, model: MoETransformer, store: ExpertStore, name:
                     kernel_overhead_us=per_expert * 1e6, reserved_gib=0.0, call_overhead_us=expert_call * 1e6),
         cpu=CpuSpec(name=platform.processor() or platform.machine(), cores=_cores(),
                     peak_gflops=flops_per_token / beta / 1e9, memory_gbps=gbps, matmul_efficiency=1.0,
-                    memory_efficiency=1.0, expert_overhead_us=c * 1e6),
+                    memory_efficiency=1.0, expert_overhead_us=c * 1e6, dispatch_us=cpu_dispatch * 1e6),
         host_link=HostLink(name="jax: pinned host -> device slot (AsyncIO link)", peak_gbps=part_store_bytes / t_io / 1e9,
                            efficiency=1.0, latency_us=0.0, sync_copy_slowdown=max(t_io_sync / t_io, 1.0)),
         interconnect=Interconnect(),
@@ -204,10 +224,11 @@ def calibrate(cfg: ModelConfig, model: MoETransformer, store: ExpertStore, name:
     layer_s, pass_s = measure_executor_overheads(model, store, cost, batch, prompt_len, new_tokens)
     gpu = dataclasses.replace(profile.gpu, layer_overhead_us=layer_s * 1e6, pass_overhead_us=pass_s * 1e6)
     times = dataclasses.replace(profile.measured[model_name], call_overhead_ms=expert_call * 1e3,
-                                layer_overhead_ms=layer_s * 1e3, pass_overhead_ms=pass_s * 1e3)
+                                layer_overhead_ms=layer_s * 1e3, pass_overhead_ms=pass_s * 1e3,
+                                cpu_dispatch_ms=cpu_dispatch * 1e3)
     profile = dataclasses.replace(profile, gpu=gpu, measured={model_name: times})
     raw = {"t_io_ms": t_io * 1e3, "expert_call_1_ms": t_one * 1e3, f"expert_call_{cfg.num_experts}_ms": t_all * 1e3,
-           "call_overhead_ms": expert_call * 1e3, "kernel_overhead_ms": per_expert * 1e3,
+           "call_overhead_ms": expert_call * 1e3, "cpu_dispatch_ms": cpu_dispatch * 1e3, "kernel_overhead_ms": per_expert * 1e3,
            "layer_overhead_ms": layer_s * 1e3, "pass_overhead_ms": pass_s * 1e3, "device_nop_call_us": call_s * 1e6, "t_io_sync_ms": t_io_sync * 1e3, "cpu_beta_ms": beta * 1e3, "cpu_startup_ms": c * 1e3,
            **{f"t_g_{m}_ms": s * 1e3 for m, s in t_g.items()}, "device_gemm_tflops": tflops,
            "device_stream_gbps": gbps, "device_call_us": call_s * 1e6, "expert_mib": store.expert_bytes / 2**20}

@@ -11,7 +11,8 @@ Built from a `ModelConfig` and a `HardwareProfile`; every time is in seconds.
   output to the host, planning, issuing the plan) and per forward pass (embedding, masks, logits to
   the host). 0 for the paper's GPU profiles; measured by `engine.calibrate` on this machine.
 - `t_c(m) = beta * m + C` (eq. 2): one expert on the CPU; beta from the CPU's achieved GEMM rate,
-  C = dispatch overhead + streaming the expert's weights from DRAM once.
+  C = dispatch overhead + streaming the expert's weights from DRAM once. `t_c_sum` (a layer's CPU
+  experts) adds `cpu_dispatch_s` once: handing the layer's CPU side to the worker and merging back.
 - `t_attn(batch, ctx, phase)`: a decoder layer's attention block (projections + attention over the
   KV cache + gate) on the GPU; prefill and decode variants differ in tokens and KV traffic.
 - `update_*`: the executor's Timer feeds measured times; eq. 2 is refitted by running least squares,
@@ -154,6 +155,7 @@ class CostModel:
         self.call_overhead_s = gpu.call_overhead_us * 1e-6
         self.layer_overhead_s = gpu.layer_overhead_us * 1e-6
         self.pass_overhead_s = gpu.pass_overhead_us * 1e-6
+        self.cpu_dispatch_s = cpu.dispatch_us * 1e-6
         self.t_io = link.transfer_s(self.expert_bytes)
         self.beta_s = self.expert_flops / (cpu.peak_gflops * 1e9 * cpu.matmul_efficiency)
         self.cpu_startup_s = cpu.expert_overhead_us * 1e-6 + self.expert_bytes / (cpu.memory_gbps * 1e9 * cpu.memory_efficiency)
@@ -162,7 +164,7 @@ class CostModel:
             self.beta_s = measured.cpu_beta_ms * 1e-3 if measured.cpu_beta_ms is not None else self.beta_s
             self.cpu_startup_s = measured.cpu_startup_ms * 1e-3 if measured.cpu_startup_ms is not None else self.cpu_startup_s
             for attr, ms in (("call_overhead_s", measured.call_overhead_ms), ("layer_overhead_s", measured.layer_overhead_ms),
-                             ("pass_overhead_s", measured.pass_overhead_ms)):
+                             ("pass_overhead_s", measured.pass_overhead_ms), ("cpu_dispatch_s", measured.cpu_dispatch_ms)):
                 if ms is not None:
                     setattr(self, attr, ms * 1e-3)
             if measured.gpu_ms is not None:  # one expert in its own call: the call's dispatch is part of it
@@ -187,10 +189,17 @@ class CostModel:
         return float(out) if out.ndim == 0 else out
 
     def t_c_sum(self, ms: np.ndarray) -> float:
-        """CPU time of a list of experts run one after another on the CPU pool."""
+        """CPU time of a layer's CPU experts run one after another (one hand-over to the worker)."""
         ms = np.asarray(ms, dtype=np.float64)
         ms = ms[ms > 0]
-        return float(self.beta_s * ms.sum() + self.cpu_startup_s * ms.size)
+        if not ms.size:
+            return 0.0
+        return float(self.beta_s * ms.sum() + self.cpu_startup_s * ms.size + self.cpu_dispatch_s)
+
+    def t_c_prefix(self, ms: np.ndarray) -> np.ndarray:
+        """float [n]: `t_c_sum(ms[:k+1])` for every k (the CPU side holding the first k+1 experts)."""
+        t = np.cumsum(np.atleast_1d(self.t_c(np.asarray(ms, dtype=np.float64))))
+        return t + np.where(np.cumsum(np.asarray(ms) > 0) > 0, self.cpu_dispatch_s, 0.0) if t.size else t
 
     def _gpu_roofline(self, m: ArrayLike) -> ArrayLike:
         m_arr = np.asarray(m, dtype=np.float64)
@@ -278,6 +287,10 @@ class CostModel:
         overhead = max(float(seconds) - float(self._gpu_roofline(tokens)) - self.gpu_overhead_s, 0.0)
         self.call_overhead_s = (1 - self.ema) * self.call_overhead_s + self.ema * overhead
 
+    def update_cpu_dispatch(self, seconds: float) -> None:
+        """A measured hand-over of a layer's CPU side (its wall time minus the experts' own compute)."""
+        self.cpu_dispatch_s = (1 - self.ema) * self.cpu_dispatch_s + self.ema * max(float(seconds), 0.0)
+
     def update_layer_overhead(self, seconds: float) -> None:
         """A measured fixed host time of one MoE layer (its wall time up to the plan, minus t_attn)."""
         self.layer_overhead_s = (1 - self.ema) * self.layer_overhead_s + self.ema * max(float(seconds), 0.0)
@@ -290,5 +303,5 @@ class CostModel:
         """The per-expert numbers in milliseconds (results.json, reports)."""
         return {"t_io_ms": self.t_io * 1e3, "t_g_1_ms": self.t_g(1) * 1e3, "cpu_beta_ms": self.beta_s * 1e3,
                 "cpu_startup_ms": self.cpu_startup_s * 1e3, "call_overhead_ms": self.call_overhead_s * 1e3,
-                "layer_overhead_ms": self.layer_overhead_s * 1e3, "pass_overhead_ms": self.pass_overhead_s * 1e3,
+                "layer_overhead_ms": self.layer_overhead_s * 1e3, "cpu_dispatch_ms": self.cpu_dispatch_s * 1e3, "pass_overhead_ms": self.pass_overhead_s * 1e3,
                 "expert_mib": self.expert_bytes / 2**20}

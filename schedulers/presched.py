@@ -5,7 +5,8 @@ At layer l, after its gate, with alpha the link time still owed to a started pre
 1. **Cross-layer queue** (Premise 1, eq. 3). E_cur: the layer's active experts that are neither
    resident nor landing, ascending by tokens; E_next: the predicted experts of layer l+1 likewise
    (predicted tokens). E_all merges both ascending (ties: next-layer expert first). For each k,
-   T^G_all(k) = alpha + (|E_all| - k) t_io + t_g and T^C_all(k) = t_c(E_all[0..k]) + t_attn;
+   T^G_all(k) = alpha + (|E_all| - k) t_io + t_g and T^C_all(k) = t_c(E_all[0..k]) + t_attn
+   (a CPU side of several experts pays the cost model's per-layer hand-over once, `t_c_prefix`);
    E_all[k] joins GPU_Q when T^G_all(k) < T^C_all(k).
 2. **On-demand loop** (Premise 2, eq. 4). Walking GPU_Q from its coldest entry, the first
    current-layer expert E_cur[i'] with T_G(i') = alpha + (n - i' + 1) t_io + t_g <
@@ -26,11 +27,6 @@ Prefetches are non-interruptible and the link is serial (Premises 3-4: the mecha
 prefetches land in the dynamic cache region (LRU); on-demand loads stay there too while it has room
 (`retain_loads`: a buffer is only overwritten when needed), else they pass through the staging buffer.
 
-The hot table (§4.1) is preloaded until the memory budget is full: the hottest experts are pinned,
-and the dynamic region starts with the next hottest (evictable, LRU) rather than empty. An empty
-dynamic region is memory the budget pays for and leaves unused until enough prefetches have been
-issued, which at small budgets (or when eq. 5 prefetches little) is the whole run.
-
 Prefill passes: eq. 4's strict T_G(i') < T_C(i') can never hold at i' = 0 (no CPU expert, T_C = 0),
 so read literally it always leaves the coldest missing expert on the CPU. At decode sizes that costs
 at most one expert's CPU time; in a prefill pass (hundreds of tokens per hot expert, eq. 2's CPU
@@ -49,9 +45,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schedulers.base import LayerPlan, LayerState, Phase, SchedulerKind, SchedulerSettings, SchedulerSetup, register
+from schedulers.base import LayerPlan, LayerState, Phase, SchedulerKind, register
 from schedulers.cost import CostModel
-from schedulers.hot_table import hot_table
 from schedulers.layerwise import greedy_split
 from schedulers.policy import OffloadPolicy, by_tokens, split_by_availability
 
@@ -85,7 +80,7 @@ def cross_layer_queue(cur: np.ndarray, cur_tokens: np.ndarray, nxt: np.ndarray, 
     order = np.lexsort((is_cur, tokens))  # ascending tokens; ties: next-layer expert first
     experts, tokens, is_cur = experts[order], tokens[order], is_cur[order]
     n_all = experts.size
-    t_cpu = np.cumsum(np.atleast_1d(cost.t_c(tokens))) if n_all else np.zeros(0)
+    t_cpu = cost.t_c_prefix(tokens) if n_all else np.zeros(0)  # the CPU side's hand-over counted once
     k = np.arange(n_all)
     tg_all = np.maximum(alpha + (n_all - k) * t_io, gpu_busy) + t_g
     tc_all = t_cpu + t_attn
@@ -98,7 +93,7 @@ def ondemand_start(queue: CrossLayerQueue, cur_sorted: np.ndarray, cur_tokens_so
     n1 = len(cur_sorted)
     if n1 == 0:
         return 0
-    tc_prefix = np.concatenate([[0.0], np.cumsum(np.atleast_1d(cost.t_c(cur_tokens_sorted)))])[:n1]  # t_c(E_cur[0..i-1])
+    tc_prefix = np.concatenate([[0.0], cost.t_c_prefix(cur_tokens_sorted)])[:n1]  # t_c(E_cur[0..i-1])
     passes = np.maximum(alpha + (n1 - np.arange(n1)) * t_io, gpu_busy) + t_g < tc_prefix  # eq. 4 at every i'
     # E_cur and E_all share the ascending order, so the current-layer members of GPU_Q, coldest
     # first, are E_cur[j0:], j0 = how many current-layer experts sit outside the queue
@@ -131,11 +126,6 @@ def prefetch_count(t_gap: float, t_attn: float, t_io: float, hit_rate: float, ha
 @register(SchedulerKind.presched)
 class PreSched(OffloadPolicy):
     """LayerScope's scheduler; see the module docstring."""
-
-    def __init__(self, settings: SchedulerSettings, setup: SchedulerSetup):
-        super().__init__(settings, setup)
-        if settings.hot_table:  # fill the budget: pinned hot experts + the next hottest in the dynamic region
-            self._initial = hot_table(self.profile, setup.cache_slots) | self.pinned
 
     def _next_candidates(self, state: LayerState, target: int) -> tuple[np.ndarray, np.ndarray]:
         """E_next for `target`: predicted experts neither resident nor landing (ascending predicted tokens)."""

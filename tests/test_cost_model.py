@@ -179,3 +179,19 @@ def test_the_simulator_charges_the_fixed_host_times_per_layer_and_pass() -> None
     d1, p1 = decode_s(_with_gpu(base, layer_overhead_us=300.0, pass_overhead_us=1000.0))
     assert d1 - d0 == pytest.approx(3 * 300e-6 + 1000e-6, rel=1e-6)
     assert p1 - p0 == pytest.approx(3 * 300e-6 + 1000e-6, rel=1e-6)
+
+
+def test_the_cpu_hand_over_is_paid_once_per_layer() -> None:
+    import dataclasses
+
+    hw = load_hardware("v100_pcie3")
+    hw = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, dispatch_us=400.0))
+    cost = CostModel(model("deepseek_v2_lite"), hw)
+    m = np.array([0, 2, 7])
+    per_expert = float(cost.t_c(2) + cost.t_c(7))
+    assert cost.t_c_sum(m) == pytest.approx(per_expert + 400e-6)
+    assert cost.t_c_sum(np.array([0, 0])) == 0.0
+    assert cost.t_c_prefix(m) == pytest.approx([0.0, cost.t_c(2) + 400e-6, per_expert + 400e-6])
+    for _ in range(60):
+        cost.update_cpu_dispatch(1e-4)
+    assert cost.cpu_dispatch_s == pytest.approx(1e-4, rel=1e-3)

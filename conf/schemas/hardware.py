@@ -28,6 +28,7 @@ TFLOP/s = 1e12, µs / ms as named.
 |                | matmul_efficiency           | achieved fraction of peak_gflops by CPU expert GEMMs         |
 |                | memory_efficiency           | achieved fraction of memory_gbps when streaming expert weights |
 |                | expert_overhead_us          | fixed cost of one CPU expert call (thread-pool wake-up, dispatch) |
+|                | dispatch_us                 | fixed cost per layer of the CPU side as a whole: handing the layer's CPU experts to the worker and merging their output back into the device computation. 0 in the paper's profiles |
 | `host_link`    | name                        | e.g. "PCIe 3.0 x16"                                          |
 |                | peak_gbps                   | theoretical one-direction bandwidth host -> device           |
 |                | efficiency                  | fraction of peak a pinned, chunked, asynchronous copy reaches |
@@ -87,6 +88,7 @@ class CpuSpec:
     matmul_efficiency: float = 0.3
     memory_efficiency: float = 0.7
     expert_overhead_us: float = 100.0
+    dispatch_us: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class ExpertTimes:
     call_overhead_ms: Optional[float] = None  # one expert-kernel call (dispatch), see GpuSpec.call_overhead_us
     layer_overhead_ms: Optional[float] = None  # host time per MoE layer, see GpuSpec.layer_overhead_us
     pass_overhead_ms: Optional[float] = None  # host time per forward pass, see GpuSpec.pass_overhead_us
+    cpu_dispatch_ms: Optional[float] = None  # a layer's CPU side handed over and merged back, see CpuSpec.dispatch_us
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ class HardwareProfile:
                 raise ValueError(f"hardware {self.name}: {key}: {msg}")
 
         need(self.num_devices >= 1, "num_devices", f"must be >= 1, got {self.num_devices}")
-        for key in ("gpu.call_overhead_us", "gpu.layer_overhead_us", "gpu.pass_overhead_us", "gpu.kernel_overhead_us",
+        for key in ("cpu.dispatch_us", "gpu.call_overhead_us", "gpu.layer_overhead_us", "gpu.pass_overhead_us", "gpu.kernel_overhead_us",
                     "host_link.latency_us"):
             block, attr = key.split(".")
             value = getattr(getattr(self, block), attr)

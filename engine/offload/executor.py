@@ -266,6 +266,8 @@ class OffloadExecutor:
             cpu_busy = time.perf_counter() - cpu_started
             for tokens_n, seconds in self.cpu.timings:
                 self.timer.cpu(tokens_n, seconds)
+            if cpu_busy > gpu_busy:  # the CPU side was the critical path: what it took beyond its compute
+                self.timer.cpu_dispatch(cpu_busy - sum(s for _, s in self.cpu.timings))  # is the hand-over
             self.cpu.timings.clear()
         if not parts:
             parts.append(jnp.zeros((g_host.shape[0], self.cfg.hidden_size), jnp.float32))

@@ -39,6 +39,13 @@ class Timer:
             if self.update_cost:
                 self.cost.update_gpu(tokens, seconds)
 
+    def cpu_dispatch(self, seconds: float) -> None:
+        """A layer's CPU side: wall time from hand-over to merged result minus its experts' compute."""
+        with self._lock:
+            self.samples["cpu_dispatch_s"].append(seconds)
+            if self.update_cost:
+                self.cost.update_cpu_dispatch(seconds)
+
     def layer_overhead(self, seconds: float) -> None:
         """Fixed host time of one MoE layer: its wall time up to the issued plan minus the modelled attention."""
         with self._lock:

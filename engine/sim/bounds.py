@@ -43,7 +43,7 @@ def layer_floor(cost: CostModel, tokens: np.ndarray, t_attn: float, t_shared: fl
     """A(j), j = 0..n: the least time of an MoE layer whose n active experts put j on the CPU."""
     m = np.sort(tokens[tokens > 0]).astype(np.float64)
     n = m.size
-    tc = np.concatenate([[0.0], np.cumsum(np.atleast_1d(cost.t_c(m)))]) if n else np.zeros(1)
+    tc = np.concatenate([[0.0], cost.t_c_prefix(m)]) if n else np.zeros(1)
     tg = np.concatenate([[0.0], np.cumsum(cost.t_g_group(m))]) if n else np.zeros(1)  # one device call at best
     j = np.arange(n + 1)
     gpu = np.where(n - j > 0, t_shared + tg[n - j], t_shared)

@@ -330,7 +330,7 @@ class PipelineSim:
                 for e, dt, mm in zip(plan.cpu, tc, m):
                     self.events.append(Event("cpu", t, t + dt, self._pass, layer, e, int(mm), "expert"))
                     t += dt
-            cpu_t += float(tc.sum())
+            cpu_t += float(tc.sum()) + self.cost.cpu_dispatch_s  # one hand-over of the layer's CPU side
         end = max(gpu_t, cpu_t)
         if self.options.check_invariants:
             self._check_capacity(layer)
