@@ -117,10 +117,15 @@ def memory_plan(cfg: ModelConfig, hw: "HardwareProfile", batch: int, prompt_len:
 
 # ---- times -----------------------------------------------------------------------------------
 class _RunningFit:
-    """Least squares y = a * x + b over a window of observations (the Timer's eq. 2 refit)."""
+    """Least squares y = a * x + b over a window of observations (the Timer's eq. 2 refit).
 
-    def __init__(self, window: int = 256):
+    Only fitted once the observed x span at least `min_span`: decode passes see experts of 1-8
+    tokens, where timing noise decides the slope (it came out 0 on this machine, making the CPU look
+    free for a prefill's hundreds of tokens)."""
+
+    def __init__(self, window: int = 256, min_span: float = 16.0):
         self.window = window
+        self.min_span = min_span
         self.xs: list[float] = []
         self.ys: list[float] = []
 
@@ -131,7 +136,7 @@ class _RunningFit:
             self.xs.pop(0)
             self.ys.pop(0)
         xs = np.asarray(self.xs)
-        if len(xs) < 2 or np.ptp(xs) == 0:
+        if len(xs) < 2 or np.ptp(xs) < self.min_span:
             return None
         a, b = np.polyfit(xs, np.asarray(self.ys), 1)
         return float(max(a, 0.0)), float(max(b, 0.0))
@@ -276,10 +281,14 @@ class CostModel:
         self.t_io = (1 - self.ema) * self.t_io + self.ema * float(seconds)
 
     def update_cpu(self, tokens: int, seconds: float) -> None:
-        """A measured CPU expert time for `tokens` tokens; refits eq. 2 once two token counts are seen."""
+        """A measured CPU expert time for `tokens` tokens: refits eq. 2 once the token counts seen span
+        enough to pin the slope; until then only the intercept C follows (moving average)."""
         fit = self._cpu_fit.add(tokens, seconds)
         if fit is not None:
             self.beta_s, self.cpu_startup_s = fit
+        else:
+            c = max(float(seconds) - self.beta_s * float(tokens), 0.0)
+            self.cpu_startup_s = (1 - self.ema) * self.cpu_startup_s + self.ema * c
 
     def update_gpu(self, tokens: int, seconds: float) -> None:
         """A measured GPU expert time (one expert, one call); the per-call dispatch absorbs the error of

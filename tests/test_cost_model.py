@@ -195,3 +195,14 @@ def test_the_cpu_hand_over_is_paid_once_per_layer() -> None:
     for _ in range(60):
         cost.update_cpu_dispatch(1e-4)
     assert cost.cpu_dispatch_s == pytest.approx(1e-4, rel=1e-3)
+
+
+def test_decode_sized_cpu_samples_move_the_intercept_not_the_slope() -> None:
+    cost = CostModel(model("deepseek_v2_lite"), load_hardware("v100_pcie3"))
+    beta = cost.beta_s
+    rng = np.random.default_rng(0)
+    for _ in range(100):  # 1-8 tokens with noise larger than the slope: the slope must not collapse to 0
+        m = int(rng.integers(1, 9))
+        cost.update_cpu(m, 3e-3 - 1e-4 * m + rng.normal(0, 2e-4))
+    assert cost.beta_s == beta
+    assert cost.cpu_startup_s == pytest.approx(3e-3 - 4.5e-4 - 4.5 * beta, abs=3e-4)

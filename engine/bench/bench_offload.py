@@ -92,7 +92,7 @@ def executor_run(cfg, model, store, kind: SchedulerKind, slots: int, cost: CostM
     gen = sum(int(o.lengths.sum()) for o in outs)
     return {"decode_tok_s": decode_tok / sum(o.decode_s for o in outs), "throughput_tok_s": gen / wall,
             "decode_ms_per_step": 1e3 * float(np.mean(steps)), "plan_us_per_layer": 1e6 * plan_time[0] / max(plan_time[1], 1),
-            "hit_rate": hit, "outs": outs}
+            "hit_rate": hit, "outs": outs, "cost": cost}
 
 
 def main() -> None:
@@ -174,26 +174,46 @@ def section_budget(args, cfg, model, store, batches, lookup, profile, trace, cos
     return results
 
 
-def section_sim(args, cfg, model_name, hw, store, trace, results: dict, slots: int) -> None:
-    """[3] the simulator replays the same routing with the profile's cost model."""
-    from engine.sim.run import PredictorSpec, RoutingSpec, RunSpec, simulate
+def with_timer_costs(hw, model_name: str, cost: CostModel):
+    """`hw` whose `measured` entry for the model holds the costs the executor's Timer ended the run with."""
+    import dataclasses
 
+    from conf.schemas.hardware import ExpertTimes
+
+    times = ExpertTimes(transfer_ms=cost.t_io * 1e3, gpu_ms=float(cost.t_g(1)) * 1e3, cpu_beta_ms=cost.beta_s * 1e3,
+                        cpu_startup_ms=cost.cpu_startup_s * 1e3, call_overhead_ms=cost.call_overhead_s * 1e3,
+                        layer_overhead_ms=cost.layer_overhead_s * 1e3, pass_overhead_ms=cost.pass_overhead_s * 1e3,
+                        cpu_dispatch_ms=cost.cpu_dispatch_s * 1e3)
+    return dataclasses.replace(hw, measured={**hw.measured, model_name: times})
+
+
+def section_sim(args, cfg, model_name, hw, store, trace, results: dict, slots: int) -> None:
+    """[3] the simulator replays the same routing with the profile's cost model (as calibrated) and with
+    the costs the executor's Timer measured during that scheduler's run."""
     with tempfile.TemporaryDirectory() as tmp:
         path = trace.save(Path(tmp) / "trace.npz")
-        print("\n[3] simulator vs executor, decode latency per step (same routing, same cost model):")
+        print("\n[3] simulator vs executor, decode latency per step (same routing; profile = calibrated costs, "
+              "timer = the executor's online costs):")
+        print(f"  {'scheduler':14s} {'measured':>9s} {'sim/profile':>12s} {'error':>6s} {'sim/timer':>10s} {'error':>6s}")
         for name, r in results.items():
-            spec = RunSpec(model=cfg, model_name=model_name, hardware=hw,
-                           scheduler=SchedulerSettings(kind=SchedulerKind(name), label=name),
-                           routing=RoutingSpec(source="trace", name="reference", path=str(path)),
-                           batch_size=args.batch, prompt_len=args.prompt, gen_len=args.new, profile_batches=1,
-                           num_batches=args.batches,
-                           bytes_per_param=store.dtype.itemsize, cache_slots=slots,
-                           predictor=PredictorSpec(kind="oracle", hit_rate=r["hit_rate"] or 1.0))
-            sim = simulate(spec).summary
-            predicted = 1e3 * sim["decode_latency_s"]
-            print(f"  {name:14s} simulated {predicted:7.2f} ms  measured {r['decode_ms_per_step']:7.2f} ms  "
-                  f"error {100 * (predicted - r['decode_ms_per_step']) / r['decode_ms_per_step']:+.0f}%")
+            row = [f"  {name:14s} {r['decode_ms_per_step']:9.2f}"]
+            for profile_hw in (hw, with_timer_costs(hw, model_name, r["cost"])):
+                predicted = simulated_decode_ms(args, cfg, model_name, profile_hw, store, path, name, r, slots)
+                row.append(f"{predicted:12.2f} {100 * (predicted - r['decode_ms_per_step']) / r['decode_ms_per_step']:+5.0f}%")
+            print(" ".join(row))
 
+
+def simulated_decode_ms(args, cfg, model_name: str, hw, store, path, name: str, r: dict, slots: int) -> float:
+    """The simulator's decode latency per step (ms) of scheduler `name` on the recorded routing at `path`."""
+    from engine.sim.run import PredictorSpec, RoutingSpec, RunSpec, simulate
+
+    spec = RunSpec(model=cfg, model_name=model_name, hardware=hw,
+                   scheduler=SchedulerSettings(kind=SchedulerKind(name), label=name),
+                   routing=RoutingSpec(source="trace", name="reference", path=str(path)),
+                   batch_size=args.batch, prompt_len=args.prompt, gen_len=args.new, profile_batches=1,
+                   num_batches=args.batches, bytes_per_param=store.dtype.itemsize, cache_slots=slots,
+                   predictor=PredictorSpec(kind="oracle", hit_rate=r["hit_rate"] or 1.0))
+    return 1e3 * simulate(spec).summary["decode_latency_s"]
 
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
