@@ -79,13 +79,17 @@ def test_mismatched_trace_fails_naming_the_key(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_shipped_mixtral_tiny_llapor_beats_stats_and_moeless_beats_gate(tmp_path: Path) -> None:
-    """The real pipeline on the trained checkpoint: record both workloads, train, evaluate (minutes)."""
+@pytest.mark.parametrize("model", ["mixtral_tiny", "deepseek_tiny"])
+def test_shipped_model_llapor_beats_stats_and_gate_and_moeless_beats_gate(model: str, tmp_path: Path) -> None:
+    """The real pipeline on a trained checkpoint: record both workloads, train, evaluate (minutes each).
+
+    LLaPor keeps its configured 30 epochs: on deepseek_tiny's 32 experts with these 48 sequences, 10
+    epochs (~170 AdamW steps) leave it below the raw gate (0.817 vs 0.856 top-4 hit rate)."""
     from engine.telemetry import Telemetry
     from predictors.train import run
 
-    node = compose("predictors_train", ["model=mixtral_tiny", "workload.num_batches=6", "shift_workload.num_batches=2",
-                                        "predictor.train.epochs=10", "baselines.token.train.epochs=5",
+    node = compose("predictors_train", [f"model={model}", "workload.num_batches=6", "shift_workload.num_batches=2",
+                                        "baselines.token.train.epochs=5",
                                         "distances=[1,2]", "plots=false", "wandb.mode=disabled"])
     with Telemetry(node, task="predictors_train", run_dir=tmp_path) as tm:
         res = run(OmegaConf.to_object(node), node, tm)
