@@ -94,7 +94,10 @@ class OffloadExecutor:
         self.book = LiveForecastBook(predictors or {}, self.k, self.E)
         self.row_lookup = row_lookup
         H, F = cfg.hidden_size, cfg.expert_intermediate_size
-        self._dummy = (jnp.zeros((H, 2 * F), dtype), jnp.zeros((F, H), dtype))
+        # committed to the cache's device like the slots: an uncommitted filler would make every pattern of
+        # (slot, filler) positions a new jit cache entry (a compile in the middle of serving)
+        self._dummy = (jax.device_put(jnp.zeros((H, 2 * F), dtype), self.cache.sharding),
+                       jax.device_put(jnp.zeros((F, H), dtype), self.cache.sharding))
         self.events: list[Event] = []
         self._prefetched: dict[int, set[int]] = {}  # target MoE layer -> experts prefetched for it
         self.expert_tokens = np.zeros((self.L, self.E), np.int64)  # tokens routed per expert (the Counter)
@@ -271,6 +274,8 @@ class OffloadExecutor:
             self.cpu.timings.clear()
         if not parts:
             parts.append(jnp.zeros((g_host.shape[0], self.cfg.hidden_size), jnp.float32))
+        while len(parts) > 1:  # one partial output: the fused residual call keeps one compiled signature
+            parts[:2] = [parts[0] + parts[1]]  # (its pytree would otherwise change with the plan's call count)
         self.link.flush()  # no AsyncIO: prefetches finish inside the layer that issued them
         seconds = time.perf_counter() - start
         self._account(phase, m, plan, seconds, gpu_busy, cpu_busy, start, gpu_start, cpu_started)
