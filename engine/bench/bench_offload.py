@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=2, help="measured batches (after one profiling batch)")
     ap.add_argument("--budget", type=float, default=0.25, help="fraction of the routed experts in the cache")
     ap.add_argument("--predictor", default="gate", help="conf/predictor entry for PreSched (llapor needs a checkpoint)")
+    ap.add_argument("--predictor-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override in the predictor config, e.g. predictor.checkpoint=runs/.../predictors/llapor")
     ap.add_argument("--hardware", default="local_cpu")
     ap.add_argument("--schedulers", default="presched,hybrimoe,fiddler,ondemand")
     ap.add_argument("--sections", default="1,2,3", help="1: all resident vs in-memory; 2: the budget; 3: simulator "
@@ -156,7 +158,7 @@ def section_budget(args, cfg, model, store, batches, lookup, profile, trace, cos
     """[2] a budget of a fraction of the experts: every scheduler on the same batches."""
     L, E = len(cfg.moe_layers), cfg.num_experts
     slots = max(int(round(args.budget * L * E)) - 2, 0)
-    node_pred = compose("run", [f"model={args.model}", f"predictor={args.predictor}"]).predictor
+    node_pred = compose("run", [f"model={args.model}", f"predictor={args.predictor}", *args.predictor_set]).predictor
     print(f"\n[2] budget {args.budget:g} of the experts: {slots} cache slots + 2 staging buffers")
     results = {}
     for name in args.schedulers.split(","):
