@@ -75,13 +75,28 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tupl
     return tokens, valid
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Next tokens int32 [B] from logits [B, V]; temperature <= 0 is greedy (traced values: no recompiles)."""
+def greedy(logits: jax.Array) -> jax.Array:
+    """argmax over the last axis (first index of the maximum), int32.
 
-    def greedy(logits: jax.Array) -> jax.Array:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    Written as max + masked min-index: XLA:CPU's fused (value, index) argmax reduction costs
+    ~20 us per 4096-wide row, the two plain reductions a few us.
+    """
+    V = logits.shape[-1]
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(logits == best, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+    return jnp.minimum(first, V - 1).astype(jnp.int32)  # a NaN row has no equal entry
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array,
+           step: Optional[jax.Array] = None) -> jax.Array:
+    """Next tokens int32 [B] from logits [B, V]; temperature <= 0 is greedy (traced values: no recompiles).
+
+    With `step`, the key is `fold_in(key, step)`, derived only on the sampling branch (greedy decode
+    skips the PRNG work).
+    """
 
     def nucleus(logits: jax.Array) -> jax.Array:
+        k = key if step is None else jax.random.fold_in(key, step)
         logits = logits / temperature
         order = jnp.argsort(-logits, axis=-1)
         sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
@@ -89,7 +104,7 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens; the best always stays
         sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)
         kept = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
-        return jax.random.categorical(key, kept, axis=-1).astype(jnp.int32)
+        return jax.random.categorical(k, kept, axis=-1).astype(jnp.int32)
 
     return jax.lax.cond(temperature <= 0.0, greedy, nucleus, logits)
 
@@ -147,7 +162,7 @@ class Generator:
             logits, cache, captured = forward(model, tok[:, None], cache, pos[:, None], executor=self.executor,
                                               capture=self.capture, capture_hidden=self.capture_hidden,
                                               last_only=True)
-            nxt = sample(logits, jax.random.fold_in(key, step), params[0], params[1])
+            nxt = sample(logits, key, params[0], params[1], step=step)
             nxt = jnp.where(done, pad, nxt)
             out = out.at[:, step + 1].set(nxt)
             if capture is not None:

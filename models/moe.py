@@ -246,11 +246,24 @@ def experts_grouped(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array]
 
 
 class InMemoryExperts:
-    """Default executor: the layer's own expert weights, strategy chosen by token count at trace time."""
+    """Default executor: the layer's own expert weights, strategy chosen by token count at trace time.
 
-    def __init__(self, slot_limit: int = 4, dense_limit: int = 64):
-        self.slot_limit = slot_limit  # T * k at or below this: per-slot switch
-        self.dense_limit = dense_limit  # T at or below this: dense over tokens, unused experts skipped
+    T * k <= slot_limit (batch-1 decode): a `switch` per (token, slot) reads only the chosen experts.
+    T <= dense_limit: each used expert runs on all T rows (no gather/scatter; unused experts skipped).
+    Otherwise (larger decode batches, prefill): pairs grouped by expert, `chunk` rows per expert call.
+    """
+
+    def __init__(self, slot_limit: int = 4, dense_limit: int = 8, chunk: Optional[int] = None):
+        self.slot_limit, self.dense_limit, self.chunk = slot_limit, dense_limit, chunk
+
+    def _key(self) -> tuple:
+        return self.slot_limit, self.dense_limit, self.chunk
+
+    def __hash__(self) -> int:  # a static jit argument: equal settings share compiled programs
+        return hash((type(self), self._key()))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, InMemoryExperts) and other._key() == self._key()
 
     def __call__(self, layer: int, x: jax.Array, routing: Routing, experts: Optional[RoutedExperts]) -> jax.Array:
         if experts is None:
@@ -261,7 +274,7 @@ class InMemoryExperts:
             return experts_per_slot(x, routing, gate_up, down)
         if T <= self.dense_limit:
             return experts_dense_skip(x, routing, gate_up, down)
-        return experts_grouped(x, routing, gate_up, down)
+        return experts_grouped(x, routing, gate_up, down, self.chunk)
 
 
 DEFAULT_EXECUTOR = InMemoryExperts()
