@@ -132,9 +132,16 @@ def attention_masks(ai: AttentionInputs, sliding_window: Optional[int]) -> tuple
     return cached, new
 
 
-def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
-    """softmax over the last axis of float32 scores where `mask` (broadcastable) holds."""
-    return jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
+def split_softmax(scores_cache: jax.Array, scores_new: jax.Array, masks: tuple[jax.Array, jax.Array]
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Softmax over the keys [cache slots | new tokens] of two float32 score blocks, returned as the two
+    probability blocks (no concatenated copy); `masks` broadcast against their blocks."""
+    sc = jnp.where(masks[0], scores_cache, NEG_INF)
+    sn = jnp.where(masks[1], scores_new, NEG_INF)
+    top = jnp.maximum(jnp.max(sc, axis=-1, keepdims=True), jnp.max(sn, axis=-1, keepdims=True))
+    ec, en = jnp.exp(sc - top), jnp.exp(sn - top)
+    total = jnp.sum(ec, axis=-1, keepdims=True) + jnp.sum(en, axis=-1, keepdims=True)
+    return ec / total, en / total
 
 
 def after(x: jax.Array, value: jax.Array) -> jax.Array:
@@ -157,16 +164,14 @@ def sdpa(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new: jax.Array,
     B, S, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     r = Hq // Hkv
-    C = k_cache.shape[2]
     qg = q.reshape(B, S, Hkv, r, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, r * S, D)
     kn, vn = k_new.transpose(0, 2, 1, 3).astype(k_cache.dtype), v_new.transpose(0, 2, 1, 3).astype(v_cache.dtype)
-    scores = jnp.concatenate([jnp.einsum("bgqd,bgcd->bgqc", qg, k_cache, preferred_element_type=jnp.float32),
-                              jnp.einsum("bgqd,bgcd->bgqc", qg, kn, preferred_element_type=jnp.float32)], axis=-1)
-    mask = jnp.concatenate(masks, axis=-1)
-    probs = masked_softmax(scores.reshape(B, Hkv, r, S, C + S) * scale, mask[:, None, None])
-    probs = probs.astype(v_cache.dtype).reshape(B, Hkv, r * S, C + S)
-    out = (jnp.einsum("bgqc,bgcd->bgqd", probs[..., :C], v_cache)
-           + jnp.einsum("bgqc,bgcd->bgqd", probs[..., C:], vn))
+    f32 = jnp.float32
+    sc = jnp.einsum("bgqd,bgcd->bgqc", qg, k_cache, preferred_element_type=f32).reshape(B, Hkv, r, S, -1)
+    sn = jnp.einsum("bgqd,bgcd->bgqc", qg, kn, preferred_element_type=f32).reshape(B, Hkv, r, S, S)
+    pc, pn = split_softmax(sc * scale, sn * scale, (masks[0][:, None, None], masks[1][:, None, None]))
+    out = (jnp.einsum("bgqc,bgcd->bgqd", pc.astype(v_cache.dtype).reshape(B, Hkv, r * S, -1), v_cache)
+           + jnp.einsum("bgqc,bgcd->bgqd", pn.astype(v_cache.dtype).reshape(B, Hkv, r * S, S), vn))
     return out.reshape(B, Hkv, r, S, -1).transpose(0, 3, 1, 2, 4).reshape(B, S, Hq, -1)
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig, RopeType
-from models.layers import AttentionInputs, Linear, RMSNorm, after, attention_masks, masked_softmax
+from models.layers import AttentionInputs, Linear, RMSNorm, after, attention_masks, split_softmax
 from models.rope import RopeTables, apply_rope
 
 
@@ -79,16 +79,14 @@ class MLAttention(nnx.Module):
         q_lat = jnp.einsum("bshd,rhd->bshr", q_nope, w_uk)
         f32 = jnp.float32
         # scores over the cached slots and over the S new tokens (read before the cache is written)
-        scores = jnp.concatenate([
-            jnp.einsum("bshr,bcr->bhsc", q_lat, cache["ckv"], preferred_element_type=f32)
-            + jnp.einsum("bshd,bcd->bhsc", q_pe, cache["kpe"], preferred_element_type=f32),
-            jnp.einsum("bshr,bcr->bhsc", q_lat, c_kv, preferred_element_type=f32)
-            + jnp.einsum("bshd,bcd->bhsc", q_pe, k_pe, preferred_element_type=f32)], axis=-1) * self.scale
-        C = cache["ckv"].shape[1]
-        mask = jnp.concatenate(attention_masks(ai, self.cfg.sliding_window), axis=-1)
-        probs = masked_softmax(scores, mask[:, None]).astype(c_kv.dtype)
-        o_lat = (jnp.einsum("bhsc,bcr->bshr", probs[..., :C], cache["ckv"])
-                 + jnp.einsum("bhsc,bcr->bshr", probs[..., C:], c_kv))
+        sc = (jnp.einsum("bshr,bcr->bhsc", q_lat, cache["ckv"], preferred_element_type=f32)
+              + jnp.einsum("bshd,bcd->bhsc", q_pe, cache["kpe"], preferred_element_type=f32)) * self.scale
+        sn = (jnp.einsum("bshr,bcr->bhsc", q_lat, c_kv, preferred_element_type=f32)
+              + jnp.einsum("bshd,bcd->bhsc", q_pe, k_pe, preferred_element_type=f32)) * self.scale
+        mask_cache, mask_new = attention_masks(ai, self.cfg.sliding_window)
+        pc, pn = split_softmax(sc, sn, (mask_cache[:, None], mask_new[:, None]))
+        o_lat = (jnp.einsum("bhsc,bcr->bshr", pc.astype(c_kv.dtype), cache["ckv"])
+                 + jnp.einsum("bhsc,bcr->bshr", pn.astype(c_kv.dtype), c_kv))
         out = jnp.einsum("bshr,rhd->bshd", o_lat, w_uv).reshape(B, S, nh * self.d_v)
         ckv_all = jax.lax.dynamic_update_slice(cache["ckv"], after(o_lat, c_kv), (0, ai.write_index, 0))
         kpe_all = jax.lax.dynamic_update_slice(cache["kpe"], after(o_lat, k_pe), (0, ai.write_index, 0))
