@@ -44,9 +44,9 @@ def run(cfg: Any) -> dict[str, Any]:
             results["above_lower_bound"] = summary["total_s"] / lb - 1 if lb > 0 else float("nan")
         if cfg.bounds.oracle:
             first = next(p for p in routing.passes if not p.prefill)
-            pinned = out.sim.scheduler.initial_residency()
-            best, _ = exact_best_pass(spec.model, out.cost, routing.trace, first, pinned, out.memory.cache_slots,
-                                      spec.scheduler.staging_slots, spec.async_io)
+            start = out.sim.scheduler.initial_residency()
+            best, _ = exact_best_pass(spec.model, out.cost, routing.trace, first, getattr(out.sim.scheduler, "pinned", start),
+                                      out.memory.cache_slots, spec.scheduler.staging_slots, spec.async_io, initial=start)
             results["oracle_first_decode_s"] = best
         for i, seconds in enumerate(out.sim.metrics.pass_s):
             tm.log({"pass_ms": seconds * 1e3}, step=i)

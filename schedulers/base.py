@@ -64,6 +64,8 @@ class SchedulerSettings:
     round_half_up: bool = True  # presched eq. 5: |f| = round(f) with halves rounded up (else banker's rounding)
     retain_loads: bool = False  # presched: keep on-demand loads in the dynamic region while it has room
     mask_gpu_compute: bool = True  # presched Premise 5 as written; False: T_G and T_gap count the GPU's work on resident experts
+    offload_resident: bool = False  # presched extension: in decode, move the coldest resident experts to the idle CPU
+    #   while that shortens the layer (max(T_C, T_G)); Algorithm 1 as written keeps every resident expert on the GPU
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,11 @@
 
 Cache organisations used by the policies:
 - *pinned + dynamic* (LayerScope, Fiddler, Klotski, Fate, kTransformers, on-demand): the hot table
-  fills all cache slots but `dynamic_slots`; hot experts stay; the dynamic region holds prefetched
-  or cached loads and evicts least-recently-used first.
+  (§4.1: preload the hottest until the budget is full) pins all cache slots but `dynamic_slots` and
+  starts the dynamic region with the next hottest; pinned experts stay; the dynamic region holds
+  prefetched or cached loads and evicts least-recently-used first. (An empty dynamic region would
+  be memory the budget pays for and leaves unused until enough loads arrive, at small budgets or
+  when little is prefetched the whole run.)
 - *per-layer slots* (HybriMoE, mixtral-offloading): each layer owns an equal share of the slots,
   initialised with its hottest experts; evictions stay inside the layer (`layer_victims`).
 """
@@ -40,9 +43,9 @@ class OffloadPolicy:
             self._initial = per_layer_hot_table(profile, self.layer_slots) if settings.hot_table \
                 else np.zeros((self.L, self.E), dtype=bool)
         else:
-            self.pinned = hot_table(profile, setup.cache_slots - self.dynamic_slots) if settings.hot_table \
-                else np.zeros((self.L, self.E), dtype=bool)
-            self._initial = self.pinned
+            none = np.zeros((self.L, self.E), dtype=bool)
+            self.pinned = hot_table(profile, setup.cache_slots - self.dynamic_slots) if settings.hot_table else none
+            self._initial = hot_table(profile, setup.cache_slots) if settings.hot_table else none
 
     @property
     def micro_batches(self) -> int:

@@ -123,6 +123,42 @@ def prefetch_count(t_gap: float, t_attn: float, t_io: float, hit_rate: float, ha
     return max(count, 0), f, xi
 
 
+def resident_to_cpu(state: LayerState, ready: np.ndarray, cpu: np.ndarray, n_loads: int, alpha: float,
+                    t_io: float, t_g: float) -> np.ndarray:
+    """`offload_resident`: resident experts of this layer to run on the CPU too, coldest first.
+
+    The layer ends at max(T_C, T_G) with T_C = t_c_sum(CPU experts) and T_G = max(GPU work on
+    ready experts + shared experts, alpha + n_loads t_io) + t_g when something is loaded; an
+    expert moves while moving it lowers that maximum (Algorithm 1 never revisits resident experts,
+    so at moderate batches of many small experts the GPU computes while the CPU waits)."""
+    cost, tokens = state.cost, state.tokens
+    candidates = by_tokens(ready[state.resident[state.layer, ready]], tokens)
+    if not candidates.size:
+        return candidates
+    link = alpha + n_loads * t_io
+    tail = t_g if n_loads else 0.0
+    shared = cost.t_shared(state.batch_tokens)
+    cpu_m = list(tokens[cpu])
+    gpu_left = list(tokens[ready])
+
+    def layer_time(cpu_m: list, gpu_m: list) -> float:
+        gpu = float(np.sum(cost.t_g_group(np.asarray(gpu_m)))) if gpu_m else 0.0
+        return max(cost.t_c_sum(np.asarray(cpu_m)), max(gpu + shared, link) + tail)
+
+    best = layer_time(cpu_m, gpu_left)
+    moved = []
+    for e in candidates.tolist():
+        gpu_try = list(gpu_left)
+        gpu_try.remove(tokens[e])
+        t = layer_time(cpu_m + [tokens[e]], gpu_try)
+        if t >= best:
+            break
+        best, gpu_left = t, gpu_try
+        cpu_m.append(tokens[e])
+        moved.append(e)
+    return np.asarray(moved, dtype=np.int64)
+
+
 @register(SchedulerKind.presched)
 class PreSched(OffloadPolicy):
     """LayerScope's scheduler; see the module docstring."""
@@ -156,13 +192,20 @@ class PreSched(OffloadPolicy):
             i = greedy_split(cur_m, ready_s + cost.t_shared(state.batch_tokens), alpha, t_io, t_g, cost)
         else:
             i = ondemand_start(queue, cur, cur_m, alpha, t_io, t_g, cost, busy)
-        cpu = tuple(cur[:i].tolist())
+        cpu_experts = cur[:i]
+        gap = prefetch_gap(cur_m, i, alpha, t_io, cost, busy)
+        if self.settings.offload_resident and state.phase is Phase.decode:
+            moved = resident_to_cpu(state, ready, cpu_experts, len(cur) - i, alpha, t_io, t_g)
+            if moved.size:
+                ready = ready[~np.isin(ready, moved)]
+                cpu_experts = np.concatenate([cpu_experts, moved])
+                gap = max(cost.t_c_sum(tokens[cpu_experts]), busy) - alpha - (len(cur) - i) * t_io
+        cpu = tuple(cpu_experts.tolist())
         loads = tuple(cur[i:][::-1].tolist())  # hottest first
         gpu = tuple(ready.tolist()) + loads
         self.touch(layer, gpu)
 
         prefetch: list[tuple[int, int]] = []
-        gap = prefetch_gap(cur_m, i, alpha, t_io, cost, busy)
         window = max(self.settings.max_window, 1) if self.settings.use_predictor else 0
         if state.phase is Phase.prefill and window:
             nxt1, m1 = self._next_candidates(state, layer + 1)

@@ -62,7 +62,9 @@ def test_pinned_policies_preload_the_hot_table_until_the_cache_is_full() -> None
     fid = build(SchedulerKind.fiddler, cache_slots=10, profile=prof)
     assert fid.initial_residency().sum() == 10 and fid.initial_residency()[3].all()  # no dynamic region
     ls = build(SchedulerKind.presched, cache_slots=10, profile=prof, dynamic_slots=3)
-    assert ls.initial_residency().sum() == 7
+    start = ls.initial_residency()
+    assert start.sum() == 10 and start[3].all() and start[2, 6:].all()  # the ten hottest: budget full
+    assert ls.pinned.sum() == 7 and not ls.pinned[2, 6:].any()  # the three least hot of them start the dynamic region
     assert build(SchedulerKind.presched, cache_slots=10, profile=prof, hot_table=False).initial_residency().sum() == 0
 
 

@@ -39,6 +39,7 @@ class CheckedScheduler:
         self.inner, self.slots = inner, slots
         self.name, self.settings = inner.name, inner.settings
         self.plans = 0
+        self.resident_on_cpu = 0  # CPU experts that were resident (presched offload_resident, hybrimoe)
 
     @property
     def micro_batches(self) -> int:
@@ -52,15 +53,17 @@ class CheckedScheduler:
         assert resident + sum(1 for t in state.inflight if t.retain) <= self.slots, "cache over budget"
         assert 0 <= state.free_slots <= self.slots
         self.plans += 1
-        return self.inner.plan(state)
+        plan = self.inner.plan(state)
+        self.resident_on_cpu += sum(1 for e in plan.cpu if state.resident[state.layer, e])
+        return plan
 
 
 def _run(cfg, model, store, kind: SchedulerKind, slots: int, predictors: dict, prompts, new: int,
-         async_io: bool = True, fault=None, profile=None):
+         async_io: bool = True, fault=None, profile=None, cost: CostModel | None = None, **settings):
     L, E = len(cfg.moe_layers), cfg.num_experts
-    cost = CostModel(cfg, HW)
+    cost = cost or CostModel(cfg, HW)
     profile = profile if profile is not None else np.arange(L * E).reshape(L, E) % 7
-    inner = build_scheduler(SchedulerSettings(kind=kind, label=kind.value, use_predictor=bool(predictors)),
+    inner = build_scheduler(SchedulerSettings(kind=kind, label=kind.value, use_predictor=bool(predictors), **settings),
                             SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost, profile))
     sched = CheckedScheduler(inner, slots)
     with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=slots, async_io=async_io),
@@ -69,6 +72,7 @@ def _run(cfg, model, store, kind: SchedulerKind, slots: int, predictors: dict, p
         budget_bytes = ex.cache.device_bytes
     assert budget_bytes == (slots + 2) * store.expert_bytes  # preallocated once, never grown
     assert sched.plans > 0
+    out.checked = sched
     return out
 
 
@@ -94,6 +98,17 @@ def test_every_scheduler_and_budget_gives_the_in_memory_tokens(shipped, kind: Sc
     for slots in (L, L * E // 4, L * E):  # one expert per layer, a quarter, everything
         out = _run(cfg, model, store, kind, slots, gate, prompts, 6)
         np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{kind.value} with {slots} slots")
+
+
+def test_presched_offload_resident_runs_resident_experts_on_the_cpu_with_the_same_tokens(shipped) -> None:
+    cfg, model, store, prompts, ref = shipped
+    L, E = len(cfg.moe_layers), cfg.num_experts
+    cost = CostModel(cfg, HW)
+    cost.gpu_overhead_s = 10 * cost.t_c(1)  # a slow device: the cold resident experts belong on the CPU
+    gate = {1: GatePredictor.from_model(model, 1)}
+    out = _run(cfg, model, store, SchedulerKind.presched, L * E, gate, prompts, 6, cost=cost, offload_resident=True)
+    assert out.checked.resident_on_cpu > 0
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
 
 
 @pytest.mark.parametrize("predictor", [pytest.param("none", marks=pytest.mark.slow), "gate", "oracle"])

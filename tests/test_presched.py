@@ -156,3 +156,29 @@ def test_premise2_loads_are_the_hottest_suffix(cost_tokens: list, nxt: list, alp
         pred = st_.predicted[target]
         assert list(pred[chosen]) == sorted(pred[chosen], reverse=True)
         assert min(pred[chosen]) >= max([pred[e] for e in range(8) if pred[e] > 0 and e not in chosen], default=0)
+
+
+def test_offload_resident_moves_cold_resident_experts_while_the_layer_shortens() -> None:
+    # four resident experts of 1, 2, 3, 4 tokens, nothing missing; each costs 3 ms on the GPU
+    # (memory-bound: the same for any small m) and t_c(m) = m + 1 ms on the CPU. Keeping all on the
+    # GPU: 12 ms. Moving the 1-token one: max(2, 9) = 9 < 12; the 2-token one too: max(2 + 3, 6) = 6
+    # < 9; the 3-token one would give max(9, 3) = 9 > 6: stop. Algorithm 1 as written moves none.
+    c = CostModel(mixtral(), load_hardware("v100_pcie3"))
+    c.beta_s, c.cpu_startup_s, c.cpu_dispatch_s, c.call_overhead_s, c.t_io = 1 * MS, 1 * MS, 0.0, 0.0, 4 * MS
+    c.gpu_overhead_s = 3 * MS - float(c._gpu_roofline(1))
+    assert float(c.t_g_group(np.array([4]))[0]) == pytest.approx(3 * MS) and c.t_shared(10) == 0.0
+    tokens = np.zeros(8, dtype=np.int64)
+    tokens[:4] = [1, 2, 3, 4]
+    resident = np.zeros((4, 8), dtype=bool)
+    resident[0, :4] = True
+
+    def at(phase: Phase) -> LayerState:
+        return LayerState(layer=0, num_layers=4, phase=phase, tokens=tokens, scores=tokens * 0.5, predicted={},
+                          resident=resident, inflight=(), queued=(), alpha_s=0.0, cache_slots=16, free_slots=12,
+                          batch_tokens=10, context_len=512, hit_rate={}, cost=c, t_io_s=c.t_io, t_attn_next_s=1 * MS)
+
+    plan = presched(c, offload_resident=True).plan(at(Phase.decode))
+    assert plan.cpu == (0, 1) and plan.gpu == (2, 3) and plan.ondemand == ()
+    plan.validate(at(Phase.decode))
+    assert presched(c).plan(at(Phase.decode)).cpu == ()  # the paper's Algorithm 1
+    assert presched(c, offload_resident=True).plan(at(Phase.prefill)).cpu == ()  # prefill: eq. 1's split already decides

@@ -116,14 +116,15 @@ def test_exact_search_beats_every_heuristic_and_respects_the_bound() -> None:
     prepared = prepare_routing(spec)
     fp = next(p for p in prepared.passes if not p.prefill)
     sim, mem, cost = build_sim(spec.with_scheduler(SchedulerSettings(dynamic_slots=3)), prepared)
-    pinned = sim.scheduler.initial_residency()
+    pinned, start = sim.scheduler.pinned, sim.scheduler.initial_residency()
+    assert start.sum() == 8 > pinned.sum()  # the hot table fills the dynamic region too
     ps = sim.run_pass(fp)
-    best, plans = exact_best_pass(cfg, cost, prepared.trace, fp, pinned, cache_slots=8)
+    best, plans = exact_best_pass(cfg, cost, prepared.trace, fp, pinned, cache_slots=8, initial=start)
     assert len(plans) == 3
     assert best <= ps * (1 + 1e-9)
     assert lower_bound(cfg, cost, [fp], 8 + 2) <= best * (1 + 1e-9)
     # the searched plans replayed through the mechanism give the searched time
-    replay = PipelineSim(cfg=cfg, cost=cost, scheduler=ListPolicy(pinned, plans), cache_slots=8, staging_slots=2,
+    replay = PipelineSim(cfg=cfg, cost=cost, scheduler=ListPolicy(start, plans), cache_slots=8, staging_slots=2,
                          trace=prepared.trace, options=SimOptions(check_invariants=True))
     assert replay.run_pass(fp) == pytest.approx(best)
 

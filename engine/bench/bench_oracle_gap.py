@@ -61,9 +61,9 @@ def main() -> None:
             sim, mem, cost = build_sim(spec.with_scheduler(settings), prepared)
             times[kind.value] = sim.run_pass(fp)
             if kind is SchedulerKind.presched:
-                pinned = sim.scheduler.initial_residency()
+                pinned, start = sim.scheduler.pinned, sim.scheduler.initial_residency()
                 ps_cost = cost
-        best, _ = exact_best_pass(cfg, ps_cost, prepared.trace, fp, pinned, args.cache,
+        best, _ = exact_best_pass(cfg, ps_cost, prepared.trace, fp, pinned, args.cache, initial=start,
                                   upper_bound=times["presched"] * (1 + 1e-9) + 1e-12)
         best = min(best, times["presched"])
         lb = lower_bound(cfg, ps_cost, [fp], args.cache + 2)

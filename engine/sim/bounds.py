@@ -120,12 +120,14 @@ def _dominated(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
 
 def exact_best_pass(cfg: ModelConfig, cost: CostModel, trace: RoutingTrace, fp: ForwardPass, pinned: np.ndarray,
                     cache_slots: int, staging_slots: int = 2, async_io: bool = True, upper_bound: float = float("inf"),
-                    max_states: int = 200_000) -> tuple[float, list[LayerPlan]]:
-    """The least duration of pass `fp` from a pinned-only cache and an idle link, and its plans.
+                    max_states: int = 200_000, initial: Optional[np.ndarray] = None) -> tuple[float, list[LayerPlan]]:
+    """The least duration of pass `fp` from an idle link and a cache holding `initial` (bool [L, E];
+    default: only the `pinned` experts), and its plans. A prefetch that needs room evicts unpinned
+    experts this pass no longer uses (earlier layers, or routed no tokens in `fp`).
 
     Raises ValueError when the instance needs more than `max_states` layer simulations.
     """
-    policy = ScriptedPolicy(pinned)
+    policy = ScriptedPolicy(pinned if initial is None else initial | pinned)
     sim = PipelineSim(cfg=cfg, cost=cost, scheduler=policy, cache_slots=cache_slots, staging_slots=staging_slots,
                       trace=trace, options=SimOptions(async_io=async_io, check_invariants=True))
     L = len(cfg.moe_layers)
@@ -166,7 +168,8 @@ def exact_best_pass(cfg: ModelConfig, cost: CostModel, trace: RoutingTrace, fp: 
                     free = cache_slots - sim.n_resident - sum(1 for j in sim.jobs if j.retain)
                     evict: list[tuple[int, int]] = []
                     if len(pref) > free:  # landed prefetches of earlier layers are dead weight in one pass
-                        dead = [(lay, e) for lay in range(layer) for e in np.flatnonzero(sim.resident[lay] & ~pinned[lay])]
+                        dead = [(lay, e) for lay in range(L) for e in np.flatnonzero(sim.resident[lay] & ~pinned[lay])
+                                if lay < layer or fp.loads[lay][e] == 0]
                         evict = [(int(a), int(b)) for a, b in dead[:len(pref) - free]]
                         if len(evict) < len(pref) - free:
                             continue
