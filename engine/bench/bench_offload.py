@@ -20,13 +20,14 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
-from conf import compose  # noqa: E402
+from conf import compose, to_frozen  # noqa: E402
 from conf.schemas.hardware import load_hardware  # noqa: E402
 from engine.offload.executor import OffloadExecutor, OffloadSettings  # noqa: E402
 from engine.offload.store import ExpertStore  # noqa: E402
@@ -58,10 +59,15 @@ def batches_for(model_name: str, batch: int, prompt_len: int, new: int, n: int, 
     return node, cfg, model, list(sampler.batches(n))
 
 
+def configured_scheduler(kind: SchedulerKind, **changes) -> SchedulerSettings:
+    """`conf/scheduler/<kind>.yaml` as engine.run composes it, with `changes` applied."""
+    return replace(to_frozen(compose("run", [f"scheduler={kind.value}"]).scheduler, SchedulerSettings), **changes)
+
+
 def executor_run(cfg, model, store, kind: SchedulerKind, slots: int, cost: CostModel, predictors, lookup, batches,
                  profile, label: str = "", validate: bool = False):
     L, E = len(cfg.moe_layers), cfg.num_experts
-    settings = SchedulerSettings(kind=kind, label=label or kind.value, use_predictor=bool(predictors))
+    settings = configured_scheduler(kind, use_predictor=bool(predictors), **({"label": label} if label else {}))
     sched = build_scheduler(settings, SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost, profile))
     plan_time = [0.0, 0]
     inner = sched.plan
@@ -210,7 +216,7 @@ def simulated_decode_ms(args, cfg, model_name: str, hw, store, path, name: str, 
     from engine.sim.run import PredictorSpec, RoutingSpec, RunSpec, simulate
 
     spec = RunSpec(model=cfg, model_name=model_name, hardware=hw,
-                   scheduler=SchedulerSettings(kind=SchedulerKind(name), label=name),
+                   scheduler=configured_scheduler(SchedulerKind(name), label=name),
                    routing=RoutingSpec(source="trace", name="reference", path=str(path)),
                    batch_size=args.batch, prompt_len=args.prompt, gen_len=args.new, profile_batches=1,
                    num_batches=args.batches, bytes_per_param=store.dtype.itemsize, cache_slots=slots,
