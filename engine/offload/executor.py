@@ -154,10 +154,13 @@ class OffloadExecutor:
         active = self.link.active()
         inflight: tuple[Transfer, ...] = ()
         alpha = 0.0
-        if active is not None and not active.done.is_set() and not resident[active.layer, active.expert] \
-                and not self.cache.is_resident(active.layer, active.expert):
+        # judged against the snapshot only: a transfer that lands after it must still count as in flight, or the
+        # plan would see the expert neither resident nor landing and load it a second time
+        done = active is not None and active.done.is_set()
+        if active is not None and not resident[active.layer, active.expert] \
+                and not (done and (active.error is not None or not active.retain)):
             elapsed = time.perf_counter() - (active.started_at or time.perf_counter())
-            alpha = max(self.cost.t_io - elapsed, 0.0)
+            alpha = 0.0 if done else max(self.cost.t_io - elapsed, 0.0)
             inflight = (Transfer(active.layer, active.expert, alpha, active.retain),)
         queued = tuple(Transfer(j.layer, j.expert, self.cost.t_io, j.retain) for j in self.link.queued())
         reserved_by_queue = sum(1 for j in self.link.queued() if j.slot >= 0 and not self.cache.slots[j.slot].staging)
