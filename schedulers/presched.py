@@ -27,6 +27,12 @@ Prefetches are non-interruptible and the link is serial (Premises 3-4: the mecha
 prefetches land in the dynamic cache region (LRU); on-demand loads stay there too while it has room
 (`retain_loads`: a buffer is only overwritten when needed), else they pass through the staging buffer.
 
+Loads on the GPU side: eqs. 3-5 charge t_io per on-demand load because Premise 5 takes the GPU's
+work as negligible next to a transfer. Each loaded expert is a device call of its own, so where a
+call costs more than a transfer (small experts, a host-driven device such as this CPU backend) the
+calls, not the link, pace the loads; the terms use max(t_io, t_g), which is t_io on every paper
+profile. Prefetch counting (eq. 5's f, eq. 6) stays in link time.
+
 Prefill passes: eq. 4's strict T_G(i') < T_C(i') can never hold at i' = 0 (no CPU expert, T_C = 0),
 so read literally it always leaves the coldest missing expert on the CPU. At decode sizes that costs
 at most one expert's CPU time; in a prefill pass (hundreds of tokens per hot expert, eq. 2's CPU
@@ -185,21 +191,24 @@ class PreSched(OffloadPolicy):
         busy = 0.0 if self.settings.mask_gpu_compute else \
             float(np.sum(np.atleast_1d(cost.t_g(tokens[ready])))) + cost.t_shared(state.batch_tokens)
 
+        # one on-demand load occupies the GPU side for max(t_io, t_g): the paper's t_io under Premise 5
+        # (t_g << t_io); where a device call costs more than a transfer, the calls are the bottleneck
+        t_load = max(t_io, t_g)
         nxt, nxt_m = self._next_candidates(state, layer + 1)
-        queue = cross_layer_queue(cur, cur_m, nxt, nxt_m, alpha, t_io, t_g, t_attn, cost, busy)
+        queue = cross_layer_queue(cur, cur_m, nxt, nxt_m, alpha, t_load, t_g, t_attn, cost, busy)
         if state.phase is Phase.prefill:
             ready_s = float(np.sum(np.atleast_1d(cost.t_g(tokens[ready])))) if ready.size else 0.0
             i = greedy_split(cur_m, ready_s + cost.t_shared(state.batch_tokens), alpha, t_io, t_g, cost)
         else:
-            i = ondemand_start(queue, cur, cur_m, alpha, t_io, t_g, cost, busy)
+            i = ondemand_start(queue, cur, cur_m, alpha, t_load, t_g, cost, busy)
         cpu_experts = cur[:i]
-        gap = prefetch_gap(cur_m, i, alpha, t_io, cost, busy)
+        gap = prefetch_gap(cur_m, i, alpha, t_load, cost, busy)
         if self.settings.offload_resident and state.phase is Phase.decode:
-            moved = resident_to_cpu(state, ready, cpu_experts, len(cur) - i, alpha, t_io, t_g)
+            moved = resident_to_cpu(state, ready, cpu_experts, len(cur) - i, alpha, t_load, t_g)
             if moved.size:
                 ready = ready[~np.isin(ready, moved)]
                 cpu_experts = np.concatenate([cpu_experts, moved])
-                gap = max(cost.t_c_sum(tokens[cpu_experts]), busy) - alpha - (len(cur) - i) * t_io
+                gap = max(cost.t_c_sum(tokens[cpu_experts]), busy) - alpha - (len(cur) - i) * t_load
         cpu = tuple(cpu_experts.tolist())
         loads = tuple(cur[i:][::-1].tolist())  # hottest first
         gpu = tuple(ready.tolist()) + loads
@@ -218,7 +227,7 @@ class PreSched(OffloadPolicy):
                 break
             if distance > 1:
                 nxt, nxt_m = self._next_candidates(state, target)
-                queue = cross_layer_queue(cur, cur_m, nxt, nxt_m, alpha, t_io, t_g, t_attn, cost, busy)
+                queue = cross_layer_queue(cur, cur_m, nxt, nxt_m, alpha, t_load, t_g, t_attn, cost, busy)
             if not queue.has_next:
                 continue  # Q4: nothing of this layer belongs on the GPU; look further ahead
             hit = state.hit_rate.get(distance, 1.0)
