@@ -14,7 +14,7 @@ from conf import compose, to_frozen
 from conf.schemas.hardware import load_hardware
 from conf.schemas.run import OffloadConfig
 from engine.offload.cache import CacheError, DeviceExpertCache
-from engine.offload.executor import OffloadExecutor, OffloadSettings
+from engine.offload.executor import OffloadExecutor, OffloadSettings, link_view
 from engine.offload.link import Job, TransferError, TransferLink
 from engine.offload.store import ExpertStore
 from engine.run import cache_slots
@@ -257,3 +257,24 @@ def test_budgets_that_cannot_run_or_exceed_the_device_are_errors() -> None:
         cache_slots(cfg, OffloadConfig(budget_fraction=None, budget_bytes=1e15), expert)
     with pytest.raises(ValueError, match="exactly one of"):
         cache_slots(cfg, OffloadConfig(budget_fraction=0.5, budget_experts=4), expert)
+
+
+def test_the_plan_sees_a_transfer_landing_after_the_residency_snapshot_as_in_flight() -> None:
+    before = np.zeros((2, 4), dtype=bool)  # the snapshot: (1, 3) not resident yet
+    landed = Job(1, 3, slot=0, retain=True, prefetch=True, started_at=10.0)
+    landed.done.set()  # it landed after the snapshot, before the link let go of it
+    inflight, alpha = link_view(landed, before, t_io=0.5, now=10.1)
+    assert [(t.layer, t.expert, t.retain) for t in inflight] == [(1, 3, True)] and alpha == 0.0
+    running = Job(1, 3, slot=0, retain=True, prefetch=True, started_at=10.0)
+    inflight, alpha = link_view(running, before, t_io=0.5, now=10.2)
+    assert len(inflight) == 1 and alpha == pytest.approx(0.3)
+    after = before.copy()
+    after[1, 3] = True
+    assert link_view(running, after, 0.5, 10.2) == ((), 0.0)  # resident in the snapshot: nothing owed
+    failed = Job(1, 3, slot=0, retain=True, prefetch=False, started_at=10.0, error=RuntimeError("copy"))
+    failed.done.set()
+    assert link_view(failed, before, 0.5, 10.2) == ((), 0.0)
+    staged = Job(0, 1, slot=-1, retain=False, prefetch=False, started_at=10.0)
+    staged.done.set()  # a finished staging load never becomes resident
+    assert link_view(staged, before, 0.5, 10.2) == ((), 0.0)
+    assert link_view(None, before, 0.5, 10.2) == ((), 0.0)

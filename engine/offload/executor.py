@@ -68,6 +68,23 @@ class OffloadOutput:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
 
 
+def link_view(active: Optional[Job], resident: np.ndarray, t_io: float, now: float
+              ) -> tuple[tuple[Transfer, ...], float]:
+    """The transfer on the link as a plan must see it, and alpha (eq. 3: link time still owed).
+
+    Judged against the residency snapshot `resident` (bool [L, E]) only: a transfer that lands after
+    the snapshot still counts as in flight, or the plan would see its expert neither resident nor
+    landing and load it a second time. Failed transfers and finished staging loads are not in flight.
+    """
+    if active is None or resident[active.layer, active.expert]:
+        return (), 0.0
+    done = active.done.is_set()
+    if done and (active.error is not None or not active.retain):
+        return (), 0.0
+    alpha = 0.0 if done else max(t_io - (now - (active.started_at or now)), 0.0)
+    return (Transfer(active.layer, active.expert, alpha, active.retain),), alpha
+
+
 class OffloadExecutor:
     """Greedy generation of a MoE model whose routed experts live in an `ExpertStore`."""
 
@@ -151,17 +168,7 @@ class OffloadExecutor:
         tokens = np.bincount(experts.reshape(-1), minlength=self.E).astype(np.int64)
         scores = np.bincount(experts.reshape(-1), weights=weights.reshape(-1), minlength=self.E)
         resident = self.cache.resident_mask()  # one snapshot: a transfer landing after it still counts as in flight
-        active = self.link.active()
-        inflight: tuple[Transfer, ...] = ()
-        alpha = 0.0
-        # judged against the snapshot only: a transfer that lands after it must still count as in flight, or the
-        # plan would see the expert neither resident nor landing and load it a second time
-        done = active is not None and active.done.is_set()
-        if active is not None and not resident[active.layer, active.expert] \
-                and not (done and (active.error is not None or not active.retain)):
-            elapsed = time.perf_counter() - (active.started_at or time.perf_counter())
-            alpha = 0.0 if done else max(self.cost.t_io - elapsed, 0.0)
-            inflight = (Transfer(active.layer, active.expert, alpha, active.retain),)
+        inflight, alpha = link_view(self.link.active(), resident, self.cost.t_io, time.perf_counter())
         queued = tuple(Transfer(j.layer, j.expert, self.cost.t_io, j.retain) for j in self.link.queued())
         reserved_by_queue = sum(1 for j in self.link.queued() if j.slot >= 0 and not self.cache.slots[j.slot].staging)
         return LayerState(layer=m, num_layers=self.L, phase=phase, tokens=tokens, scores=scores,
