@@ -1,0 +1,31 @@
+"""`python -m engine.run`, the README's main job, as a user runs it: offloaded inference on the shipped
+model with a Hydra override or two, results.json, the timeline figure, wandb offline files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.test_generate_entry import run_entry
+
+
+def test_main_job_serves_offloaded_with_the_in_memory_tokens(tmp_path: Path) -> None:
+    proc = run_entry("engine.run", f"hydra.run.dir={tmp_path}", "workload.batch_size=2", "workload.num_batches=1",
+                     "workload.prompt_len=16", "workload.gen_len=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["model"] == "mixtral-tiny" and r["scheduler"] == "LayerScope" and r["predictor"] == "gate"
+    assert r["tokens_match_in_memory"] is True
+    assert r["generated_tokens"] == 2 * 4 and r["throughput_tok_s"] > 0 and r["decode_latency_ms"] > 0
+    assert 0 < r["cache_slots"] < r["experts_total"] == 64  # a quarter of the experts by default
+    # wall-clock headline figures and the MoE layers' own times are named apart
+    assert "decode_latency_s" not in r and 0 < r["moe_layers_decode_latency_s"] * 1e3 <= r["decode_latency_ms"]
+    assert len(r["text"]) == 2 and all(isinstance(t, str) for t in r["text"])
+    assert (tmp_path / "timeline.png").is_file()
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run written"
+
+
+def test_main_job_names_a_bad_override(tmp_path: Path) -> None:
+    proc = run_entry("engine.run", f"hydra.run.dir={tmp_path}", "scheduler=no_such_policy")
+    assert proc.returncode != 0 and "no_such_policy" in proc.stderr
+    assert not (tmp_path / "results.json").exists()
