@@ -113,6 +113,12 @@ def serve(executor: OffloadExecutor, batches: list, cfg: ModelConfig, seq_offset
     return outs, time.perf_counter() - start
 
 
+# the layer metrics' times sum the MoE layers of the last batch (what the simulator models); the
+# headline throughput, decode latency and prefill time `run` reports are wall clock over every batch
+MOE_LAYER_KEYS = {"decode_latency_s": "moe_layers_decode_latency_s", "prefill_s": "moe_layers_prefill_s",
+                  "decode_s": "moe_layers_decode_s", "total_s": "moe_layers_total_s"}
+
+
 def run(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     rc: RunConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
     dtype = jnp.bfloat16 if rc.dtype.value == "bfloat16" else jnp.float32
@@ -186,12 +192,6 @@ def run(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
         tm.save_figure(plot_timeline(events, first_pass, title=f"{settings.label} on {node.model.name}: a decode pass "
                                      f"(budget {slots} of {L * E} experts)"), "timeline.png")
     return results
-
-
-# the layer metrics' times sum the MoE layers of the last batch (what the simulator models); the
-# headline throughput, decode latency and prefill time above are wall clock over every batch
-MOE_LAYER_KEYS = {"decode_latency_s": "moe_layers_decode_latency_s", "prefill_s": "moe_layers_prefill_s",
-                  "decode_s": "moe_layers_decode_s", "total_s": "moe_layers_total_s"}
 
 
 @hydra_main("run")

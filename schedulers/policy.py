@@ -43,9 +43,9 @@ class OffloadPolicy:
             self._initial = per_layer_hot_table(profile, self.layer_slots) if settings.hot_table \
                 else np.zeros((self.L, self.E), dtype=bool)
         else:
-            none = np.zeros((self.L, self.E), dtype=bool)
-            self.pinned = hot_table(profile, setup.cache_slots - self.dynamic_slots) if settings.hot_table else none
-            self._initial = hot_table(profile, setup.cache_slots) if settings.hot_table else none
+            # without a hot table every slot is dynamic: nothing pinned, nothing preloaded
+            self.pinned = hot_table(profile, setup.cache_slots - self.dynamic_slots)
+            self._initial = hot_table(profile, setup.cache_slots if settings.hot_table else 0)
 
     @property
     def micro_batches(self) -> int:

@@ -130,18 +130,18 @@ def prefetch_count(t_gap: float, t_attn: float, t_io: float, hit_rate: float, ha
 
 
 def resident_to_cpu(state: LayerState, ready: np.ndarray, cpu: np.ndarray, n_loads: int, alpha: float,
-                    t_io: float, t_g: float) -> np.ndarray:
+                    t_load: float, t_g: float) -> np.ndarray:
     """`offload_resident`: resident experts of this layer to run on the CPU too, coldest first.
 
     The layer ends at max(T_C, T_G) with T_C = t_c_sum(CPU experts) and T_G = max(GPU work on
-    ready experts + shared experts, alpha + n_loads t_io) + t_g when something is loaded; an
+    ready experts + shared experts, alpha + n_loads t_load) + t_g when something is loaded; an
     expert moves while moving it lowers that maximum (Algorithm 1 never revisits resident experts,
     so at moderate batches of many small experts the GPU computes while the CPU waits)."""
     cost, tokens = state.cost, state.tokens
     candidates = by_tokens(ready[state.resident[state.layer, ready]], tokens)
     if not candidates.size:
         return candidates
-    link = alpha + n_loads * t_io
+    link = alpha + n_loads * t_load
     tail = t_g if n_loads else 0.0
     shared = cost.t_shared(state.batch_tokens)
     cpu_m = list(tokens[cpu])
@@ -202,13 +202,13 @@ class PreSched(OffloadPolicy):
         else:
             i = ondemand_start(queue, cur, cur_m, alpha, t_load, t_g, cost, busy)
         cpu_experts = cur[:i]
-        gap = prefetch_gap(cur_m, i, alpha, t_load, cost, busy)
         if self.settings.offload_resident and state.phase is Phase.decode:
             moved = resident_to_cpu(state, ready, cpu_experts, len(cur) - i, alpha, t_load, t_g)
-            if moved.size:
-                ready = ready[~np.isin(ready, moved)]
-                cpu_experts = np.concatenate([cpu_experts, moved])
-                gap = max(cost.t_c_sum(tokens[cpu_experts]), busy) - alpha - (len(cur) - i) * t_load
+            ready = ready[~np.isin(ready, moved)]
+            cpu_experts = np.concatenate([cpu_experts, moved])
+        # eq. 5 over the final CPU side (E_cur[0..i-1] plus any moved resident expert) and loads E_cur[i..n]
+        gap = prefetch_gap(np.concatenate([tokens[cpu_experts], cur_m[i:]]), len(cpu_experts), alpha, t_load,
+                           cost, busy)
         cpu = tuple(cpu_experts.tolist())
         loads = tuple(cur[i:][::-1].tolist())  # hottest first
         gpu = tuple(ready.tolist()) + loads
