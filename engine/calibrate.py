@@ -131,7 +131,8 @@ def measure_executor_overheads(model: MoETransformer, store: ExpertStore, cost: 
     sched = build_scheduler(SchedulerSettings(kind=SchedulerKind.ktransformers, label="calibrate", use_predictor=False),
                             SchedulerSetup(L, E, cfg.num_experts_per_tok, L * E, cost, np.ones((L, E), np.int64)))
     prompts = np.random.default_rng(seed).integers(3, cfg.vocab_size, (batch, prompt_len)).tolist()
-    with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=L * E, validate_plans=False)) as ex:
+    with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=L * E, validate_plans=False,
+                                                                       fuse_resident=False)) as ex:
         ex.generate(prompts, new_tokens)  # compiles
         ex.timer.samples.clear()
         ex.generate(prompts, new_tokens)

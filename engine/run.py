@@ -138,7 +138,7 @@ def run(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     o = rc.offload
     mech = OffloadSettings(cache_slots=slots, staging_slots=o.staging_slots, chunks=o.chunks, async_io=o.async_io,
                            cpu_threads=o.cpu_threads, cpu_dtype=o.cpu_dtype.value, retries=o.retries,
-                           validate_plans=o.validate_plans)
+                           validate_plans=o.validate_plans, fuse_resident=o.fuse_resident)
     L, E = len(cfg.moe_layers), cfg.num_experts
 
     trace, rows = (None, {})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +109,39 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax
     return jax.lax.cond(temperature <= 0.0, greedy, nucleus, logits)
 
 
+def decode_loop(step_fn: Callable[[jax.Array, KVCache, jax.Array, jax.Array], tuple[jax.Array, KVCache, Any]],
+                cache: KVCache, first: jax.Array, next_pos: jax.Array, n_steps: jax.Array, eos: jax.Array,
+                pad: jax.Array, n_buffer: int, done: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, Any]:
+    """The decode `while_loop` (traced inside a jit): from tokens `first` [B] at positions `next_pos` [B],
+    `step_fn(step, cache, tokens [B], positions [B]) -> (next tokens [B], cache, record)` runs until
+    `n_steps` steps or every row has produced `eos` (later tokens of a finished row are `pad`; `done`
+    [B] marks rows finished before the loop, default `first == eos`).
+
+    Returns (tokens int32 [B, n_buffer + 1] with `first` in column 0, steps run, the step records
+    stacked as [n_buffer, ...] (None when `step_fn` records None))."""
+    B = first.shape[0]
+    out = jnp.full((B, n_buffer + 1), pad, jnp.int32).at[:, 0].set(first)
+    record_shape = jax.eval_shape(lambda: step_fn(jnp.int32(0), cache, first, next_pos)[2])
+    records = jax.tree.map(lambda a: jnp.zeros((n_buffer,) + a.shape, a.dtype), record_shape)
+
+    def cond(carry: tuple) -> jax.Array:
+        step, _, _, _, done, _, _ = carry
+        return (step < n_steps) & ~jnp.all(done)
+
+    def body(carry: tuple) -> tuple:
+        step, cache, tok, pos, done, out, records = carry
+        nxt, cache, record = step_fn(step, cache, tok, pos)
+        nxt = jnp.where(done, pad, nxt)
+        out = out.at[:, step + 1].set(nxt)
+        records = jax.tree.map(lambda buf, r: buf.at[step].set(r), records, record)
+        return step + 1, cache, nxt, pos + 1, done | (nxt == eos), out, records
+
+    done = first == eos if done is None else done
+    carry = (jnp.zeros((), jnp.int32), cache, first, next_pos, done, out, records)
+    step, _, _, _, _, out, records = jax.lax.while_loop(cond, body, carry)
+    return out, step, records
+
+
 class Generator:
     """Compiled prefill + decode loop for one model and expert executor."""
 
@@ -142,40 +175,17 @@ class Generator:
                      eos: jax.Array, pad: jax.Array, key: jax.Array, params: jax.Array, n_buffer: int
                      ) -> tuple[jax.Array, jax.Array, Optional[Captured]]:
         model = self._model(state)
-        B = first.shape[0]
-        out = jnp.full((B, n_buffer + 1), pad, jnp.int32).at[:, 0].set(first)
-        done = first == eos
-        capture = None
-        if self.capture:
-            L, k = len(self.cfg.moe_layers), self.cfg.num_experts_per_tok
-            capture = Captured(experts=jnp.zeros((n_buffer, L, B, k), jnp.int32),
-                               weights=jnp.zeros((n_buffer, L, B, k), jnp.float32),
-                               hidden=jnp.zeros((n_buffer, L, B, self.cfg.hidden_size), self.cache_dtype)
-                               if self.capture_hidden else None)
 
-        def cond(carry: tuple) -> jax.Array:
-            step, _, _, _, done, _, _ = carry
-            return (step < n_steps) & ~jnp.all(done)
-
-        def body(carry: tuple) -> tuple:
-            step, cache, tok, pos, done, out, capture = carry
+        def step_fn(step: jax.Array, cache: KVCache, tok: jax.Array, pos: jax.Array) -> tuple:
             logits, cache, captured = forward(model, tok[:, None], cache, pos[:, None], executor=self.executor,
                                               capture=self.capture, capture_hidden=self.capture_hidden,
                                               last_only=True)
-            nxt = sample(logits, key, params[0], params[1], step=step)
-            nxt = jnp.where(done, pad, nxt)
-            out = out.at[:, step + 1].set(nxt)
-            if capture is not None:
-                capture = Captured(
-                    experts=capture.experts.at[step].set(captured.experts[:, :, 0]),
-                    weights=capture.weights.at[step].set(captured.weights[:, :, 0]),
-                    hidden=None if capture.hidden is None else
-                    capture.hidden.at[step].set(captured.hidden[:, :, 0].astype(capture.hidden.dtype)))
-            return step + 1, cache, nxt, pos + 1, done | (nxt == eos), out, capture
+            record = None if captured is None else Captured(
+                experts=captured.experts[:, :, 0], weights=captured.weights[:, :, 0],
+                hidden=None if captured.hidden is None else captured.hidden[:, :, 0].astype(self.cache_dtype))
+            return sample(logits, key, params[0], params[1], step=step), cache, record
 
-        carry = (jnp.zeros((), jnp.int32), cache, first, next_pos, done, out, capture)
-        step, _, _, _, _, out, capture = jax.lax.while_loop(cond, body, carry)
-        return out, step, capture
+        return decode_loop(step_fn, cache, first, next_pos, n_steps, eos, pad, n_buffer)
 
     # ---- public -----------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,

@@ -198,6 +198,11 @@ class OffloadScheduler(Protocol):
         """bool [L, E]: experts loaded before serving starts (hot table), within the cache capacity."""
         ...
 
+    @property
+    def device_only_when_resident(self) -> bool:
+        """True if a layer whose active experts are all resident is always planned as device work alone."""
+        ...
+
     def plan(self, state: LayerState) -> LayerPlan:
         ...
 

@@ -52,6 +52,13 @@ class OffloadPolicy:
         return 1
 
     @property
+    def device_only_when_resident(self) -> bool:
+        """Whether a layer whose active experts are all resident is always planned as device work alone
+        (no CPU experts, transfers or evictions). The executor then runs passes over a full cache as one
+        fused call without consulting the scheduler (whose usage statistics do not advance meanwhile)."""
+        return True
+
+    @property
     def dynamic_slots(self) -> int:
         """Cache slots outside the hot table (all of them without a hot table)."""
         if not self.settings.hot_table:

@@ -169,6 +169,10 @@ def resident_to_cpu(state: LayerState, ready: np.ndarray, cpu: np.ndarray, n_loa
 class PreSched(OffloadPolicy):
     """LayerScope's scheduler; see the module docstring."""
 
+    @property
+    def device_only_when_resident(self) -> bool:
+        return not self.settings.offload_resident  # the extension may run cold resident experts on the CPU
+
     def _next_candidates(self, state: LayerState, target: int) -> tuple[np.ndarray, np.ndarray]:
         """E_next for `target`: predicted experts neither resident nor landing (ascending predicted tokens)."""
         if not self.settings.use_predictor or target not in state.predicted:

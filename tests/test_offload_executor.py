@@ -45,6 +45,10 @@ class CheckedScheduler:
     def micro_batches(self) -> int:
         return self.inner.micro_batches
 
+    @property
+    def device_only_when_resident(self) -> bool:
+        return self.inner.device_only_when_resident
+
     def initial_residency(self):
         return self.inner.initial_residency()
 
@@ -59,21 +63,28 @@ class CheckedScheduler:
 
 
 def _run(cfg, model, store, kind: SchedulerKind, slots: int, predictors: dict, prompts, new: int,
-         async_io: bool = True, fault=None, profile=None, cost: CostModel | None = None, **settings):
+         async_io: bool = True, fault=None, profile=None, cost: CostModel | None = None, fuse_resident: bool = True,
+         eos: int | None = None, **settings):
     L, E = len(cfg.moe_layers), cfg.num_experts
     cost = cost or CostModel(cfg, HW)
     profile = profile if profile is not None else np.arange(L * E).reshape(L, E) % 7
     inner = build_scheduler(SchedulerSettings(kind=kind, label=kind.value, use_predictor=bool(predictors), **settings),
                             SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost, profile))
     sched = CheckedScheduler(inner, slots)
-    with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=slots, async_io=async_io),
-                         predictors, fault=fault) as ex:
-        out = ex.generate(prompts, new, keep_logits=True)
+    mech = OffloadSettings(cache_slots=slots, async_io=async_io, fuse_resident=fuse_resident)
+    with OffloadExecutor(model, store, sched, cost, mech, predictors, fault=fault) as ex:
+        out = ex.generate(prompts, new, eos_token_id=eos, keep_logits=True)
         budget_bytes = ex.cache.device_bytes
+        out.expert_tokens = ex.expert_tokens.copy()
     assert budget_bytes == (slots + 2) * store.expert_bytes  # preallocated once, never grown
-    assert sched.plans > 0
+    assert sched.plans > 0 or out.metrics.n_fused_decode == len(out.step_s)  # planned, or nothing to plan
     out.checked = sched
     return out
+
+
+# budgets: one expert per layer, a quarter, everything (fused passes and layer by layer)
+def _budgets(L: int, E: int) -> list[tuple[int, bool]]:
+    return [(L, True), (L * E // 4, True), (L * E, True), (L * E, False)]
 
 
 def _prompts(cfg, seed: int = 0):
@@ -95,9 +106,32 @@ def test_every_scheduler_and_budget_gives_the_in_memory_tokens(shipped, kind: Sc
     cfg, model, store, prompts, ref = shipped
     L, E = len(cfg.moe_layers), cfg.num_experts
     gate = {d: GatePredictor.from_model(model, d) for d in (1, 2)}
-    for slots in (L, L * E // 4, L * E):  # one expert per layer, a quarter, everything
-        out = _run(cfg, model, store, kind, slots, gate, prompts, 6)
-        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{kind.value} with {slots} slots")
+    for slots, fuse in _budgets(L, E):
+        out = _run(cfg, model, store, kind, slots, gate, prompts, 6, fuse_resident=fuse)
+        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{kind.value} with {slots} slots, fuse {fuse}")
+
+
+def test_a_full_cache_decodes_in_one_device_loop_as_layer_by_layer(shipped) -> None:
+    """Every expert resident: no plan is made, and tokens (with EOS), logits and the Counter equal both the
+    layer-by-layer executor's and the in-memory model's; a scheduler that may use the CPU still plans."""
+    cfg, model, store, prompts, ref = shipped
+    L, E = len(cfg.moe_layers), cfg.num_experts
+    eos = int(ref.tokens[1, 2])  # row 1 stops at its third token; the fused loop must pad it from there
+    want = Generator(model).generate(prompts, 6, eos_token_id=eos)
+    fused = _run(cfg, model, store, SchedulerKind.ktransformers, L * E, {}, prompts, 6, eos=eos)
+    layerwise = _run(cfg, model, store, SchedulerKind.ktransformers, L * E, {}, prompts, 6, eos=eos, fuse_resident=False)
+    assert fused.checked.plans == 0 and layerwise.checked.plans > 0
+    assert fused.metrics.n_fused_prefill == 1 and fused.metrics.n_fused_decode == len(fused.step_s) > 0
+    for out in (fused, layerwise):
+        np.testing.assert_array_equal(out.tokens, want.tokens)
+        np.testing.assert_array_equal(out.lengths, want.lengths)
+    assert len(fused.all_logits) == len(layerwise.all_logits) == len(fused.step_s) + 1
+    np.testing.assert_allclose(np.stack(fused.all_logits), np.stack(layerwise.all_logits), atol=1e-4)
+    np.testing.assert_allclose(fused.last_logits, layerwise.last_logits, atol=1e-4)
+    np.testing.assert_array_equal(fused.expert_tokens, layerwise.expert_tokens)
+    assert fused.metrics.summary(1)["cache_hit_rate"] == 1.0
+    hybrid = _run(cfg, model, store, SchedulerKind.hybrimoe, L * E, {}, prompts, 6)  # may give the CPU resident work
+    assert hybrid.metrics.n_fused_decode == 0 and hybrid.checked.plans > 0
 
 
 def test_presched_offload_resident_runs_resident_experts_on_the_cpu_with_the_same_tokens(shipped) -> None:
@@ -154,9 +188,9 @@ def test_every_scheduler_and_budget_on_a_second_family(deepseek, kind: Scheduler
     cfg, model, store, prompts, ref = deepseek
     L, E = len(cfg.moe_layers), cfg.num_experts
     gate = {d: GatePredictor.from_model(model, d) for d in (1, 2)}
-    for slots in (L, L * E // 4, L * E):
-        out = _run(cfg, model, store, kind, slots, gate, prompts, 5)
-        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{kind.value} with {slots} slots")
+    for slots, fuse in _budgets(L, E):
+        out = _run(cfg, model, store, kind, slots, gate, prompts, 5, fuse_resident=fuse)
+        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{kind.value} with {slots} slots, fuse {fuse}")
 
 
 @pytest.mark.slow
@@ -183,7 +217,7 @@ def test_the_timer_measures_the_fixed_host_overheads(shipped) -> None:
     cost = CostModel(cfg, hw)
     sched = build_scheduler(SchedulerSettings(kind=SchedulerKind.ondemand, label="o", use_predictor=False),
                             SchedulerSetup(L, E, cfg.num_experts_per_tok, L * E, cost, np.ones((L, E), np.int64)))
-    with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=L * E)) as ex:
+    with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=L * E, fuse_resident=False)) as ex:
         out = ex.generate(prompts, 6)
         samples = ex.timer.samples
     np.testing.assert_array_equal(out.tokens, ref.tokens)

@@ -30,6 +30,7 @@ class OffloadConfig:
     cpu_dtype: DType = DType.float32
     retries: int = 2
     validate_plans: bool = True
+    fuse_resident: bool = True  # passes with every routed expert resident run as one device call (see OffloadSettings)
 
 
 @dataclass

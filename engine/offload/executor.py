@@ -8,6 +8,10 @@ experts on the torch worker, the GPU experts on the device as their weights are 
 (resident ones at once, each on-demand load when it lands: OnIoDone), and the layer's output
 when both sides are done (OnCpuGpuDone). The Timer feeds measured costs back into the cost model.
 Dense layers, attention, routers, shared experts and the LM head always run on the device.
+
+With every routed expert resident and a scheduler that plans such layers as device work alone, a
+pass has nothing to decide: it runs as one fused device call over the cache slots (`fuse_resident`),
+and its routing still feeds the Counter, the residency metrics and the results.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ class OffloadSettings:
     retries: int = 2  # attempts after a failed transfer before it surfaces
     validate_plans: bool = True  # check every plan against the scheduler contract
     timeline_passes: int = 2  # record lane events of the first N decode passes (timeline plot)
+    # a pass with every routed expert resident, nothing on the link and a scheduler that would plan device
+    # work only runs as one device call (no gate to stop at: there is nothing to decide); False: layer by layer
+    fuse_resident: bool = True
 
 
 @dataclass
@@ -303,11 +310,64 @@ class OffloadExecutor:
                 self.events.append(Event("cpu", cpu_start - t, cpu_start - t + cpu_busy, self._pass, m, -1, 0, "expert"))
 
     # ---- a forward pass --------------------------------------------------------------------------------
+    def _can_fuse(self) -> bool:
+        """Nothing to plan: every routed expert resident, the link idle, device work the only possible plan."""
+        return (self.settings.fuse_resident and self.scheduler.device_only_when_resident
+                and self.link.active() is None and not self.link.queued() and bool(self.cache.resident_mask().all()))
+
+    def _resident_slots(self) -> tuple[tuple, tuple]:
+        """The cache arrays as (gate_up, down)[m][e]: expert e of MoE layer m (every one resident)."""
+        gate_up, down = self.cache.arrays()
+        slots = [[self.cache.slot_of(layer, e) for e in range(self.E)] for layer in range(self.L)]
+        return (tuple(tuple(gate_up[s] for s in row) for row in slots),  # type: ignore[index]
+                tuple(tuple(down[s] for s in row) for row in slots))  # type: ignore[index]
+
+    def _account_fused(self, prefill: bool, experts: np.ndarray) -> None:
+        """Counter and residency metrics of fused passes: experts [passes, L, tokens, k] (all resident)."""
+        P = experts.shape[0]
+        for m in range(self.L):
+            np.add.at(self.expert_tokens[m], experts[:, m].reshape(-1), 1)
+        used = np.zeros((P, self.L, self.E), bool)
+        used[np.arange(P)[:, None, None, None], np.arange(self.L)[None, :, None, None], experts] = True
+        active = int(used.sum())
+        self.metrics.add_residency(prefill, active, active)
+        for _ in range(P):
+            self.metrics.add_fused_pass(prefill)
+
+    def _fused_forward(self, kv: Any, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
+                       phase: Phase) -> tuple[jax.Array, Any]:
+        """A pass over a full cache as one device call; its routing is accounted afterwards."""
+        t = time.perf_counter()
+        logits, kv, routed = self.kernels.resident_pass(*self._resident_slots(), kv, tokens, positions, valid)
+        self._account_fused(phase is Phase.prefill, np.asarray(routed)[None, :, valid.reshape(-1)])
+        if self._record:
+            self.events.append(Event("gpu", t - self._t0, self._now(), self._pass, -1, -1, int(valid.sum()), "fused"))
+        return logits, kv
+
+    def _fused_decode(self, kv: Any, tokens: np.ndarray, next_pos: np.ndarray, done: np.ndarray, n_steps: int,
+                      eos: int, pad: int, keep_logits: bool) -> tuple[np.ndarray, list[float], Optional[np.ndarray]]:
+        """The remaining decode steps over a full cache in one device loop (nothing to plan on the way):
+        (tokens [B, steps run], seconds per step (the loop's mean), logits [steps, B, V] when kept)."""
+        t = time.perf_counter()
+        out, steps, (routed, logits) = self.kernels.resident_decode(
+            *self._resident_slots(), kv, tokens, next_pos.astype(np.int32), done, n_steps, eos, pad, keep_logits)
+        n = int(steps)
+        out = np.asarray(out)[:, 1:n + 1]
+        seconds = time.perf_counter() - t
+        self._account_fused(False, np.asarray(routed)[:n])
+        if self._record:
+            self.events.append(Event("gpu", t - self._t0, self._now(), self._pass + 1, -1, -1, len(tokens) * n,
+                                     "fused decode"))
+        self._pass += n
+        return out, [seconds / n] * n, None if logits is None else np.asarray(logits)[:n]
+
     def _forward(self, kv: Any, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray, phase: Phase,
                  seqs: np.ndarray, context_len: int) -> tuple[jax.Array, Any]:
         """One forward pass; a MoE layer's residual is finished in the same call as the next layer's gate."""
         self._pass += 1
         self._moe_wall = 0.0
+        if self._can_fuse():
+            return self._fused_forward(kv, tokens, positions, valid, phase)
         B, S = tokens.shape
         ai, kv = self.kernels.prepare(kv, jnp.asarray(positions), jnp.asarray(valid))
         x = self.kernels.embed_tokens(jnp.asarray(tokens))
@@ -391,13 +451,26 @@ class OffloadExecutor:
             if keep_logits:
                 all_logits.append(host)
             self._record = step <= self.settings.timeline_passes
+            if self._can_fuse():  # the rest of the decode has nothing to plan: one device loop
+                tokens_run, seconds, logits_run = self._fused_decode(kv, nxt, next_pos, done, max_new_tokens - step,
+                                                                     eos, pad, keep_logits)
+                out[:, step:step + len(seconds)] = tokens_run
+                steps += seconds
+                for s in seconds:
+                    self.metrics.add_pass(False, s)
+                if logits_run is not None:
+                    all_logits += list(logits_run[:-1])
+                    host = logits_run[-1]
+                break
             t = time.perf_counter()
             logits, kv = self._forward(kv, nxt[:, None], next_pos[:, None].astype(np.int32), np.ones((B, 1), bool),
                                        Phase.decode, seqs, int(next_pos.mean()))
             host = np.asarray(logits)
             steps.append(time.perf_counter() - t)
             self.metrics.add_pass(False, steps[-1])
-            self.timer.pass_overhead(steps[-1] - self._moe_wall - self._modelled_outside_moe(B, int(next_pos.mean())))
+            if self._moe_wall:  # a layer-by-layer pass (a fused one has no MoE-layer time of its own)
+                outside = self._modelled_outside_moe(B, int(next_pos.mean()))
+                self.timer.pass_overhead(steps[-1] - self._moe_wall - outside)
             nxt = np.where(done, pad, host.argmax(-1)).astype(np.int32)
             out[:, step] = nxt
             done |= nxt == eos

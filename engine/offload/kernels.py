@@ -8,6 +8,10 @@ decoder layers (DeepSeek's first) are `dense` calls. Device experts (`experts`) 
 of the expert cache: a pair whose slot index is -1 (a CPU expert, a padding row, an expert
 computed elsewhere) carries weight 0 and contributes nothing.
 
+When every routed expert is in the cache and the scheduler would plan nothing but device work,
+`resident_pass` runs a whole forward pass as one call over the cache slots (the executor's fast
+path: no plan to make, so no reason to stop at the gates).
+
 Sub-modules of the same kind share one NNX graphdef across layers; the compiled functions close
 over the graphdefs and take parameters as plain dicts of arrays (cheap to flatten), and are cached
 per (config, graphdefs, expert executor), so every executor of the same model reuses them.
@@ -20,9 +24,11 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
+from models.generation import bucket, decode_loop
 from models.moe import DEFAULT_EXECUTOR, ExpertExecutor, Routing
 from models.transformer import KVCache, MoETransformer, attention_inputs, model_rope
 
@@ -76,6 +82,8 @@ class _Fns:
     dense: Callable
     experts: Callable
     head: Callable
+    resident_pass: Callable
+    resident_decode: Callable
 
 
 _COMPILED: dict[_Defs, _Fns] = {}
@@ -128,10 +136,47 @@ def _build(d: _Defs) -> _Fns:
                           logits=jnp.zeros((B * S, 1), jnp.float32))
         return d.executor(-1, g.reshape(B * S, H), routing, SlotExperts(gate_up, down)).astype(jnp.float32)
 
+    def head(head_state: dict, x_last: jax.Array) -> jax.Array:
+        return merge(d.head, head_state)(x_last)
+
+    def resident_forward(params: dict, gate_up: tuple, down: tuple, kv: KVCache, tokens: jax.Array,
+                         positions: jax.Array, valid: jax.Array) -> tuple[jax.Array, KVCache, jax.Array]:
+        """One forward pass, expert e of MoE layer m at gate_up[m][e] / down[m][e]: (last logits, kv,
+        experts routed [L, B*S, k])."""
+        ai, kv = attention_inputs(d.cfg, kv, positions, valid)
+        x = params["embed"][tokens]
+        layers, routed = list(kv.layers), []
+        live = valid.reshape(-1, 1)
+        for i in range(d.cfg.num_hidden_layers):
+            if i not in d.cfg.moe_layers:
+                x, layers[i] = dense(params["attn"][i], params["mlp"][i], x, ai, layers[i])
+                continue
+            m = len(routed)
+            x, layers[i], g, chosen, weights = front(params["attn"][i], params["router"][i], x, ai, layers[i])
+            y = experts(g, jnp.where(live, chosen, -1), weights, list(gate_up[m]), list(down[m]))
+            x = finish(x, g, [y], params["shared"].get(i))
+            routed.append(chosen)
+        kv = KVCache(layers=layers, valid=kv.valid, positions=kv.positions, index=kv.index + tokens.shape[1])
+        return head(params["head"], x[:, -1]), kv, jnp.stack(routed)
+
+    def resident_decode(params: dict, gate_up: tuple, down: tuple, kv: KVCache, first: jax.Array,
+                        next_pos: jax.Array, done: jax.Array, n_steps: jax.Array, eos: jax.Array, pad: jax.Array,
+                        n_buffer: int, keep_logits: bool) -> tuple[jax.Array, jax.Array, tuple]:
+        """Greedy decode steps of `resident_forward` in one loop: (tokens [B, n_buffer + 1], steps run,
+        (experts routed [n_buffer, L, B, k], last logits [n_buffer, B, V] or None))."""
+        valid = jnp.ones((first.shape[0], 1), bool)
+
+        def step_fn(step: jax.Array, kv: KVCache, tok: jax.Array, pos: jax.Array) -> tuple:
+            logits, kv, routed = resident_forward(params, gate_up, down, kv, tok[:, None], pos[:, None], valid)
+            return jnp.argmax(logits, -1).astype(jnp.int32), kv, (routed, logits if keep_logits else None)
+
+        return decode_loop(step_fn, kv, first, next_pos, n_steps, eos, pad, n_buffer, done=done)
+
     return _Fns(prepare=jax.jit(lambda cache, pos, valid: attention_inputs(d.cfg, cache, pos, valid)),
                 embed=jax.jit(lambda embed, tokens: embed[tokens]), front=jax.jit(front),
                 back_front=jax.jit(back_front), back=jax.jit(finish), dense=jax.jit(dense), experts=jax.jit(experts),
-                head=jax.jit(lambda head, x_last: merge(d.head, head)(x_last)))
+                head=jax.jit(head), resident_pass=jax.jit(resident_forward, donate_argnames=("kv",)),
+                resident_decode=jax.jit(resident_decode, static_argnames=("n_buffer", "keep_logits")))
 
 
 def _pure(module: nnx.Module) -> tuple[Any, dict]:
@@ -154,6 +199,8 @@ class LayerKernels:
         self.mlp = {l.index: _pure(l.mlp)[1] for l in dense}
         head_def, self.head = _pure(_Head(model))
         self.embed = model.embed[...]
+        self.params = {"embed": self.embed, "attn": self.attn, "router": self.router, "mlp": self.mlp,
+                       "shared": self.shared, "head": self.head}
         defs = _Defs(cfg=model.cfg, attn=tuple(_pure(m)[0] for m in (layers[0].input_norm, layers[0].attn,
                                                                        layers[0].post_norm)),
                      router=_pure(moe[0].moe.router)[0] if moe else None, mlp=_pure(dense[0].mlp)[0] if dense else None,
@@ -190,3 +237,20 @@ class LayerKernels:
 
     def logits(self, x_last: jax.Array) -> jax.Array:
         return self.fns.head(self.head, x_last)
+
+    def resident_pass(self, gate_up: tuple, down: tuple, kv: KVCache, tokens: jax.Array, positions: jax.Array,
+                      valid: jax.Array) -> tuple[jax.Array, KVCache, jax.Array]:
+        """A whole forward pass in one call (every routed expert resident; `kv` is donated): gate_up[m][e],
+        down[m][e] hold expert e of MoE layer m. Returns (logits of the last position [B, V], kv,
+        experts routed [L, B*S, k] int32)."""
+        return self.fns.resident_pass(self.params, gate_up, down, kv, tokens, positions, valid)
+
+    def resident_decode(self, gate_up: tuple, down: tuple, kv: KVCache, first: np.ndarray, next_pos: np.ndarray,
+                        done: np.ndarray, n_steps: int, eos: int, pad: int, keep_logits: bool
+                        ) -> tuple[jax.Array, jax.Array, tuple]:
+        """Up to `n_steps` greedy decode steps over a full cache in one call (`kv` is consumed), from tokens
+        `first` [B] at positions `next_pos` [B], rows `done` [B] emitting `pad`: (tokens [B, n + 1] with
+        `first` in column 0, steps run, (experts routed [n, L, B, k], logits [n, B, V] or None)), n >= n_steps."""
+        return self.fns.resident_decode(self.params, gate_up, down, kv, first, next_pos, done, np.int32(n_steps),
+                                        np.int32(eos), np.int32(pad), n_buffer=bucket(max(n_steps, 1), 32),
+                                        keep_logits=keep_logits)

@@ -41,6 +41,8 @@ class RunMetrics:
     prefill_gpu_busy_s: float = 0.0
     prefill_cpu_busy_s: float = 0.0
     pass_s: list[float] = field(default_factory=list)  # duration of every forward pass, in order
+    n_fused_prefill: int = 0  # passes run as one device call over a full cache (no per-layer figures)
+    n_fused_decode: int = 0
 
     def __post_init__(self) -> None:
         L = self.num_layers
@@ -85,6 +87,12 @@ class RunMetrics:
         self.n_ondemand[layer] += n_ondemand
         self.n_prefetch[layer] += n_prefetch
 
+    def add_fused_pass(self, prefill: bool) -> None:
+        if prefill:
+            self.n_fused_prefill += 1
+        else:
+            self.n_fused_decode += 1
+
     def add_pass(self, prefill: bool, seconds: float) -> None:
         self.pass_s.append(float(seconds))
         if prefill:
@@ -105,7 +113,7 @@ class RunMetrics:
 
     def summary(self, tokens_generated: int) -> dict:
         """Scalars and per-layer lists for results.json (times in seconds)."""
-        n_dec = max(self.n_decode, 1)
+        n_dec = max(self.n_decode - self.n_fused_decode, 1)  # the per-layer figures cover layer-by-layer passes
         per_layer = {
             "layer_ms": (self.layer_s / n_dec * 1e3).tolist(),
             "gpu_busy_ms": (self.gpu_busy_s / n_dec * 1e3).tolist(),
@@ -135,5 +143,6 @@ class RunMetrics:
             "bytes_moved": int(self.bytes_moved),
             "ondemand_transfers": self.n_ondemand_transfers,
             "prefetch_transfers": self.n_prefetch_transfers,
+            "fused_decode_passes": self.n_fused_decode,
             "per_layer_decode": per_layer,
         }
