@@ -112,13 +112,14 @@ def test_every_scheduler_and_budget_gives_the_in_memory_tokens(shipped, kind: Sc
 
 
 def test_a_full_cache_decodes_in_one_device_loop_as_layer_by_layer(shipped) -> None:
-    """Every expert resident: no plan is made, and tokens (with EOS), logits and the Counter equal both the
-    layer-by-layer executor's and the in-memory model's; a scheduler that may use the CPU still plans."""
+    """Every expert resident: no plan or forecast is made, and tokens (with EOS), logits and the Counter equal
+    both the layer-by-layer executor's and the in-memory model's; a scheduler that may use the CPU still plans."""
     cfg, model, store, prompts, ref = shipped
     L, E = len(cfg.moe_layers), cfg.num_experts
     eos = int(ref.tokens[1, 2])  # row 1 stops at its third token; the fused loop must pad it from there
     want = Generator(model).generate(prompts, 6, eos_token_id=eos)
-    fused = _run(cfg, model, store, SchedulerKind.ktransformers, L * E, {}, prompts, 6, eos=eos)
+    gate = {1: GatePredictor.from_model(model, 1)}  # never asked: no plan is made
+    fused = _run(cfg, model, store, SchedulerKind.ktransformers, L * E, gate, prompts, 6, eos=eos)
     layerwise = _run(cfg, model, store, SchedulerKind.ktransformers, L * E, {}, prompts, 6, eos=eos, fuse_resident=False)
     assert fused.checked.plans == 0 and layerwise.checked.plans > 0
     assert fused.metrics.n_fused_prefill == 1 and fused.metrics.n_fused_decode == len(fused.step_s) > 0
@@ -129,7 +130,8 @@ def test_a_full_cache_decodes_in_one_device_loop_as_layer_by_layer(shipped) -> N
     np.testing.assert_allclose(np.stack(fused.all_logits), np.stack(layerwise.all_logits), atol=1e-4)
     np.testing.assert_allclose(fused.last_logits, layerwise.last_logits, atol=1e-4)
     np.testing.assert_array_equal(fused.expert_tokens, layerwise.expert_tokens)
-    assert fused.metrics.summary(1)["cache_hit_rate"] == 1.0
+    summary = fused.metrics.summary(1)
+    assert summary["cache_hit_rate"] == 1.0 and np.isnan(summary["predictor_hit_rate"])  # no forecast, no hit rate
     hybrid = _run(cfg, model, store, SchedulerKind.hybrimoe, L * E, {}, prompts, 6)  # may give the CPU resident work
     assert hybrid.metrics.n_fused_decode == 0 and hybrid.checked.plans > 0
 

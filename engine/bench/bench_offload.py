@@ -94,7 +94,7 @@ def executor_run(cfg, model, store, kind: SchedulerKind, slots: int, cost: CostM
             outs.append(ex.generate(b.token_lists(), b.gen_len, pad_token_id=cfg.pad_token_id))
             seq += b.batch_size
         wall = time.perf_counter() - t
-        hit = ex.book.hit_rates().get(1)
+        hit = ex.book.measured_hit_rates().get(1)
     steps = [s for o in outs for s in o.step_s]
     decode_tok = sum(int(np.maximum(o.lengths - 1, 0).sum()) for o in outs)
     gen = sum(int(o.lengths.sum()) for o in outs)

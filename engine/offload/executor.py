@@ -479,7 +479,7 @@ class OffloadExecutor:
         if keep_logits:
             all_logits.append(host)
         total = time.perf_counter() - t_start
-        self.metrics.finish(total, self.book.hit_rates())
+        self.metrics.finish(total, self.book.measured_hit_rates())
         hit = out == eos
         lengths = np.where(hit.any(1), hit.argmax(1) + 1, max_new_tokens)
         return OffloadOutput(tokens=out, lengths=lengths, prefill_s=prefill_s, decode_s=sum(steps), step_s=steps,

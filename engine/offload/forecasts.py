@@ -23,6 +23,7 @@ class LiveForecastBook(ForecastBook):
         self.k, self.E = top_k, num_experts
         self._pending = {}
         self._current: Optional[LayerContext] = None
+        self.scored: set[int] = set()
 
     def begin_layer(self, ctx: LayerContext) -> None:
         """The context the next forecasts are made from (the executor builds it from live tensors)."""
@@ -35,6 +36,7 @@ class LiveForecastBook(ForecastBook):
     def settle_live(self, layer: int, actual: np.ndarray) -> None:
         """Score every forecast made for `layer` against `actual` int [T, k] (the same T tokens)."""
         for pred, ctx, experts in self._pending.pop(layer, []):
+            self.scored.add(layer - ctx.layer)
             try:
                 pred.observe(layer, ctx, actual, predicted=experts)  # type: ignore[call-arg]
             except TypeError:

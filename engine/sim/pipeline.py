@@ -411,5 +411,5 @@ class PipelineSim:
         self._recording = self.options.record
         for job in self.jobs:  # the last layer's loads, never settled by a later gate
             self._commit(job)
-        self.metrics.finish(self.now, self.forecasts.hit_rates() if self.forecasts is not None else {})
+        self.metrics.finish(self.now, self.forecasts.measured_hit_rates() if self.forecasts is not None else {})
         return self.metrics

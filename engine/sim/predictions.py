@@ -34,6 +34,7 @@ class ForecastBook:
         self._rng = np.random.default_rng(seed)
         self._sample: dict[int, np.ndarray] = {}
         self._pending: dict[int, list[tuple[Predictor, LayerContext, np.ndarray]]] = {}
+        self.scored: set[int] = set()  # distances with at least one forecast scored
 
     @property
     def max_distance(self) -> int:
@@ -65,6 +66,7 @@ class ForecastBook:
         """Score every forecast made for `layer` against its true routing (called at its gate)."""
         for pred, ctx, experts in self._pending.pop(layer, []):
             actual = self.trace.experts[layer, ctx.rows]
+            self.scored.add(layer - ctx.layer)
             try:
                 pred.observe(layer, ctx, actual, predicted=experts)  # type: ignore[call-arg]
             except TypeError:
@@ -75,7 +77,12 @@ class ForecastBook:
         self._pending.clear()
 
     def hit_rates(self) -> dict[int, float]:
+        """R_hit per distance for the schedulers (a predictor's prior before any evidence)."""
         return {d: float(p.hit_rate()) for d, p in self.predictors.items()}
+
+    def measured_hit_rates(self) -> dict[int, float]:
+        """Hit rates of the distances whose forecasts were scored in this run (what results report)."""
+        return {d: r for d, r in self.hit_rates().items() if d in self.scored}
 
 
 class LazyForecasts(Mapping):
