@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig, ScoringFunc
+from models.config import ModelConfig, ScoringFunc, TopkMethod
 from models.moe import route
 from predictors.base import LayerContext
 from predictors.common import TrainedPredictor, pad_rows, row_bucket
@@ -54,6 +54,26 @@ def compiled_gate_scores(cfg: ModelConfig) -> Callable:
     return jax.jit(functools.partial(gate_scores_fn, cfg))
 
 
+def host_routable(cfg: ModelConfig) -> bool:
+    """Whether `gate_scores_host` reproduces the family's routing: plain top-k of softmax or sigmoid scores."""
+    return cfg.topk_method is TopkMethod.greedy and cfg.scoring_func in (ScoringFunc.softmax, ScoringFunc.sigmoid)
+
+
+def gate_scores_host(cfg: ModelConfig, hidden: np.ndarray, kernel: np.ndarray) -> np.ndarray:
+    """`gate_scores_fn` in numpy for `host_routable` families: [T, H] -> float32 [T, E]. A forecast in the
+    middle of serving then waits for no device call (~20 us here instead of 0.1-0.5 ms)."""
+    logits = hidden.astype(np.float32) @ kernel
+    if cfg.scoring_func is ScoringFunc.sigmoid:
+        probs = 1.0 / (1.0 + np.exp(-logits))
+    else:
+        e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs = e / e.sum(axis=-1, keepdims=True)
+    k = cfg.num_experts_per_tok
+    picked = np.argpartition(-probs, k - 1, axis=-1)[:, :k]
+    np.put_along_axis(probs, picked, np.take_along_axis(probs, picked, axis=-1) + 2.0, axis=-1)
+    return probs
+
+
 class GatePredictor(TrainedPredictor):
     kind = "gate"
 
@@ -69,6 +89,7 @@ class GatePredictor(TrainedPredictor):
         self.kernels = {t: jnp.asarray(kernels[t], jnp.float32) for t in self.targets}
         self.biases = {t: jnp.asarray(biases[t], jnp.float32) for t in self.targets}
         self._scores = compiled_gate_scores(model_cfg)
+        self._host = {t: np.asarray(kernels[t], np.float32) for t in self.targets} if host_routable(model_cfg) else None
 
     @classmethod
     def from_model(cls, model: Any, distance: int = 1, name: Optional[str] = None) -> "GatePredictor":
@@ -80,6 +101,8 @@ class GatePredictor(TrainedPredictor):
 
     def scores(self, target: int, ctx: LayerContext) -> np.ndarray:
         hidden = self.require_hidden(ctx)
+        if self._host is not None:
+            return gate_scores_host(self.model_cfg, hidden, self._host[target])
         n = hidden.shape[0]
         out = self._scores(pad_rows(hidden, row_bucket(n)), self.kernels[target], self.biases[target])
         return np.asarray(out)[:n]

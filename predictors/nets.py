@@ -12,7 +12,7 @@ Params are plain nested dicts / lists of arrays, so optax updates and orbax save
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -54,22 +54,37 @@ def init_net(seed: int, feat_dim: int, gate_dim: int, num_out: int, width: int, 
     return params
 
 
+def host_gelu(x: np.ndarray) -> np.ndarray:
+    """`jax.nn.gelu` (its default tanh approximation) in numpy."""
+    return 0.5 * x * (1.0 + np.tanh(np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x ** 3)))
+
+
+def host_sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+HOST_OPS = (host_gelu, host_sigmoid)  # (gelu, sigmoid) for inference in numpy, off the device's queue
+
+
 def apply_net(params: Params, feats: jax.Array, gate_feats: jax.Array, dropout: float = 0.0,
-              key: Optional[jax.Array] = None) -> jax.Array:
+              key: Optional[jax.Array] = None, ops: tuple[Callable, Callable] = (jax.nn.gelu, jax.nn.sigmoid)
+              ) -> jax.Array:
     """feats [T, F], gate_feats [T, G] (what modulates the residual blocks) -> logits [T, E].
 
-    `key` None: inference (no dropout).
+    `key` None: inference (no dropout). `ops`: the (gelu, sigmoid) pair; `HOST_OPS` with numpy params
+    and inputs runs the net in numpy (a forecast in the middle of serving then waits for no device call).
     """
+    gelu, sigmoid = ops
     n_drop = len(params["blocks"]) + sum(len(r["layers"]) for r in params["residual"])
     keys = list(jax.random.split(key, n_drop)) if key is not None else [None] * n_drop
     h = feats
     for p in params["blocks"]:
-        h = _dropout(jax.nn.gelu(linear(p, h)), dropout, keys.pop())
+        h = _dropout(gelu(linear(p, h)), dropout, keys.pop())
     for block in params["residual"]:
         r = h
         for p in block["layers"]:
-            r = _dropout(jax.nn.gelu(linear(p, r)), dropout, keys.pop())
-        h = h + jax.nn.sigmoid(linear(block["gate"], gate_feats)) * r
+            r = _dropout(gelu(linear(p, r)), dropout, keys.pop())
+        h = h + sigmoid(linear(block["gate"], gate_feats)) * r
     return linear(params["out"], h)
 
 

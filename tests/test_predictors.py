@@ -102,15 +102,17 @@ def test_stats_ranking_is_the_frequency_table_of_its_training_rows() -> None:
 
 
 # ---- gate ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("model_name", ["tiny_deepseek_v2", "tiny_moonlight"])
+@pytest.mark.parametrize("model_name", ["tiny_mixtral", "tiny_deepseek_v2", "tiny_moonlight"])
 def test_gate_equals_the_family_routing_when_gate_inputs_are_equal(model_name: str) -> None:
+    """Also for the numpy scoring of plain top-k families, which must equal the jitted scores."""
     from flax import nnx
 
     from models.loading import resolve_model_config
     from models.moe import Router
-    from predictors.gate import GatePredictor
+    from predictors.gate import GatePredictor, compiled_gate_scores, host_routable
 
     cfg = resolve_model_config(compose("record", [f"model={model_name}"]).model)
+    assert host_routable(cfg) == (model_name != "tiny_moonlight")  # grouped top-k with a bias stays jitted
     L = len(cfg.moe_layers)
     routers = [Router(cfg, rngs=nnx.Rngs(params=i)) for i in range(L)]
     for r in routers:
@@ -126,6 +128,8 @@ def test_gate_equals_the_family_routing_when_gate_inputs_are_equal(model_name: s
         ctx = LayerContext(layer=target - 1, step=0, experts=np.zeros((40, 1), np.int64),
                            weights=np.ones((40, 1), np.float32), hidden=h)
         np.testing.assert_array_equal(np.sort(gate.predict_topk(ctx), axis=1), np.sort(truth, axis=1))
+        jitted = np.asarray(compiled_gate_scores(cfg)(h, gate.kernels[target], gate.biases[target]))
+        np.testing.assert_allclose(gate.scores(target, ctx), jitted, atol=1e-5)
         gate.observe(target, ctx, truth)
         assert gate.hit_rate(target) == 1.0
     with pytest.raises(ValueError, match="LayerContext.hidden"):
@@ -193,6 +197,23 @@ def test_llapor_learns_the_routing_rule_and_beats_stats(llapor_fit) -> None:
     res = evaluate_offline(pred, trace, split.test, groups.as_dict())
     stats = evaluate_offline(StatsPredictor.fit(trace, split.train), trace, split.test, groups.as_dict())
     assert res["groups"]["all"]["hit"] > 0.95 > 0.5 > stats["groups"]["all"]["hit"]
+
+
+def test_llapor_forecasts_in_numpy_equal_the_jitted_net(llapor_fit) -> None:
+    """Serving forecasts run the net in numpy; training and the paper's formulas run it in JAX."""
+    import jax
+
+    from predictors.data import routing_vector
+    from predictors.llapor import llapor_logits
+
+    trace, split, cfg, groups, pred, losses = llapor_fit
+    rows = np.arange(37)
+    for target in (1, 2):  # no residual block (input group), a gated residual block (middle group)
+        ctx = trace_context(trace, target - 1, rows)
+        arrays = pred.layers[target].arrays()
+        routing = routing_vector(ctx.experts, ctx.weights, pred.num_experts)
+        jitted = jax.nn.sigmoid(llapor_logits(arrays["net"], arrays["mean"], arrays["comps"], ctx.hidden, routing))
+        np.testing.assert_allclose(pred.scores(target, ctx), np.asarray(jitted), atol=1e-5)
 
 
 def test_online_monitor_triggers_only_above_threshold_over_a_full_window() -> None:
