@@ -199,8 +199,8 @@ class OffloadScheduler(Protocol):
         ...
 
     @property
-    def device_only_when_resident(self) -> bool:
-        """True if a layer whose active experts are all resident is always planned as device work alone."""
+    def resident_on_device(self) -> bool:
+        """True if every resident active expert of a layer is always planned on the device."""
         ...
 
     def plan(self, state: LayerState) -> LayerPlan:

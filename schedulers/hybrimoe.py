@@ -58,7 +58,7 @@ def hybrid_scheduling(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarr
 @register(SchedulerKind.hybrimoe)
 class HybriMoE(OffloadPolicy):
     per_layer_cache = True
-    device_only_when_resident = False  # its greedy split may hand the least-loaded resident experts to the CPU
+    resident_on_device = False  # its greedy split may hand the least-loaded resident experts to the CPU
 
     def __init__(self, settings: SchedulerSettings, setup: SchedulerSetup):
         super().__init__(settings, setup)

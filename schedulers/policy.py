@@ -52,10 +52,13 @@ class OffloadPolicy:
         return 1
 
     @property
-    def device_only_when_resident(self) -> bool:
-        """Whether a layer whose active experts are all resident is always planned as device work alone
-        (no CPU experts, transfers or evictions). The executor then runs passes over a full cache as one
-        fused call without consulting the scheduler (whose usage statistics do not advance meanwhile)."""
+    def resident_on_device(self) -> bool:
+        """Whether every resident active expert of a layer is always planned on the device (never on the CPU).
+
+        The executor then starts those experts before asking for the plan (they overlap the planning),
+        and runs passes with every routed expert resident as one fused call without consulting the
+        scheduler (there is nothing to transfer, evict or give the CPU; its usage statistics do not
+        advance meanwhile)."""
         return True
 
     @property

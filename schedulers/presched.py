@@ -170,7 +170,7 @@ class PreSched(OffloadPolicy):
     """LayerScope's scheduler; see the module docstring."""
 
     @property
-    def device_only_when_resident(self) -> bool:
+    def resident_on_device(self) -> bool:
         return not self.settings.offload_resident  # the extension may run cold resident experts on the CPU
 
     def _next_candidates(self, state: LayerState, target: int) -> tuple[np.ndarray, np.ndarray]:

@@ -46,8 +46,8 @@ class CheckedScheduler:
         return self.inner.micro_batches
 
     @property
-    def device_only_when_resident(self) -> bool:
-        return self.inner.device_only_when_resident
+    def resident_on_device(self) -> bool:
+        return self.inner.resident_on_device
 
     def initial_residency(self):
         return self.inner.initial_residency()

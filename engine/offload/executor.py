@@ -236,11 +236,24 @@ class OffloadExecutor:
                            rows=self.row_lookup(seqs[live], pos[live]) if self.row_lookup is not None else None)
         self.book.begin_layer(ctx)
         B, S = g.shape[:2]
+        parts: list[jax.Array] = []
+        pinned: list[int] = []
+        early: list[int] = []
+        gpu_start = time.perf_counter()
+        if self.scheduler.resident_on_device:  # the plan will keep these on the device: start them now
+            early = [int(e) for e in np.unique(experts[live]) if e >= 0 and self.cache.is_resident(m, int(e))]
+            if early:
+                y, slots = self._device_experts(g, experts, weights, early, m)
+                parts.append(y)
+                pinned += slots
         with self.link.hold():  # the plan point: the link's queue stays as the scheduler sees it
             state = self._state(m, phase, experts[live], weights[live], ctx, int(live.sum()), context_len, B, S)
             plan = self.scheduler.plan(state)
             if self.settings.validate_plans:
                 plan.validate(state)
+            if not set(early) <= set(plan.gpu):
+                raise RuntimeError(f"{self.scheduler.name}: resident_on_device, but the plan of MoE layer {m} moves "
+                                   f"resident experts {sorted(set(early) - set(plan.gpu))} off the device")
             self._issue(m, plan)
         if phase is Phase.decode:  # prefill's attention is far from its model; decode is what the overhead serves
             self.timer.layer_overhead(time.perf_counter() - begin - state.t_attn_next_s)
@@ -252,14 +265,13 @@ class OffloadExecutor:
         # CPU side: the torch worker starts now
         cpu_future = self.cpu.submit(m, g_host, experts, weights, list(plan.cpu)) if plan.cpu else None
         cpu_started = time.perf_counter()
-        parts: list[jax.Array] = []
-        pinned: list[int] = []
-        ondemand = set(plan.ondemand)
-        ready = [e for e in plan.gpu if e not in ondemand]
+        skip = set(plan.ondemand) | set(early)
+        ready = [e for e in plan.gpu if e not in skip]
         for e in ready:  # landing prefetches of this layer are waited for; resident ones are there
             if not self.cache.is_resident(m, e):
                 self.link.wait(m, e)
-        gpu_start = time.perf_counter()
+        if not early:
+            gpu_start = time.perf_counter()
         if ready:
             y, slots = self._device_experts(g, experts, weights, ready, m)
             parts.append(y)
@@ -312,7 +324,7 @@ class OffloadExecutor:
     # ---- a forward pass --------------------------------------------------------------------------------
     def _can_fuse(self) -> bool:
         """Nothing to plan: every routed expert resident, the link idle, device work the only possible plan."""
-        return (self.settings.fuse_resident and self.scheduler.device_only_when_resident
+        return (self.settings.fuse_resident and self.scheduler.resident_on_device
                 and self.link.active() is None and not self.link.queued() and bool(self.cache.resident_mask().all()))
 
     def _resident_slots(self) -> tuple[tuple, tuple]:
