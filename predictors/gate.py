@@ -18,6 +18,7 @@ from models.config import ModelConfig, ScoringFunc, TopkMethod
 from models.moe import route
 from predictors.base import LayerContext
 from predictors.common import TrainedPredictor, pad_rows, row_bucket
+from predictors.nets import host_sigmoid
 
 
 def gate_copies(model: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -64,7 +65,7 @@ def gate_scores_host(cfg: ModelConfig, hidden: np.ndarray, kernel: np.ndarray) -
     middle of serving then waits for no device call (~20 us here instead of 0.1-0.5 ms)."""
     logits = hidden.astype(np.float32) @ kernel
     if cfg.scoring_func is ScoringFunc.sigmoid:
-        probs = 1.0 / (1.0 + np.exp(-logits))
+        probs = host_sigmoid(logits)
     else:
         e = np.exp(logits - logits.max(axis=-1, keepdims=True))
         probs = e / e.sum(axis=-1, keepdims=True)

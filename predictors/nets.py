@@ -60,7 +60,8 @@ def host_gelu(x: np.ndarray) -> np.ndarray:
 
 
 def host_sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
+    """The logistic function in numpy, in its tanh form (no overflow for large |x|)."""
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
 HOST_OPS = (host_gelu, host_sigmoid)  # (gelu, sigmoid) for inference in numpy, off the device's queue

@@ -102,7 +102,7 @@ def test_stats_ranking_is_the_frequency_table_of_its_training_rows() -> None:
 
 
 # ---- gate ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("model_name", ["tiny_mixtral", "tiny_deepseek_v2", "tiny_moonlight"])
+@pytest.mark.parametrize("model_name", ["tiny_mixtral", "tiny_mixtral:sigmoid", "tiny_deepseek_v2", "tiny_moonlight"])
 def test_gate_equals_the_family_routing_when_gate_inputs_are_equal(model_name: str) -> None:
     """Also for the numpy scoring of plain top-k families, which must equal the jitted scores."""
     from flax import nnx
@@ -111,8 +111,15 @@ def test_gate_equals_the_family_routing_when_gate_inputs_are_equal(model_name: s
     from models.moe import Router
     from predictors.gate import GatePredictor, compiled_gate_scores, host_routable
 
-    cfg = resolve_model_config(compose("record", [f"model={model_name}"]).model)
-    assert host_routable(cfg) == (model_name != "tiny_moonlight")  # grouped top-k with a bias stays jitted
+    import dataclasses
+
+    from models.config import ScoringFunc
+
+    name, _, scoring = model_name.partition(":")
+    cfg = resolve_model_config(compose("record", [f"model={name}"]).model)
+    if scoring:  # a sigmoid-scored plain top-k router (no shipped family has one)
+        cfg = dataclasses.replace(cfg, scoring_func=ScoringFunc(scoring))
+    assert host_routable(cfg) == (name != "tiny_moonlight")  # grouped top-k with a bias stays jitted
     L = len(cfg.moe_layers)
     routers = [Router(cfg, rngs=nnx.Rngs(params=i)) for i in range(L)]
     for r in routers:
