@@ -262,8 +262,11 @@ class OffloadExecutor:
         prefetched = self._prefetched.pop(m, set())
         self.metrics.add_prefetch_outcome(len(prefetched & set(state.active.tolist())), len(prefetched))
 
-        # CPU side: the torch worker starts now
-        cpu_future = self.cpu.submit(m, g_host, experts, weights, list(plan.cpu)) if plan.cpu else None
+        # CPU side: the torch worker starts now, unless no on-demand load is to be waited for: then the main
+        # thread computes it itself once the device work is dispatched (a hand-over costs ~0.2 ms here)
+        inline_cpu = bool(plan.cpu) and not plan.ondemand
+        cpu_future = self.cpu.submit(m, g_host, experts, weights, list(plan.cpu)) if plan.cpu and not inline_cpu \
+            else None
         cpu_started = time.perf_counter()
         skip = set(plan.ondemand) | set(early)
         ready = [e for e in plan.gpu if e not in skip]
@@ -288,14 +291,20 @@ class OffloadExecutor:
                 self.timer.gpu(int((experts == e).sum()), time.perf_counter() - t)
                 self.cache.unpin(slots)
                 self.cache.release(slots[0])
+        cpu_out, cpu_busy = None, 0.0
+        if inline_cpu:
+            cpu_started = time.perf_counter()
+            cpu_out = self.cpu.compute(m, g_host, experts, weights, list(plan.cpu))
+            cpu_busy = time.perf_counter() - cpu_started
         gpu_busy = 0.0
-        if parts:
+        if parts:  # (after an inline CPU side, the device side is seen done no earlier than the CPU side)
             jax.block_until_ready(parts)
             gpu_busy = time.perf_counter() - gpu_start
-        cpu_busy = 0.0
         if cpu_future is not None:
-            parts.append(jnp.asarray(cpu_future.result()))  # OnCpuGpuDone: both sides of the layer are done
+            cpu_out = cpu_future.result()  # OnCpuGpuDone: both sides of the layer are done
             cpu_busy = time.perf_counter() - cpu_started
+        if cpu_out is not None:
+            parts.append(jnp.asarray(cpu_out))
             for tokens_n, seconds in self.cpu.timings:
                 self.timer.cpu(tokens_n, seconds)
             if cpu_busy > gpu_busy:  # the CPU side was the critical path: what it took beyond its compute
