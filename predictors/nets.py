@@ -56,7 +56,8 @@ def init_net(seed: int, feat_dim: int, gate_dim: int, num_out: int, width: int, 
 
 def host_gelu(x: np.ndarray) -> np.ndarray:
     """`jax.nn.gelu` (its default tanh approximation) in numpy."""
-    return 0.5 * x * (1.0 + np.tanh(np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x ** 3)))
+    cube = x * x * x  # x ** 3 goes through numpy's generic pow: 10x slower here
+    return 0.5 * x * (1.0 + np.tanh(np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * cube)))
 
 
 def host_sigmoid(x: np.ndarray) -> np.ndarray:
