@@ -6,7 +6,10 @@ from a `LayerState` filled from the real cache and link, and the executor carrie
 evictions, the new transfer queue (on-demand loads in plan order, then prefetches), the CPU
 experts on the torch worker, the GPU experts on the device as their weights are available
 (resident ones at once, each on-demand load when it lands: OnIoDone), and the layer's output
-when both sides are done (OnCpuGpuDone). The Timer feeds measured costs back into the cost model.
+when both sides are done (OnCpuGpuDone). Where the scheduler always keeps resident experts on the
+device (`resident_on_device`), those start right after the gate, overlapping the planning; a
+layer without on-demand loads computes its CPU side on the main thread once the device work is
+dispatched (no hand-over to the worker: nothing on the link needs watching). The Timer feeds measured costs back into the cost model.
 Dense layers, attention, routers, shared experts and the LM head always run on the device.
 
 With every routed expert resident and a scheduler that plans such layers as device work alone, a
