@@ -1,8 +1,11 @@
 """Oracle (MoEless §6.1, after He et al.): perfect expert load balance by ignoring the router.
 
-Upper-bound baseline: the experts sit where static expert parallelism puts them, but the tokens of
-every layer are spread evenly over all experts whatever the gate chose. It changes the model's
-output (it is *lossy*), which every result that includes it must say.
+Upper-bound baseline: the experts sit where static expert parallelism puts them (one replica each,
+the paper's "full expert memory footprint", Fig. 14), but the tokens of every layer are spread
+evenly over all experts whatever the gate chose. Every device then serves W / G tokens, the least
+any placement can give its busiest device, so when a device's compute time sums over its replicas
+(`conf/serverless/paper.yaml`, MoEless §4.3) no system is faster. It changes the model's output (it
+is *lossy*), which every result that includes it must say.
 
 `balanced_reroute` is the re-routing the real executor applies: assignment slot (t, j) goes to
 expert (t * k + j) mod E, so the loads differ by at most one token and a token's k experts stay

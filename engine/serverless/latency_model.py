@@ -9,12 +9,21 @@ plus T_misc for the layer's non-MoE part (attention and gate, data-parallel). al
 FLOPs per token over the device's achieved bf16 rate, beta the hidden-state bytes per token over
 the per-device all-to-all bandwidth (`interconnect.gbps_per_device`).
 
-Two refinements, off by default, for honest sensitivity checks:
+The compute term has two readings (`ComputeKind`); they agree whenever every device holds at most
+one replica with tokens (static EP, Oracle with E = G):
+- `replica_max`, the literal §3.3 formula: max over replicas, as if replicas that share a device
+  ran side by side at full speed each. Adding replicas then always pays, wherever they sit: EPLB
+  with 2 replicas per expert beats the Oracle's perfect balance (MoEless §6.1 calls Oracle the
+  upper bound).
+- `device_sum`: a device processes all its replicas' tokens, max over devices of the summed time
+  (MoEless §4.3: "each GPU's computation and communication times are proportional to its
+  aggregated expert load"). No placement beats W / G tokens per device, so the Oracle bounds every
+  system. `conf/serverless/paper.yaml` measures with it; `moe_other_s` keeps the other reading.
+
+One refinement, off by default, for honest sensitivity checks:
 - `roofline`: a replica that serves any token costs the hardware profile's kernel overhead plus a
   roofline of its GEMMs (streaming its weights bounds small batches); each all-to-all adds the
   interconnect latency.
-- `device_sum`: replicas on one device run one after another (max over devices of the sum)
-  instead of the paper's max over replicas.
 
 Cost = memory x time, summed (byte-seconds). A serverless expert is billed only while its layer
 runs (MoEless's pay-as-you-go experts); a serverful deployment holds every layer's replicas all the
@@ -47,8 +56,8 @@ class LatencyKind(enum.Enum):
 
 
 class ComputeKind(enum.Enum):
-    replica_max = "replica_max"  # max over replicas (MoEless §3.3)
-    device_sum = "device_sum"  # max over devices of the replicas' summed time
+    replica_max = "replica_max"  # max over replicas (MoEless §3.3, literally)
+    device_sum = "device_sum"  # max over devices of the replicas' summed time (MoEless §4.3; paper.yaml)
 
 
 @dataclass(frozen=True)
