@@ -9,7 +9,8 @@ experts on the torch worker, the GPU experts on the device as their weights are 
 when both sides are done (OnCpuGpuDone). Where the scheduler always keeps resident experts on the
 device (`resident_on_device`), those start right after the gate, overlapping the planning; a
 layer without on-demand loads computes its CPU side on the main thread once the device work is
-dispatched (no hand-over to the worker: nothing on the link needs watching). The Timer feeds measured costs back into the cost model.
+dispatched (no hand-over to the worker: nothing on the link needs watching). The Timer feeds
+measured costs back into the cost model.
 Dense layers, attention, routers, shared experts and the LM head always run on the device.
 
 With every routed expert resident and a scheduler that plans such layers as device work alone, a
@@ -355,12 +356,12 @@ class OffloadExecutor:
         used[np.arange(P)[:, None, None, None], np.arange(self.L)[None, :, None, None], experts] = True
         active = int(used.sum())
         self.metrics.add_residency(prefill, active, active)
-        for _ in range(P):
-            self.metrics.add_fused_pass(prefill)
+        self.metrics.add_fused_passes(prefill, P)
 
     def _fused_forward(self, kv: Any, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
                        phase: Phase) -> tuple[jax.Array, Any]:
         """A pass over a full cache as one device call; its routing is accounted afterwards."""
+        self._pass += 1
         t = time.perf_counter()
         logits, kv, routed = self.kernels.resident_pass(*self._resident_slots(), kv, tokens, positions, valid)
         self._account_fused(phase is Phase.prefill, np.asarray(routed)[None, :, valid.reshape(-1)])
@@ -390,8 +391,6 @@ class OffloadExecutor:
         """One forward pass; a MoE layer's residual is finished in the same call as the next layer's gate."""
         self._pass += 1
         self._moe_wall = 0.0
-        if self._can_fuse():
-            return self._fused_forward(kv, tokens, positions, valid, phase)
         B, S = tokens.shape
         ai, kv = self.kernels.prepare(kv, jnp.asarray(positions), jnp.asarray(valid))
         x = self.kernels.embed_tokens(jnp.asarray(tokens))
@@ -459,7 +458,10 @@ class OffloadExecutor:
         out = np.full((B, max_new_tokens), pad, np.int32)
         all_logits = []
         t_start = time.perf_counter()
-        logits, kv = self._forward(kv, tokens, positions, valid, Phase.prefill, seqs, longest)
+        if self._can_fuse():  # nothing to plan: the prefill as one device call
+            logits, kv = self._fused_forward(kv, tokens, positions, valid, Phase.prefill)
+        else:
+            logits, kv = self._forward(kv, tokens, positions, valid, Phase.prefill, seqs, longest)
         host = np.asarray(logits)
         first_logits = host
         prefill_s = time.perf_counter() - t_start
@@ -492,9 +494,8 @@ class OffloadExecutor:
             host = np.asarray(logits)
             steps.append(time.perf_counter() - t)
             self.metrics.add_pass(False, steps[-1])
-            if self._moe_wall:  # a layer-by-layer pass (a fused one has no MoE-layer time of its own)
-                outside = self._modelled_outside_moe(B, int(next_pos.mean()))
-                self.timer.pass_overhead(steps[-1] - self._moe_wall - outside)
+            outside = self._modelled_outside_moe(B, int(next_pos.mean()))
+            self.timer.pass_overhead(steps[-1] - self._moe_wall - outside)
             nxt = np.where(done, pad, host.argmax(-1)).astype(np.int32)
             out[:, step] = nxt
             done |= nxt == eos

@@ -87,11 +87,11 @@ class RunMetrics:
         self.n_ondemand[layer] += n_ondemand
         self.n_prefetch[layer] += n_prefetch
 
-    def add_fused_pass(self, prefill: bool) -> None:
+    def add_fused_passes(self, prefill: bool, count: int) -> None:
         if prefill:
-            self.n_fused_prefill += 1
+            self.n_fused_prefill += count
         else:
-            self.n_fused_decode += 1
+            self.n_fused_decode += count
 
     def add_pass(self, prefill: bool, seconds: float) -> None:
         self.pass_s.append(float(seconds))
