@@ -11,6 +11,12 @@ Three mechanisms, each set per layer group (input / middle / output MoE layers):
 - **temporal locality** (`temporal_locality`): with this probability a token's k-th expert repeats
   the one the same sequence used at the same layer one position earlier (previous prompt position
   in prefill, previous decode step in decode).
+- **request domains** (`num_domains`, per group `domain_sigma`): each request belongs to one of
+  `num_domains` equally likely domains (topics: code, chat, maths, ...) and draws its fresh experts
+  from its domain's popularity softmax(sigma * z_l + domain_sigma * u_{l,d}), u ~ N(0, 1) per
+  domain and expert. Experts specialise by domain in trained MoEs (OLMoE §5, DeepSeekMoE §4.5), so
+  the load of a batch depends on which requests it holds: the time-varying expert demand of MoEless
+  §2.3 (Fig. 3c). One domain (the default) makes every batch draw from the same distribution.
 
 Duplicates within a token's top-k are redrawn from p_l; routing weights are u ** (1 / c) for
 uniform u and c = `weight_concentration`, sorted and normalised (small c: one dominant expert).
@@ -45,14 +51,16 @@ class LayerGroupParams:
     layer_correlation: float = 0.3  # P(k-th expert follows the affinity map of the previous layer's k-th expert)
     temporal_locality: float = 0.3  # P(k-th expert repeats the previous position's / step's)
     weight_concentration: float = 1.0  # evenness of the top-k weights (small: one dominant expert)
+    domain_sigma: float = 0.0  # spread of each request domain's log-popularity offset (needs num_domains > 1)
 
     def validate(self, where: str) -> None:
         for key in ("layer_correlation", "temporal_locality"):
             value = getattr(self, key)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{where}.{key}: must lie in [0, 1], got {value}")
-        if self.popularity_sigma < 0:
-            raise ValueError(f"{where}.popularity_sigma: must be >= 0, got {self.popularity_sigma}")
+        for key in ("popularity_sigma", "domain_sigma"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{where}.{key}: must be >= 0, got {getattr(self, key)}")
         if self.weight_concentration <= 0:
             raise ValueError(f"{where}.weight_concentration: must be > 0, got {self.weight_concentration}")
 
@@ -60,10 +68,12 @@ class LayerGroupParams:
 @dataclass(frozen=True)
 class SyntheticRoutingParams:
     """Per-group routing statistics. `input_fraction` / `output_fraction` of the MoE layers form the
-    input and output groups (at least one layer each when there are three or more layers)."""
+    input and output groups (at least one layer each when there are three or more layers);
+    `num_domains` request domains share the traffic (1: routing independent of the request)."""
 
     input_fraction: float = 0.25
     output_fraction: float = 0.25
+    num_domains: int = 1
     input: LayerGroupParams = field(default_factory=lambda: LayerGroupParams(
         popularity_sigma=0.6, layer_correlation=0.5, temporal_locality=0.3, weight_concentration=0.5))
     middle: LayerGroupParams = field(default_factory=lambda: LayerGroupParams(
@@ -76,6 +86,8 @@ class SyntheticRoutingParams:
             value = getattr(self, key)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"routing.synthetic.{key}: must lie in [0, 1], got {value}")
+        if self.num_domains < 1:
+            raise ValueError(f"routing.synthetic.num_domains: must be >= 1, got {self.num_domains}")
         if self.input_fraction + self.output_fraction > 1.0:
             raise ValueError("routing.synthetic: input_fraction + output_fraction exceeds 1")
         for name in ("input", "middle", "output"):
@@ -108,17 +120,23 @@ class SyntheticRouter:
         self.groups = self.params.group_of_layers(num_layers)
         self.layer_params = [getattr(self.params, g) for g in self.groups]
         rng = np.random.default_rng(model_seed)
-        self.popularity = np.empty((num_layers, num_experts))
-        for layer, gp in enumerate(self.layer_params):
-            logits = gp.popularity_sigma * rng.standard_normal(num_experts)
-            p = np.exp(logits - logits.max())
-            self.popularity[layer] = p / p.sum()
-        cdf = np.cumsum(self.popularity, axis=1)
-        cdf[:, -1] = 1.0
+        logits = np.stack([gp.popularity_sigma * rng.standard_normal(num_experts) for gp in self.layer_params])  # [L, E]
+        self.affinity = np.stack([rng.permutation(num_experts) for _ in range(num_layers)])  # [L, E]
+        self.num_domains = self.params.num_domains
+        if self.num_domains > 1:  # drawn after the affinity maps: one domain keeps the model of older seeds
+            spread = np.array([gp.domain_sigma for gp in self.layer_params])[:, None, None]
+            logits = logits[:, None, :] + spread * rng.standard_normal((num_layers, self.num_domains, num_experts))
+        else:
+            logits = logits[:, None, :]
+        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        self.domain_popularity = p / p.sum(axis=-1, keepdims=True)  # [L, D, E]
+        self.popularity = self.domain_popularity.mean(axis=1)  # [L, E]: over the uniform domain mix
+        cdf = np.cumsum(self.domain_popularity, axis=-1)
+        cdf[..., -1] = 1.0
         # inverse-CDF lookup table: expert of each of 2**16 equal probability bins (bin error <= 1.5e-5)
         grid = (np.arange(_LUT_SIZE) + 0.5) / _LUT_SIZE
-        self._lut = np.stack([np.searchsorted(c, grid, side="right") for c in cdf]).clip(0, num_experts - 1).astype(np.int16)
-        self.affinity = np.stack([rng.permutation(num_experts) for _ in range(num_layers)])  # [L, E]
+        self._lut = np.stack([[np.searchsorted(c, grid, side="right") for c in layer_cdf] for layer_cdf in cdf]
+                             ).clip(0, num_experts - 1).astype(np.int16)  # [L, D, LUT]
 
     @classmethod
     def for_model(cls, cfg, params: Optional[SyntheticRoutingParams] = None, model_seed: int = 0,
@@ -128,16 +146,24 @@ class SyntheticRouter:
                    moe_layers=cfg.moe_layers, model_name=model_name or cfg.family.value)
 
     # ---- sampling ------------------------------------------------------------------------------
-    def _popular(self, layer: int, n: int, rng: np.random.Generator) -> np.ndarray:
-        return self._lut[layer][rng.integers(0, _LUT_SIZE, size=n)]
+    def request_domains(self, num_seqs: int, rng: np.random.Generator) -> Optional[np.ndarray]:
+        """Each request's domain, int [num_seqs] (None with one domain: nothing is drawn)."""
+        return rng.integers(0, self.num_domains, size=num_seqs) if self.num_domains > 1 else None
 
-    def _dedupe(self, layer: int, ex: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    def _popular(self, layer: int, n: int, rng: np.random.Generator, domain: Optional[np.ndarray] = None) -> np.ndarray:
+        """n experts drawn from the layer's popularity (of each draw's `domain` [n], if given)."""
+        bins = rng.integers(0, _LUT_SIZE, size=n)
+        return self._lut[layer, 0][bins] if domain is None else self._lut[layer][domain, bins]
+
+    def _dedupe(self, layer: int, ex: np.ndarray, rng: np.random.Generator,
+                domain: Optional[np.ndarray] = None) -> np.ndarray:
         """Redraw duplicated experts within each token from the layer's popularity until distinct."""
         if self.k == 1:
             return ex
         srt = np.sort(ex, axis=1)
         rows = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))
         sub = ex[rows]
+        sub_domain = None if domain is None else np.broadcast_to(domain[rows][:, None], sub.shape)
         for _ in range(1000):
             if sub.shape[0] == 0:
                 return ex
@@ -151,7 +177,7 @@ class SyntheticRouter:
             if n == 0:
                 ex[rows] = sub
                 return ex
-            sub[dup] = self._popular(layer, n, rng)
+            sub[dup] = self._popular(layer, n, rng, None if sub_domain is None else sub_domain[dup])
         # pathological popularity (all mass on fewer than k experts): fill with unused experts
         for t in range(sub.shape[0]):
             used = set(sub[t].tolist())
@@ -171,19 +197,21 @@ class SyntheticRouter:
         return w / w.sum(axis=1, keepdims=True)
 
     def _route(self, previous_position: Optional[np.ndarray], chain_start: Optional[np.ndarray], n: int,
-               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+               rng: np.random.Generator, domain: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         """Route n tokens through every layer.
 
         previous_position: int [L, n, k] experts of each token's previous position (decode), or None.
         chain_start: bool [n] in prefill: True where a token starts its sequence (rows of a sequence
         are contiguous); temporal locality then copies along each sequence.
+        domain: int [n] each token's request domain (None: one domain).
         """
+        draw_domain = None if domain is None else np.repeat(domain, self.k)
         experts = np.empty((self.L, n, self.k), dtype=np.int16)
         weights = np.empty((self.L, n, self.k), dtype=np.float32)
         prev_layer: Optional[np.ndarray] = None
         idx = np.arange(n)
         for layer, gp in enumerate(self.layer_params):
-            ex = self._popular(layer, n * self.k, rng).reshape(n, self.k)
+            ex = self._popular(layer, n * self.k, rng, draw_domain).reshape(n, self.k)
             if prev_layer is not None and gp.layer_correlation > 0:
                 follow = rng.random((n, self.k)) < gp.layer_correlation
                 ex = np.where(follow, self.affinity[layer][prev_layer], ex)
@@ -196,25 +224,39 @@ class SyntheticRouter:
                         fresh = ~copy[:, j] | chain_start
                         src = np.maximum.accumulate(np.where(fresh, idx, 0))
                         ex[:, j] = ex[src, j]
-            ex = self._dedupe(layer, ex, rng)
+            ex = self._dedupe(layer, ex, rng, domain)
             experts[layer] = ex
             weights[layer] = self._weights(layer, n, rng)
             prev_layer = ex.astype(np.int64)
         return experts, weights
 
-    def prefill(self, num_seqs: int, prompt_len: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def _domains(self, domains: Optional[np.ndarray], num_seqs: int, rng: np.random.Generator) -> Optional[np.ndarray]:
+        if domains is None:
+            return self.request_domains(num_seqs, rng)
+        domains = np.asarray(domains, dtype=np.int64)
+        if domains.shape != (num_seqs,) or (domains.size and not 0 <= domains.min() <= domains.max() < self.num_domains):
+            raise ValueError(f"synthetic routing: domains must be {num_seqs} ints in [0, num_domains={self.num_domains}), "
+                             f"got shape {domains.shape}")
+        return domains if self.num_domains > 1 else None
+
+    def prefill(self, num_seqs: int, prompt_len: int, rng: np.random.Generator,
+                domains: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         """Routing of `num_seqs` prompts of `prompt_len` tokens: int16 [L, S*P, k], float32 [L, S*P, k]
-        (rows sequence-major)."""
+        (rows sequence-major). `domains` [S]: each prompt's request domain (drawn when not given)."""
         n = num_seqs * prompt_len
         starts = np.zeros(n, dtype=bool)
         starts[::prompt_len] = True
-        return self._route(None, starts, n, rng)
+        domains = self._domains(domains, num_seqs, rng)
+        return self._route(None, starts, n, rng, None if domains is None else np.repeat(domains, prompt_len))
 
-    def decode(self, previous: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """One decode step for the sequences whose previous-position routing is `previous` [L, S, k]."""
+    def decode(self, previous: np.ndarray, rng: np.random.Generator,
+               domains: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+        """One decode step for the sequences whose previous-position routing is `previous` [L, S, k];
+        `domains` [S]: their request domains (pass the prefill's; drawn afresh when not given)."""
         if previous.shape[0] != self.L or previous.shape[2] != self.k:
             raise ValueError(f"decode: previous routing has shape {previous.shape}, expected (L={self.L}, S, k={self.k})")
-        return self._route(previous.astype(np.int64), None, previous.shape[1], rng)
+        domains = self._domains(domains, previous.shape[1], rng)
+        return self._route(previous.astype(np.int64), None, previous.shape[1], rng, domains)
 
     def trace(self, batch: int, prompt_len: int, gen_len: int, seed: int = 0, num_batches: int = 1,
               source: str = "synthetic") -> RoutingTrace:
@@ -228,12 +270,13 @@ class SyntheticRouter:
         rec = TraceRecorder(meta)
         for b in range(num_batches):
             seq = np.arange(batch) + b * batch
-            ex, w = self.prefill(batch, prompt_len, rng)
+            domains = self.request_domains(batch, rng)
+            ex, w = self.prefill(batch, prompt_len, rng, domains)
             rec.add_step(list(ex), list(w), seq=np.repeat(seq, prompt_len), pos=np.tile(np.arange(prompt_len), batch),
                          phase=PREFILL)
             last = ex[:, prompt_len - 1::prompt_len]
             for s in range(gen_len - 1):
-                last, w = self.decode(last, rng)
+                last, w = self.decode(last, rng, domains)
                 rec.add_step(list(last), list(w), seq=seq, pos=np.full(batch, prompt_len + s), phase=DECODE)
         return rec.build()
 

@@ -74,3 +74,47 @@ def test_bad_parameters_name_the_key() -> None:
         SyntheticRouter(4, 8, 9)
     with pytest.raises(ValueError, match="input_fraction"):
         SyntheticRouter(4, 8, 2, SyntheticRoutingParams(input_fraction=0.8, output_fraction=0.5))
+
+
+def test_request_domains_draw_from_their_own_popularity_and_keep_it_while_decoding() -> None:
+    params = SyntheticRoutingParams(input=LayerGroupParams(0.0, 0.0, 0.0, 1.0, domain_sigma=1.5),
+                                    middle=LayerGroupParams(0.0, 0.0, 0.0, 1.0, domain_sigma=1.5),
+                                    output=LayerGroupParams(0.0, 0.0, 0.0, 1.0, domain_sigma=1.5), num_domains=3)
+    r = SyntheticRouter(3, 16, 1, params, model_seed=4)  # top-1: no duplicate redraws bias the shares
+    assert np.allclose(r.domain_popularity.mean(axis=1), r.popularity)
+    rng = np.random.default_rng(0)
+    for domain in range(3):
+        domains = np.full(64, domain)
+        ex, _ = r.prefill(64, 64, rng, domains)
+        shares = np.bincount(ex[1].reshape(-1), minlength=16) / ex[1].size
+        assert np.abs(shares - r.domain_popularity[1, domain]).max() < 0.02
+        last = ex[:, 63::64]
+        counts = np.zeros(16)
+        for _ in range(32):
+            last, _ = r.decode(last, rng, domains)
+            counts += np.bincount(last[1].reshape(-1), minlength=16)
+        assert np.abs(counts / counts.sum() - r.domain_popularity[1, domain]).max() < 0.03
+    with pytest.raises(ValueError, match="domains must be 4 ints in \\[0, num_domains=3\\)"):
+        r.prefill(4, 2, rng, np.array([0, 1, 2, 3]))
+
+
+def test_request_domains_make_batch_loads_vary_over_time() -> None:
+    def batch_share_spread(num_domains: int) -> float:
+        g = LayerGroupParams(popularity_sigma=0.5, layer_correlation=0.0, temporal_locality=0.0, domain_sigma=1.0)
+        r = SyntheticRouter(2, 8, 2, SyntheticRoutingParams(input=g, middle=g, output=g, num_domains=num_domains),
+                            model_seed=1)
+        tr = r.trace(batch=2, prompt_len=256, gen_len=1, seed=3, num_batches=40)  # one prefill step per batch
+        loads = np.stack([tr.expert_loads(tr.step == s) for s in range(40)])
+        shares = loads / loads.sum(axis=-1, keepdims=True)  # [batches, L, E]
+        return float(shares.std(axis=0).mean())
+
+    assert batch_share_spread(1) < 0.02 < 0.04 < batch_share_spread(8)
+
+
+def test_one_domain_draws_nothing_extra_and_bad_domain_settings_fail() -> None:
+    r = SyntheticRouter(2, 8, 2, model_seed=0)
+    assert r.request_domains(5, np.random.default_rng(0)) is None and r.domain_popularity.shape == (2, 1, 8)
+    with pytest.raises(ValueError, match="routing.synthetic.num_domains"):
+        SyntheticRoutingParams(num_domains=0).validate()
+    with pytest.raises(ValueError, match="routing.synthetic.middle.domain_sigma"):
+        SyntheticRoutingParams(middle=LayerGroupParams(domain_sigma=-1.0)).validate()

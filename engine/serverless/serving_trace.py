@@ -104,19 +104,23 @@ def replay_with_synthetic_routing(batches: Iterable[RequestBatch], router: Synth
     batches = [b for b in batches if b.num_requests > 0]
     if not batches:
         raise ValueError("serving trace: the workload has no requests")
-    prefills, lasts = [], []
+    prefills, lasts, domains = [], [], []
     for b in batches:
-        parts = [router.prefill(1, int(c), rng)[0] for c in b.context_tokens]
+        mine = router.request_domains(b.num_requests, rng)
+        domains.append(mine)
+        parts = [router.prefill(1, int(c), rng, None if mine is None else mine[i:i + 1])[0]
+                 for i, c in enumerate(b.context_tokens)]
         ex = np.concatenate(parts, axis=1)
         prefills.append(ex)
         lasts.append(ex[:, np.cumsum(b.context_tokens) - 1])
     gen = np.concatenate([np.maximum(b.generated_tokens.astype(np.int64), 1) for b in batches])
     owner = np.concatenate([np.full(b.num_requests, i) for i, b in enumerate(batches)])
     last = np.concatenate(lasts, axis=1)  # [L, N, k]: every sequence's previous position
+    domain = None if domains[0] is None else np.concatenate(domains)  # [N]: every sequence's request domain
     decoded: list[list[tuple[int, np.ndarray, np.ndarray]]] = [[] for _ in batches]  # (j, seq idx, experts)
     for j in range(int(gen.max()) - 1):
         active = np.flatnonzero(gen - 1 > j)
-        new, _ = router.decode(last[:, active], rng)
+        new, _ = router.decode(last[:, active], rng, None if domain is None else domain[active])
         last[:, active] = new
         if j % decode_stride:
             continue
