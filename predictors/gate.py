@@ -18,7 +18,7 @@ from models.config import ModelConfig, ScoringFunc, TopkMethod
 from models.moe import route
 from predictors.base import LayerContext
 from predictors.common import TrainedPredictor, pad_rows, row_bucket
-from predictors.nets import host_sigmoid
+from predictors.nets import host_sigmoid, one_blas_thread
 
 
 def gate_copies(model: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -60,6 +60,7 @@ def host_routable(cfg: ModelConfig) -> bool:
     return cfg.topk_method is TopkMethod.greedy and cfg.scoring_func in (ScoringFunc.softmax, ScoringFunc.sigmoid)
 
 
+@one_blas_thread
 def gate_scores_host(cfg: ModelConfig, hidden: np.ndarray, kernel: np.ndarray) -> np.ndarray:
     """`gate_scores_fn` in numpy for `host_routable` families: [T, H] -> float32 [T, E]. A forecast in the
     middle of serving then waits for no device call (~20 us here instead of 0.1-0.5 ms)."""

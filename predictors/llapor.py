@@ -28,7 +28,7 @@ from predictors.common import TrainedPredictor
 from predictors.data import layer_pairs, multi_hot, routing_vector
 from predictors.fitting import fit, make_step
 from predictors.groups import LayerGroups
-from predictors.nets import HOST_OPS, Params, apply_net, bce_loss, host_sigmoid, hybrid_loss, init_net
+from predictors.nets import HOST_OPS, Params, apply_net, bce_loss, host_sigmoid, hybrid_loss, init_net, one_blas_thread
 from predictors.online import OnlineMonitor, token_errors
 from predictors.pca import fit_pca, pca_dim
 
@@ -40,6 +40,7 @@ def llapor_logits(params: Params, mean: jax.Array, comps: jax.Array, hidden: jax
     return apply_net(params, jnp.concatenate([z, routing], axis=-1), z, dropout, key)
 
 
+@one_blas_thread
 def llapor_probs_host(params: Params, mean: np.ndarray, comps: np.ndarray, hidden: np.ndarray,
                       routing: np.ndarray) -> np.ndarray:
     """sigmoid(`llapor_logits`) at inference, in numpy: hidden [T, H], routing [T, E] -> float32 [T, E]."""

@@ -87,7 +87,9 @@ class LayerState:
     phase: Phase
     tokens: np.ndarray  # int64 [E]: tokens routed to each expert of this layer (0 = inactive)
     scores: np.ndarray  # float64 [E]: sum of routing weights per expert of this layer
-    predicted: Mapping[int, np.ndarray]  # target layer (> layer) -> float64 [E] predicted tokens per expert (lazy)
+    # target layer (> layer) -> float64 [E] predicted tokens per expert; lazy: `in` is free, reading a target
+    # runs its predictor, so a scheduler reads only the targets its plan needs
+    predicted: Mapping[int, np.ndarray]
     resident: np.ndarray  # bool [L, E]: weights on the GPU (landed)
     inflight: tuple[Transfer, ...]  # started, not interruptible
     queued: tuple[Transfer, ...]  # issued by earlier plans, not started: dropped unless listed again

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 
 from models.config import ModelConfig
+
+_SCALARS = (int, float, np.integer, np.floating)  # cheaper to test than np.ndim on the per-expert calls
 
 if TYPE_CHECKING:
     from conf.schemas.hardware import HardwareProfile
@@ -187,24 +189,33 @@ class CostModel:
 
     def t_c(self, m: ArrayLike) -> ArrayLike:
         """CPU time of one expert for m tokens (eq. 2); 0 where m == 0. Vectorised over arrays."""
-        if np.ndim(m) == 0:
+        if isinstance(m, _SCALARS):
             return self.beta_s * float(m) + self.cpu_startup_s if m > 0 else 0.0
         m_arr = np.asarray(m, dtype=np.float64)
         out = np.where(m_arr > 0, self.beta_s * m_arr + self.cpu_startup_s, 0.0)
         return float(out) if out.ndim == 0 else out
 
-    def t_c_sum(self, ms: np.ndarray) -> float:
+    # A layer has a handful of experts and the schedulers call these on its critical path: plain
+    # Python loops beat numpy's per-call overhead here (sums run in order, as np.cumsum's).
+    def t_c_sum(self, ms: Sequence[float]) -> float:
         """CPU time of a layer's CPU experts run one after another (one hand-over to the worker)."""
-        ms = np.asarray(ms, dtype=np.float64)
-        ms = ms[ms > 0]
-        if not ms.size:
-            return 0.0
-        return float(self.beta_s * ms.sum() + self.cpu_startup_s * ms.size + self.cpu_dispatch_s)
+        total, n = 0.0, 0
+        for m in ms:
+            if m > 0:
+                total += float(m)
+                n += 1
+        return self.beta_s * total + self.cpu_startup_s * n + self.cpu_dispatch_s if n else 0.0
 
-    def t_c_prefix(self, ms: np.ndarray) -> np.ndarray:
-        """float [n]: `t_c_sum(ms[:k+1])` for every k (the CPU side holding the first k+1 experts)."""
-        t = np.cumsum(np.atleast_1d(self.t_c(np.asarray(ms, dtype=np.float64))))
-        return t + np.where(np.cumsum(np.asarray(ms) > 0) > 0, self.cpu_dispatch_s, 0.0) if t.size else t
+    def t_c_prefix(self, ms: Sequence[float]) -> list[float]:
+        """`t_c_sum(ms[:k+1])` for every k (the CPU side holding the first k+1 experts)."""
+        out: list[float] = []
+        acc, seen = 0.0, False
+        for m in ms:
+            if m > 0:
+                acc += self.beta_s * float(m) + self.cpu_startup_s
+                seen = True
+            out.append(acc + self.cpu_dispatch_s if seen else acc)
+        return out
 
     def _gpu_roofline(self, m: ArrayLike) -> ArrayLike:
         m_arr = np.asarray(m, dtype=np.float64)
@@ -213,7 +224,7 @@ class CostModel:
     def t_g(self, m: ArrayLike) -> ArrayLike:
         """GPU time of one resident expert for m tokens in a call of its own; 0 where m == 0. Vectorised."""
         fixed = self.gpu_overhead_s + self.call_overhead_s
-        if np.ndim(m) == 0:
+        if isinstance(m, _SCALARS):
             if m <= 0:
                 return 0.0
             return fixed + max(float(m) * self.expert_flops / self._gpu_flops, self.expert_bytes / self._gpu_bw)

@@ -23,6 +23,12 @@ At layer l, after its gate, with alpha the link time still owed to a started pre
 5. **Q4**: when GPU_Q holds no expert of E_next (the next layer's experts all belong on the CPU),
    the window moves to l+2, l+3, ... (up to `max_window`) under the same gap and trade-off.
 
+The plan sits on the executor's critical path, so it reads a forecast (`LayerState.predicted` runs
+the predictor on first access) only where the forecast can change it: layer l+1's GPU_Q when some
+i' passes eq. 4, and a target of the window while a prefetch count is left for it or a further one
+(steps 3-5 need no forecast, and no forecast makes a prefetch out of a count of 0). Forecasts not
+read are not made, so they are not scored either (R_hit and online fine-tuning see the ones used).
+
 Prefetches are non-interruptible and the link is serial (Premises 3-4: the mechanism's contract);
 prefetches land in the dynamic cache region (LRU); on-demand loads stay there too while it has room
 (`retain_loads`: a buffer is only overwritten when needed), else they pass through the staging buffer.
@@ -47,68 +53,83 @@ same expert (eq. 6 with R_miss -> 0).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from schedulers.base import LayerPlan, LayerState, Phase, SchedulerKind, register
 from schedulers.cost import CostModel
 from schedulers.layerwise import greedy_split
-from schedulers.policy import OffloadPolicy, by_tokens, split_by_availability
+from schedulers.policy import OffloadPolicy, split_by_availability
+
+def sorted_by(experts: Sequence[int], key: Sequence[float]) -> list[int]:
+    """`experts` ascending by `key[e]` (stable: ties keep the given order), as `policy.by_tokens`."""
+    return sorted(experts, key=key.__getitem__)
 
 
 @dataclass(frozen=True)
 class CrossLayerQueue:
-    """Eq. 3 over E_all: which entries join the GPU queue."""
+    """Eq. 3 over E_all: which entries join the GPU queue (all tuples in E_all order)."""
 
-    experts: np.ndarray  # int [N] E_all, ascending tokens
-    tokens: np.ndarray  # float [N]
-    is_current: np.ndarray  # bool [N]
-    in_gpu_queue: np.ndarray  # bool [N]
+    experts: tuple[int, ...]  # E_all, ascending tokens
+    tokens: tuple[float, ...]
+    is_current: tuple[bool, ...]
+    in_gpu_queue: tuple[bool, ...]
 
     @property
     def has_next(self) -> bool:
         """GPU_Q holds an expert of the prefetch layer."""
-        return bool((self.in_gpu_queue & ~self.is_current).any())
+        return any(q and not c for q, c in zip(self.in_gpu_queue, self.is_current))
 
-    def current_in_queue(self) -> np.ndarray:
-        """E_all positions of current-layer experts in GPU_Q, coldest first."""
-        return np.flatnonzero(self.in_gpu_queue & self.is_current)
+    @property
+    def gpu_queue(self) -> list[int]:
+        """GPU_Q: the experts of E_all that joined it, coldest first."""
+        return [e for e, q in zip(self.experts, self.in_gpu_queue) if q]
+
+    def current_outside(self) -> int:
+        """How many current-layer experts stay out of GPU_Q."""
+        return sum(1 for q, c in zip(self.in_gpu_queue, self.is_current) if c and not q)
 
 
-def cross_layer_queue(cur: np.ndarray, cur_tokens: np.ndarray, nxt: np.ndarray, nxt_tokens: np.ndarray,
+def cross_layer_queue(cur: Sequence[int], cur_tokens: Sequence[float], nxt: Sequence[int], nxt_tokens: Sequence[float],
                       alpha: float, t_io: float, t_g: float, t_attn: float, cost: CostModel,
                       gpu_busy: float = 0.0) -> CrossLayerQueue:
     """Eq. 3. `cur`, `nxt`: expert ids (any order) with their (predicted) token counts."""
-    experts = np.concatenate([np.asarray(cur, dtype=np.int64), np.asarray(nxt, dtype=np.int64)])
-    tokens = np.concatenate([np.asarray(cur_tokens, dtype=np.float64), np.asarray(nxt_tokens, dtype=np.float64)])
-    is_cur = np.concatenate([np.ones(len(cur), dtype=bool), np.zeros(len(nxt), dtype=bool)])
-    order = np.lexsort((is_cur, tokens))  # ascending tokens; ties: next-layer expert first
-    experts, tokens, is_cur = experts[order], tokens[order], is_cur[order]
-    n_all = experts.size
-    t_cpu = cost.t_c_prefix(tokens) if n_all else np.zeros(0)  # the CPU side's hand-over counted once
-    k = np.arange(n_all)
-    tg_all = np.maximum(alpha + (n_all - k) * t_io, gpu_busy) + t_g
-    tc_all = t_cpu + t_attn
-    return CrossLayerQueue(experts, tokens, is_cur, tg_all < tc_all)
+    entries = [(float(m), True, int(e)) for e, m in zip(cur, cur_tokens)] + \
+              [(float(m), False, int(e)) for e, m in zip(nxt, nxt_tokens)]
+    entries.sort(key=lambda x: (x[0], x[1]))  # ascending tokens; ties: next-layer expert first (stable)
+    n_all = len(entries)
+    tokens = tuple(m for m, _, _ in entries)
+    t_cpu = cost.t_c_prefix(tokens)  # the CPU side's hand-over counted once
+    joins = tuple(max(alpha + (n_all - k) * t_io, gpu_busy) + t_g < t_cpu[k] + t_attn for k in range(n_all))
+    return CrossLayerQueue(tuple(e for _, _, e in entries), tokens, tuple(c for _, c, _ in entries), joins)
 
 
-def ondemand_start(queue: CrossLayerQueue, cur_sorted: np.ndarray, cur_tokens_sorted: np.ndarray, alpha: float,
+def ondemand_passes(cur_tokens_sorted: Sequence[float], alpha: float, t_io: float, t_g: float, cost: CostModel,
+                    gpu_busy: float = 0.0) -> list[bool]:
+    """Eq. 4 at every i' of E_cur (ascending): T_G(i') < T_C(i') = t_c(E_cur[0..i'-1])."""
+    n1 = len(cur_tokens_sorted)
+    tc_prefix = [0.0] + cost.t_c_prefix(cur_tokens_sorted)[:-1]
+    return [max(alpha + (n1 - i) * t_io, gpu_busy) + t_g < tc_prefix[i] for i in range(n1)]
+
+
+def first_load(passes: Sequence[bool], outside: int) -> int:
+    """OndemandLoop: the first passing i' among E_cur's members of GPU_Q. E_cur and E_all share the
+    ascending order, so those are E_cur[outside:], `outside` = current-layer experts outside GPU_Q."""
+    return next((i for i in range(outside, len(passes)) if passes[i]), len(passes))
+
+
+def ondemand_start(queue: CrossLayerQueue, cur_sorted: Sequence[int], cur_tokens_sorted: Sequence[float], alpha: float,
                    t_io: float, t_g: float, cost: CostModel, gpu_busy: float = 0.0) -> int:
     """Eq. 4 / OndemandLoop: index i into E_cur (ascending) from which experts are loaded; len(E_cur) = none."""
-    n1 = len(cur_sorted)
-    if n1 == 0:
+    if not len(cur_sorted):
         return 0
-    tc_prefix = np.concatenate([[0.0], cost.t_c_prefix(cur_tokens_sorted)])[:n1]  # t_c(E_cur[0..i-1])
-    passes = np.maximum(alpha + (n1 - np.arange(n1)) * t_io, gpu_busy) + t_g < tc_prefix  # eq. 4 at every i'
-    # E_cur and E_all share the ascending order, so the current-layer members of GPU_Q, coldest
-    # first, are E_cur[j0:], j0 = how many current-layer experts sit outside the queue
-    j0 = int((queue.is_current & ~queue.in_gpu_queue).sum())
-    hits = np.flatnonzero(passes[j0:])
-    return j0 + int(hits[0]) if hits.size else n1
+    passes = ondemand_passes(cur_tokens_sorted, alpha, t_io, t_g, cost, gpu_busy)
+    return first_load(passes, queue.current_outside())
 
 
-def prefetch_gap(cur_tokens_sorted: np.ndarray, i: int, alpha: float, t_io: float, cost: CostModel,
+def prefetch_gap(cur_tokens_sorted: Sequence[float], i: int, alpha: float, t_io: float, cost: CostModel,
                  gpu_busy: float = 0.0) -> float:
     """Eq. 5's T_gap: CPU time of E_cur[0..i-1] (or the GPU's own work, when longer) minus the link
     time still owed and the loads E_cur[i..n]."""
@@ -129,40 +150,87 @@ def prefetch_count(t_gap: float, t_attn: float, t_io: float, hit_rate: float, ha
     return max(count, 0), f, xi
 
 
-def resident_to_cpu(state: LayerState, ready: np.ndarray, cpu: np.ndarray, n_loads: int, alpha: float,
-                    t_load: float, t_g: float) -> np.ndarray:
+def gpu_group_time(cost: CostModel, ms: Sequence[int]) -> float:
+    """GPU time of experts of `ms` tokens run together in one call (0 for none)."""
+    return float(np.sum(cost.t_g_group(np.asarray(ms)))) if ms else 0.0
+
+
+def resident_to_cpu(state: LayerState, ready: Sequence[int], cpu: Sequence[int], n_loads: int, alpha: float,
+                    t_load: float, t_g: float) -> list[int]:
     """`offload_resident`: resident experts of this layer to run on the CPU too, coldest first.
 
     The layer ends at max(T_C, T_G) with T_C = t_c_sum(CPU experts) and T_G = max(GPU work on
     ready experts + shared experts, alpha + n_loads t_load) + t_g when something is loaded; an
     expert moves while moving it lowers that maximum (Algorithm 1 never revisits resident experts,
     so at moderate batches of many small experts the GPU computes while the CPU waits)."""
-    cost, tokens = state.cost, state.tokens
-    candidates = by_tokens(ready[state.resident[state.layer, ready]], tokens)
-    if not candidates.size:
-        return candidates
+    cost, tokens = state.cost, state.tokens.tolist()
+    resident = state.resident[state.layer].tolist()
+    candidates = sorted_by([e for e in ready if resident[e]], tokens)
+    if not candidates:
+        return []
     link = alpha + n_loads * t_load
     tail = t_g if n_loads else 0.0
     shared = cost.t_shared(state.batch_tokens)
-    cpu_m = list(tokens[cpu])
-    gpu_left = list(tokens[ready])
+    cpu_m = [tokens[e] for e in cpu]
+    gpu_left = [tokens[e] for e in ready]
+    floor = link + tail  # T_G never drops below the link's share, whatever moves
 
-    def layer_time(cpu_m: list, gpu_m: list) -> float:
-        gpu = float(np.sum(cost.t_g_group(np.asarray(gpu_m)))) if gpu_m else 0.0
-        return max(cost.t_c_sum(np.asarray(cpu_m)), max(gpu + shared, link) + tail)
+    def layer_time(t_cpu: float, gpu_m: list) -> float:
+        return max(t_cpu, max(gpu_group_time(cost, gpu_m) + shared, link) + tail)
 
-    best = layer_time(cpu_m, gpu_left)
-    moved = []
-    for e in candidates.tolist():
+    best = layer_time(cost.t_c_sum(cpu_m), gpu_left)
+    moved: list[int] = []
+    for e in candidates:
+        t_cpu = cost.t_c_sum(cpu_m + [tokens[e]])
+        if max(t_cpu, floor) >= best:  # a lower bound of the layer with e moved: no gain possible
+            break
         gpu_try = list(gpu_left)
         gpu_try.remove(tokens[e])
-        t = layer_time(cpu_m + [tokens[e]], gpu_try)
+        t = layer_time(t_cpu, gpu_try)
         if t >= best:
             break
         best, gpu_left = t, gpu_try
         cpu_m.append(tokens[e])
         moved.append(e)
-    return np.asarray(moved, dtype=np.int64)
+    return moved
+
+
+@dataclass
+class Lookahead:
+    """E_next and the cross-layer queue (eq. 3) per target layer of one plan, built on first use:
+    E_next reads the target's forecast (`LayerState.predicted` runs the predictor on first access),
+    so a plan that never needs a layer's queue never forecasts it."""
+
+    state: LayerState
+    use_predictor: bool
+    cur: list[int]  # E_cur, ascending tokens
+    cur_m: list[float]
+    alpha: float
+    t_load: float
+    t_g: float
+    t_attn: float
+    busy: float
+    _queues: dict[int, CrossLayerQueue] = field(default_factory=dict)
+
+    def forecast(self, target: int) -> bool:
+        """Whether a forecast of `target` exists (without running the predictor)."""
+        return self.use_predictor and target in self.state.predicted
+
+    def candidates(self, target: int) -> tuple[list[int], list[float]]:
+        """E_next for `target`: predicted experts neither resident nor landing (ascending predicted tokens)."""
+        if not self.forecast(target):
+            return [], []
+        pred = self.state.predicted[target].tolist()
+        avail = self.state.available(target).tolist()
+        cand = sorted_by([e for e, m in enumerate(pred) if m > 0 and not avail[e]], pred)
+        return cand, [float(pred[e]) for e in cand]
+
+    def queue(self, target: int) -> CrossLayerQueue:
+        if target not in self._queues:
+            nxt, nxt_m = self.candidates(target)
+            self._queues[target] = cross_layer_queue(self.cur, self.cur_m, nxt, nxt_m, self.alpha, self.t_load,
+                                                     self.t_g, self.t_attn, self.state.cost, self.busy)
+        return self._queues[target]
 
 
 @register(SchedulerKind.presched)
@@ -173,78 +241,86 @@ class PreSched(OffloadPolicy):
     def resident_on_device(self) -> bool:
         return not self.settings.offload_resident  # the extension may run cold resident experts on the CPU
 
-    def _next_candidates(self, state: LayerState, target: int) -> tuple[np.ndarray, np.ndarray]:
-        """E_next for `target`: predicted experts neither resident nor landing (ascending predicted tokens)."""
-        if not self.settings.use_predictor or target not in state.predicted:
-            return np.zeros(0, dtype=np.int64), np.zeros(0)
-        pred = state.predicted[target]
-        cand = np.flatnonzero(pred > 0)
-        cand = cand[~state.available(target)[cand]]
-        cand = by_tokens(cand, pred)
-        return cand, pred[cand].astype(np.float64)
+    def _window(self) -> int:
+        """Q4: the furthest layer distance prefetches may target (0: no predictor, no prefetch)."""
+        return max(self.settings.max_window, 1) if self.settings.use_predictor else 0
+
+    def _decode_prefetch(self, state: LayerState, ahead: Lookahead, gap: float) -> list[tuple[int, int]]:
+        """Eqs. 5-6 and Q4: the hottest E_next experts of the first target whose GPU_Q holds one."""
+        t_io, layer = state.t_io_s, state.layer
+        distances = [d for d in range(1, self._window() + 1) if layer + d < state.num_layers]
+        counts = [prefetch_count(gap, state.t_attn_next_s, t_io, state.hit_rate.get(d, 1.0),
+                                 self.settings.round_half_up)[0] for d in distances]
+        for j, distance in enumerate(distances):
+            if not any(counts[j:]):
+                break  # no count left to issue at this or any further distance: the forecasts cannot matter
+            target = layer + distance
+            if not ahead.forecast(target) or not ahead.queue(target).has_next:
+                continue  # Q4: nothing of this layer belongs on the GPU; look further ahead
+            nxt = ahead.candidates(target)[0]
+            return [(target, e) for e in nxt[::-1][:counts[j]]]  # hottest first
+        return []
+
+    def _prefill_prefetch(self, state: LayerState, ahead: Lookahead) -> list[tuple[int, int]]:
+        """Every predicted expert of the next layer worth a transfer there (t_c above t_io), hottest first."""
+        if not self._window():
+            return []
+        nxt, nxt_m = ahead.candidates(state.layer + 1)
+        return [(state.layer + 1, e) for e, m in zip(nxt[::-1], nxt_m[::-1]) if state.cost.t_c(m) > state.t_io_s]
 
     def plan(self, state: LayerState) -> LayerPlan:
         layer, tokens, cost = state.layer, state.tokens, state.cost
-        ready, missing = split_by_availability(state)
-        cur = by_tokens(missing, tokens)
-        cur_m = tokens[cur].astype(np.float64)
+        ready_a, missing = split_by_availability(state)
+        tok = tokens.tolist()
+        ready = ready_a.tolist()
+        cur = sorted_by(missing.tolist(), tok)
+        cur_m = [float(tok[e]) for e in cur]
         alpha, t_io, t_attn = state.alpha_s, state.t_io_s, state.t_attn_next_s
-        t_g = float(cost.t_g(max(int(tokens.max(initial=1)), 1)))
+        t_g = float(cost.t_g(max(max(tok, default=1), 1)))
         # Premise 5 masks the GPU's work on resident experts; `mask_gpu_compute=False` counts it
         # (many small experts at moderate batch keep the GPU busy longer than the link)
         busy = 0.0 if self.settings.mask_gpu_compute else \
-            float(np.sum(np.atleast_1d(cost.t_g(tokens[ready])))) + cost.t_shared(state.batch_tokens)
+            float(np.sum(np.atleast_1d(cost.t_g(tokens[ready_a])))) + cost.t_shared(state.batch_tokens)
 
         # one on-demand load occupies the GPU side for max(t_io, t_g): the paper's t_io under Premise 5
         # (t_g << t_io); where a device call costs more than a transfer, the calls are the bottleneck
         t_load = max(t_io, t_g)
-        nxt, nxt_m = self._next_candidates(state, layer + 1)
-        queue = cross_layer_queue(cur, cur_m, nxt, nxt_m, alpha, t_load, t_g, t_attn, cost, busy)
+        ahead = Lookahead(state, self.settings.use_predictor, cur, cur_m, alpha, t_load, t_g, t_attn, busy)
         if state.phase is Phase.prefill:
-            ready_s = float(np.sum(np.atleast_1d(cost.t_g(tokens[ready])))) if ready.size else 0.0
-            i = greedy_split(cur_m, ready_s + cost.t_shared(state.batch_tokens), alpha, t_io, t_g, cost)
+            ready_s = float(np.sum(np.atleast_1d(cost.t_g(tokens[ready_a])))) if ready else 0.0
+            i = greedy_split(np.asarray(cur_m, dtype=np.float64), ready_s + cost.t_shared(state.batch_tokens),
+                             alpha, t_io, t_g, cost)
         else:
-            i = ondemand_start(queue, cur, cur_m, alpha, t_load, t_g, cost, busy)
+            passes = ondemand_passes(cur_m, alpha, t_load, t_g, cost, busy)
+            # GPU_Q (and so the next layer's forecast) only matters when some i' passes eq. 4
+            i = first_load(passes, ahead.queue(layer + 1).current_outside() if any(passes) else 0)
         cpu_experts = cur[:i]
         if self.settings.offload_resident and state.phase is Phase.decode:
             moved = resident_to_cpu(state, ready, cpu_experts, len(cur) - i, alpha, t_load, t_g)
-            ready = ready[~np.isin(ready, moved)]
-            cpu_experts = np.concatenate([cpu_experts, moved])
+            ready = [e for e in ready if e not in moved]
+            cpu_experts = cpu_experts + moved
         # eq. 5 over the final CPU side (E_cur[0..i-1] plus any moved resident expert) and loads E_cur[i..n]
-        gap = prefetch_gap(np.concatenate([tokens[cpu_experts], cur_m[i:]]), len(cpu_experts), alpha, t_load,
-                           cost, busy)
-        cpu = tuple(cpu_experts.tolist())
-        loads = tuple(cur[i:][::-1].tolist())  # hottest first
-        gpu = tuple(ready.tolist()) + loads
+        gap = prefetch_gap([tok[e] for e in cpu_experts] + cur_m[i:], len(cpu_experts), alpha, t_load, cost, busy)
+        cpu = tuple(cpu_experts)
+        loads = tuple(cur[i:][::-1])  # hottest first
+        gpu = tuple(ready) + loads
         self.touch(layer, gpu)
 
-        prefetch: list[tuple[int, int]] = []
-        window = max(self.settings.max_window, 1) if self.settings.use_predictor else 0
-        if state.phase is Phase.prefill and window:
-            nxt1, m1 = self._next_candidates(state, layer + 1)
-            worth = np.atleast_1d(cost.t_c(m1)) > t_io  # experts the next layer would rather load than run on the CPU
-            prefetch = [(layer + 1, int(e)) for e in nxt1[worth][::-1]]
-            window = 0
-        for distance in range(1, window + 1):
-            target = layer + distance
-            if target >= state.num_layers:
-                break
-            if distance > 1:
-                nxt, nxt_m = self._next_candidates(state, target)
-                queue = cross_layer_queue(cur, cur_m, nxt, nxt_m, alpha, t_load, t_g, t_attn, cost, busy)
-            if not queue.has_next:
-                continue  # Q4: nothing of this layer belongs on the GPU; look further ahead
-            hit = state.hit_rate.get(distance, 1.0)
-            count, _, _ = prefetch_count(gap, t_attn, t_io, hit, self.settings.round_half_up)
-            chosen = nxt[::-1][:min(count, nxt.size)]  # hottest first
-            prefetch = [(target, int(e)) for e in chosen]
-            break
+        prefetch = self._prefill_prefetch(state, ahead) if state.phase is Phase.prefill else \
+            self._decode_prefetch(state, ahead, gap)
+        return self._with_slots(state, cpu, gpu, loads, prefetch)
 
+    def _with_slots(self, state: LayerState, cpu: tuple[int, ...], gpu: tuple[int, ...], loads: tuple[int, ...],
+                    prefetch: list[tuple[int, int]]) -> LayerPlan:
+        """The plan with cache slots for its prefetches (and, with `retain_loads`, its loads): evictions
+        of the dynamic region's least recently used experts; what finds no room is dropped."""
         # prefetches need cache slots; loads stay in the dynamic region too while it has room (a buffer
         # is only overwritten when needed), else they go through the staging buffer
+        if not prefetch and not self.settings.retain_loads:  # nothing to make room for
+            return LayerPlan(cpu=cpu, gpu=gpu, ondemand=loads, retain=(False,) * len(loads))
         want = len(prefetch) + len(loads)
         granted, evict = (want, []) if want <= state.free_slots else \
-            self.room_for(state, want, {(layer, e) for e in gpu})
+            self.room_for(state, want, {(state.layer, e) for e in gpu})
         prefetch = prefetch[:granted]
         keep = max(granted - len(prefetch), 0)
         for target, e in prefetch:

@@ -368,3 +368,20 @@ def test_groups_from_data_put_high_similarity_low_correlation_layers_in_the_midd
     g = groups_from_data(trace, np.ones(trace.num_rows, bool))
     assert g.as_dict() == {"input": [1], "middle": [2, 3, 4], "output": [5]}
     assert g.stats["similarity"][2] > 0.9 > g.stats["similarity"][4]
+
+
+def test_host_forecasts_run_on_one_blas_thread_and_restore_it() -> None:
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from predictors.nets import one_blas_thread
+
+    blas_threads = lambda: [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]  # noqa: E731
+
+    @one_blas_thread
+    def inside() -> list[int]:
+        return blas_threads()
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        assert blas_threads() and set(blas_threads()) == {2}  # numpy's BLAS is loaded and visible
+        assert set(inside()) == {1}
+        assert set(blas_threads()) == {2}

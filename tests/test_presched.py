@@ -6,7 +6,9 @@ transfer time set to round numbers (ms): t_c(m) = m + 1, t_io = 4; t_g stays the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -16,7 +18,8 @@ from hypothesis import strategies as st
 from conf import compose
 from conf.schemas.hardware import load_hardware
 from models.loading import resolve_model_config
-from schedulers.base import LayerState, Phase, SchedulerKind, SchedulerSettings, SchedulerSetup, build_scheduler
+from schedulers.base import (LayerState, Phase, SchedulerKind, SchedulerSettings, SchedulerSetup, Transfer,
+                             build_scheduler)
 from schedulers.cost import CostModel
 from schedulers.presched import cross_layer_queue, ondemand_start, prefetch_count, prefetch_gap
 
@@ -66,13 +69,13 @@ def test_eq3_cross_layer_queue(cost: CostModel) -> None:
     # T_G(k) = (5 - k) * 4 + t_g: k=3 -> 8 + t_g < 15 (joins), k=2 -> 12 + t_g > 10 (stays on the CPU)
     q = cross_layer_queue(np.array([A, B, C]), np.array([1, 2, 4]), np.array([X, Y]), np.array([3, 5]),
                           alpha=0.0, t_io=4 * MS, t_g=float(cost.t_g(4)), t_attn=1 * MS, cost=cost)
-    assert q.experts.tolist() == [A, B, X, C, Y]
-    assert q.experts[q.in_gpu_queue].tolist() == [C, Y]
+    assert list(q.experts) == [A, B, X, C, Y]
+    assert q.gpu_queue == [C, Y]
     assert q.has_next
     # alpha delays every transfer: with 4 ms owed, k=3 gives 12 + t_g < 15 still, k=4 only 8 + t_g < 21
     q2 = cross_layer_queue(np.array([A, B, C]), np.array([1, 2, 4]), np.array([X, Y]), np.array([3, 5]),
                            alpha=8 * MS, t_io=4 * MS, t_g=float(cost.t_g(4)), t_attn=1 * MS, cost=cost)
-    assert q2.experts[q2.in_gpu_queue].tolist() == [Y]
+    assert q2.gpu_queue == [Y]
 
 
 def test_eq4_recheck_and_eq5_eq6(cost: CostModel) -> None:
@@ -182,3 +185,82 @@ def test_offload_resident_moves_cold_resident_experts_while_the_layer_shortens()
     plan.validate(at(Phase.decode))
     assert presched(c).plan(at(Phase.decode)).cpu == ()  # the paper's Algorithm 1
     assert presched(c, offload_resident=True).plan(at(Phase.prefill)).cpu == ()  # prefill: eq. 1's split already decides
+
+
+class ReadCounter(Mapping):
+    """A lazy `LayerState.predicted` stand-in that records which targets a plan reads (each read = a forecast)."""
+
+    def __init__(self, loads: dict):
+        self.loads, self.read = loads, []
+
+    def __getitem__(self, target: int) -> np.ndarray:
+        self.read.append(target)
+        return self.loads[target]
+
+    def __iter__(self):
+        return iter(self.loads)
+
+    def __len__(self) -> int:
+        return len(self.loads)
+
+    def __contains__(self, target: object) -> bool:
+        return target in self.loads
+
+
+def test_plans_forecast_only_what_they_use(cost: CostModel) -> None:
+    far = loads(z=8)
+    # GPU_Q holds y of layer l+1: the window stays there and layer l+2 is never forecast
+    near = ReadCounter({1: loads(x=3, y=5), 2: far})
+    assert presched(cost).plan(state(cost, near, {1: 0.9, 2: 0.9})).prefetch == ((1, Y),)
+    assert set(near.read) == {1}
+    # Q4 extends the window (l+1 only needs a 1-token expert): l+2 is forecast
+    ahead = ReadCounter({1: loads(x=1), 2: far})
+    assert presched(cost).plan(state(cost, ahead, {1: 0.95, 2: 0.9})).prefetch == ((2, Z),)
+    assert set(ahead.read) == {1, 2}
+    # 20 ms still owed on the link: no i' passes eq. 4 (nothing loads) and eq. 5's gap is negative (no prefetch
+    # at any distance), so no forecast can change the plan and none is made
+    idle = ReadCounter({1: loads(x=3, y=5), 2: far})
+    plan = presched(cost).plan(state(cost, idle, {1: 0.9, 2: 0.9}, alpha=20 * MS))
+    assert plan.ondemand == () and plan.prefetch == () and idle.read == []
+
+
+def random_state(rng: np.random.Generator, cost: CostModel, layer: int, num_layers: int = 4, E: int = 8) -> LayerState:
+    """A decode (sometimes prefill) layer state with random routing, residency, link, slots and forecasts."""
+    tokens = (rng.integers(1, 6, E) * (rng.random(E) < 0.5)).astype(np.int64)
+    resident = rng.random((num_layers, E)) < rng.random()
+    missing = np.argwhere(~resident)
+    inflight = ()
+    if len(missing) and rng.random() < 0.4:
+        l, e = missing[rng.integers(len(missing))]
+        inflight = (Transfer(int(l), int(e), float(rng.random() * 3 * MS), True),)
+    predicted = {t: (rng.integers(0, 5, E) * (rng.random(E) < 0.6)).astype(float)
+                 for t in range(layer + 1, min(layer + 4, num_layers)) if rng.random() < 0.9}
+    slots = int(resident.sum()) + len(inflight) + int(rng.integers(0, 4))
+    return LayerState(layer=layer, num_layers=num_layers, phase=Phase.prefill if rng.random() < 0.1 else Phase.decode,
+                      tokens=tokens, scores=tokens * 0.5, predicted=predicted, resident=resident, inflight=inflight,
+                      queued=(), alpha_s=float(rng.integers(0, 4)) * MS * (rng.random() < 0.5),
+                      cache_slots=slots, free_slots=slots - int(resident.sum()) - len(inflight),
+                      batch_tokens=int(tokens.sum()), context_len=512,
+                      hit_rate={d: float(rng.random()) for d in (1, 2, 3)}, cost=cost, t_io_s=cost.t_io,
+                      t_attn_next_s=float(rng.integers(0, 3)) * MS)
+
+
+@pytest.mark.parametrize("offload_resident", [False, True])
+def test_lazy_forecasts_plan_as_eager_ones(cost: CostModel, offload_resident: bool) -> None:
+    """The same layer states with every forecast made up front and with forecasts made on first read: the
+    same plans (and LRU stamps) from two schedulers fed the same sequence, and Q4's further targets read
+    only by plans that extend the window past l+1."""
+    rng = np.random.default_rng(7)
+    eager, lazy = (presched(cost, offload_resident=offload_resident, max_window=3) for _ in range(2))
+    skipped = extended = 0
+    for _ in range(400):
+        st = random_state(rng, cost, layer=int(rng.integers(0, 3)))
+        counter = ReadCounter(st.predicted)
+        plan = eager.plan(st)
+        assert lazy.plan(dataclasses.replace(st, predicted=counter)) == plan
+        assert np.array_equal(eager.last_used, lazy.last_used)
+        if plan.prefetch:  # the prefetches come from the furthest target read: Q4 stops at it
+            assert {t for t, _ in plan.prefetch} == {max(counter.read)}
+        skipped += st.layer + 1 in st.predicted and not counter.read
+        extended += any(t > st.layer + 1 for t in counter.read)
+    assert skipped and extended  # plans that forecast nothing, and plans that look past l+1
