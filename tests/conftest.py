@@ -1,7 +1,24 @@
-"""Test session setup: 8 host devices for shard_map tests (before jax is imported anywhere)."""
+"""Test session setup: 8 host devices for shard_map tests (before jax is imported anywhere), and one
+persistent JAX compilation cache per test session.
 
+The cache lives in a fresh temporary folder removed when the session ends, so nothing carries over
+between runs; inside a run, identical computations compiled again (a new `Generator` or executor for
+the same model and shapes, the entry points' subprocesses, which inherit the environment) load the
+executable XLA already built instead of compiling it again. Set JAX_COMPILATION_CACHE_DIR to choose
+the folder yourself (it is then kept).
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="moescope-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
