@@ -1,6 +1,6 @@
 """Synthetic MoE routing with the structure real routers show (LayerScope §3.1, MoEless §2).
 
-Three mechanisms, each set per layer group (input / middle / output MoE layers):
+Four mechanisms, each set per layer group (input / middle / output MoE layers):
 
 - **popularity skew** (`popularity_sigma`): layer l draws fresh experts from a fixed popularity
   vector p_l = softmax(sigma * z_l), z_l ~ N(0, 1) per expert. sigma = 0 is uniform routing;
@@ -14,7 +14,7 @@ Three mechanisms, each set per layer group (input / middle / output MoE layers):
 - **request domains** (`num_domains`, per group `domain_sigma`): each request belongs to one of
   `num_domains` equally likely domains (topics: code, chat, maths, ...) and draws its fresh experts
   from its domain's popularity softmax(sigma * z_l + domain_sigma * u_{l,d}), u ~ N(0, 1) per
-  domain and expert. Experts specialise by domain in trained MoEs (OLMoE §5, DeepSeekMoE §4.5), so
+  domain and expert. Experts specialise by domain in trained MoEs (OLMoE's routing analysis), so
   the load of a batch depends on which requests it holds: the time-varying expert demand of MoEless
   §2.3 (Fig. 3c). One domain (the default) makes every batch draw from the same distribution.
 
