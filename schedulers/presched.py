@@ -63,6 +63,7 @@ from schedulers.cost import CostModel
 from schedulers.layerwise import greedy_split
 from schedulers.policy import OffloadPolicy, split_by_availability
 
+
 def sorted_by(experts: Sequence[int], key: Sequence[float]) -> list[int]:
     """`experts` ascending by `key[e]` (stable: ties keep the given order), as `policy.by_tokens`."""
     return sorted(experts, key=key.__getitem__)
@@ -118,15 +119,6 @@ def first_load(passes: Sequence[bool], outside: int) -> int:
     """OndemandLoop: the first passing i' among E_cur's members of GPU_Q. E_cur and E_all share the
     ascending order, so those are E_cur[outside:], `outside` = current-layer experts outside GPU_Q."""
     return next((i for i in range(outside, len(passes)) if passes[i]), len(passes))
-
-
-def ondemand_start(queue: CrossLayerQueue, cur_sorted: Sequence[int], cur_tokens_sorted: Sequence[float], alpha: float,
-                   t_io: float, t_g: float, cost: CostModel, gpu_busy: float = 0.0) -> int:
-    """Eq. 4 / OndemandLoop: index i into E_cur (ascending) from which experts are loaded; len(E_cur) = none."""
-    if not len(cur_sorted):
-        return 0
-    passes = ondemand_passes(cur_tokens_sorted, alpha, t_io, t_g, cost, gpu_busy)
-    return first_load(passes, queue.current_outside())
 
 
 def prefetch_gap(cur_tokens_sorted: Sequence[float], i: int, alpha: float, t_io: float, cost: CostModel,
@@ -277,17 +269,18 @@ class PreSched(OffloadPolicy):
         cur_m = [float(tok[e]) for e in cur]
         alpha, t_io, t_attn = state.alpha_s, state.t_io_s, state.t_attn_next_s
         t_g = float(cost.t_g(max(max(tok, default=1), 1)))
+        # the resident experts' GPU time, where the plan uses it (eq. 1's split, or counted GPU work)
+        uses_ready = state.phase is Phase.prefill or not self.settings.mask_gpu_compute
+        ready_s = float(np.sum(np.atleast_1d(cost.t_g(tokens[ready_a])))) if ready and uses_ready else 0.0
         # Premise 5 masks the GPU's work on resident experts; `mask_gpu_compute=False` counts it
         # (many small experts at moderate batch keep the GPU busy longer than the link)
-        busy = 0.0 if self.settings.mask_gpu_compute else \
-            float(np.sum(np.atleast_1d(cost.t_g(tokens[ready_a])))) + cost.t_shared(state.batch_tokens)
+        busy = 0.0 if self.settings.mask_gpu_compute else ready_s + cost.t_shared(state.batch_tokens)
 
         # one on-demand load occupies the GPU side for max(t_io, t_g): the paper's t_io under Premise 5
         # (t_g << t_io); where a device call costs more than a transfer, the calls are the bottleneck
         t_load = max(t_io, t_g)
         ahead = Lookahead(state, self.settings.use_predictor, cur, cur_m, alpha, t_load, t_g, t_attn, busy)
         if state.phase is Phase.prefill:
-            ready_s = float(np.sum(np.atleast_1d(cost.t_g(tokens[ready_a])))) if ready else 0.0
             i = greedy_split(np.asarray(cur_m, dtype=np.float64), ready_s + cost.t_shared(state.batch_tokens),
                              alpha, t_io, t_g, cost)
         else:
