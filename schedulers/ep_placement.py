@@ -62,6 +62,17 @@ class Placement:
         object.__setattr__(self, "replica_device", d)
 
     @classmethod
+    def trusted(cls, num_experts: int, num_devices: int, replica_expert: list[int], replica_device: list[int],
+                lossy: bool = False) -> "Placement":
+        """From id lists a policy built in range by construction: skips the range checks (per-layer hot path)."""
+        placement = object.__new__(cls)
+        for name, value in (("num_experts", num_experts), ("num_devices", num_devices), ("lossy", lossy),
+                            ("replica_expert", np.asarray(replica_expert, dtype=np.int64)),
+                            ("replica_device", np.asarray(replica_device, dtype=np.int64))):
+            object.__setattr__(placement, name, value)
+        return placement
+
+    @classmethod
     def from_lists(cls, num_experts: int, num_devices: int, pairs: list[tuple[int, int]], lossy: bool = False
                    ) -> "Placement":
         """From (expert, device) pairs."""

@@ -82,11 +82,12 @@ class MoElessPolicy(PolicyBase):
         forecast = np.asarray(forecast, dtype=np.float64)
         s = self.settings
         hit_cap = False
+        cv = None
         if s.use_scaler:
             scaled = scale_replicas(forecast, s.cv_threshold, self.expert_bytes, self.memory_cap_bytes,
                                     max_total_replicas=self.capacity * self.num_devices,
                                     max_replicas_per_expert=s.max_replicas_per_expert)
-            counts, hit_cap = scaled.counts, scaled.hit_cap
+            counts, hit_cap, cv = scaled.counts, scaled.hit_cap, scaled.cv  # CV of the replica loads W_l
         else:
             counts = np.ones(self.num_experts, dtype=np.int64)
         if s.use_placer:
@@ -96,6 +97,6 @@ class MoElessPolicy(PolicyBase):
             placement = fixed_placement(counts, self.num_devices, self.capacity)
             warm = cold = 0
         self._stats = PlacementStats(hit_memory_cap=hit_cap,
-                                     forecast_cv=coefficient_of_variation(placement.replica_loads(forecast)),
+                                     forecast_cv=coefficient_of_variation(forecast) if cv is None else cv,
                                      warm_replicas=warm, cold_replicas=cold)
         return placement

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -28,16 +28,10 @@ class PlacementResult:
     cold: int  # replicas that need weights moved in
 
 
-def replica_order(counts: np.ndarray, loads: np.ndarray) -> list[tuple[float, int]]:
+def replica_order(counts: Sequence[int], loads: Sequence[float]) -> list[tuple[float, int]]:
     """(load per replica, expert) for every replica, most loaded first, ties by expert id."""
-    counts = np.asarray(counts, dtype=np.int64)
-    loads = np.asarray(loads, dtype=np.float64)
-    items = []
-    for e in range(counts.size):
-        share = loads[e] / counts[e] if counts[e] > 0 else 0.0
-        items.extend([(share, e)] * int(counts[e]))
-    items.sort(key=lambda it: (-it[0], it[1]))
-    return items
+    items = sorted((-load / n, e) for e, (n, load) in enumerate(zip(counts, loads)) if n > 0 for _ in range(n))
+    return [(-neg, e) for neg, e in items]
 
 
 def place_replicas(counts: np.ndarray, loads: np.ndarray, num_devices: int, capacity: int,
@@ -48,12 +42,12 @@ def place_replicas(counts: np.ndarray, loads: np.ndarray, num_devices: int, capa
     expert; capacity: replica slots per device; live: the replicas alive now (None: cold start);
     warm_start False gives plain JSQ (an ablation).
     """
-    counts = np.asarray(counts, dtype=np.int64).reshape(-1)
-    E = counts.size
+    counts = np.asarray(counts, dtype=np.int64).reshape(-1).tolist()  # plain lists: this runs per layer per iteration
+    E = len(counts)
     if num_devices < 1 or capacity < 1:
         raise ValueError(f"place_replicas: need num_devices >= 1 and capacity >= 1, got {num_devices}, {capacity}")
-    if counts.sum() > num_devices * capacity:
-        raise ValueError(f"place_replicas: {int(counts.sum())} replicas exceed {num_devices} devices x "
+    if sum(counts) > num_devices * capacity:
+        raise ValueError(f"place_replicas: {sum(counts)} replicas exceed {num_devices} devices x "
                          f"{capacity} slots")
     if live is not None and (live.num_experts != E or live.num_devices != num_devices):
         raise ValueError(f"place_replicas: live placement is for {live.num_experts} experts on {live.num_devices} "
@@ -62,16 +56,18 @@ def place_replicas(counts: np.ndarray, loads: np.ndarray, num_devices: int, capa
     if live is not None and warm_start:
         for e, g in zip(live.replica_expert.tolist(), live.replica_device.tolist()):
             warm_devices.setdefault(e, []).append(g)
-    # plain lists and a lazy min-heap over (load, device): this runs per layer per iteration
+    # a lazy min-heap over (load, device)
     device_load = [0.0] * num_devices
     used = [0] * num_devices
     queue = [(0.0, g) for g in range(num_devices)]  # entries go stale when a device's load changes
     experts_out, devices_out = [], []
     warm = cold = 0
-    for share, e in replica_order(counts, loads):
-        candidates = [g for g in warm_devices.get(e, ()) if used[g] < capacity]
-        if candidates:
-            g = min(candidates, key=lambda d: (device_load[d], d))
+    for share, e in replica_order(counts, np.asarray(loads, dtype=np.float64).reshape(-1).tolist()):
+        g = -1
+        for d in warm_devices.get(e, ()):  # the least-loaded warm device with a free slot
+            if used[d] < capacity and (g < 0 or (device_load[d], d) < (device_load[g], g)):
+                g = d
+        if g >= 0:
             warm_devices[e].remove(g)
             warm += 1
         else:
@@ -86,5 +82,5 @@ def place_replicas(counts: np.ndarray, loads: np.ndarray, num_devices: int, capa
             heapq.heappush(queue, (device_load[g], g))
         experts_out.append(e)
         devices_out.append(g)
-    placement = Placement(E, num_devices, np.asarray(experts_out, np.int64), np.asarray(devices_out, np.int64))
+    placement = Placement.trusted(E, num_devices, experts_out, devices_out)
     return PlacementResult(placement=placement, warm=warm, cold=cold)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -50,45 +51,49 @@ def scale_replicas(loads: np.ndarray, cv_threshold: float, expert_bytes: float, 
     max_total_replicas: at most this many replicas in all (device slots); max_replicas_per_expert:
     optional bound on R_e (None: unbounded, as in the paper).
     """
-    w = np.asarray(loads, dtype=np.float64).reshape(-1)
-    if w.size == 0:
+    w = np.asarray(loads, dtype=np.float64).reshape(-1).tolist()  # plain floats: this runs per layer per iteration
+    if not w:
         raise ValueError("scale_replicas: loads is empty")
-    if np.any(w < 0) or not np.all(np.isfinite(w)):
-        raise ValueError(f"scale_replicas: loads must be finite and >= 0, got {w.tolist()}")
+    if not all(v >= 0 and math.isfinite(v) for v in w):
+        raise ValueError(f"scale_replicas: loads must be finite and >= 0, got {w}")
     if cv_threshold < 0:
         raise ValueError(f"scale_replicas: cv_threshold (V) must be >= 0, got {cv_threshold}")
     if expert_bytes <= 0:
         raise ValueError(f"scale_replicas: expert_bytes (M_e) must be > 0, got {expert_bytes}")
-    E = w.size
+    E = len(w)
     if max_total_replicas is not None and max_total_replicas < E:
         raise ValueError(f"scale_replicas: {max_total_replicas} replica slots cannot hold one replica of each "
                          f"of {E} experts")
-    counts = np.ones(E, dtype=np.int64)
-    total = float(w.sum())
-    sum_sq = float(np.dot(w, w))
+    allowed = (memory_cap_bytes + 1e-9) / expert_bytes  # added replicas that fit the memory cap
+    max_n = E + int(allowed) if math.isfinite(allowed) else sys.maxsize
+    if max_total_replicas is not None:
+        max_n = min(max_n, max_total_replicas)
+    counts = [1] * E
+    total = sum(w)
+    sum_sq = sum(v * v for v in w)
     n = E
-    alloc = 0.0
-    heap = [(-float(w[e]), e) for e in range(E)]  # (-load per replica, expert): ties -> lowest expert id
+    heap = [(-v, e) for e, v in enumerate(w)]  # (-load per replica, expert): ties -> lowest expert id
     heapq.heapify(heap)
-    cv = _cv(total, sum_sq, n)
+    # CV > V  <=>  var > V^2 mean^2  <=>  n * sum_sq > (1 + V^2) * total^2: no sqrt or division per step
+    bound = (1.0 + cv_threshold * cv_threshold) * total * total
     hit_cap = False
-    while cv > cv_threshold:
-        if alloc + expert_bytes > memory_cap_bytes + 1e-9 or (max_total_replicas is not None and n >= max_total_replicas):
+    while n * sum_sq > bound:
+        if n >= max_n:
             hit_cap = True
             break
-        neg, e = heapq.heappop(heap)
-        if max_replicas_per_expert is not None and counts[e] >= max_replicas_per_expert:
+        _, e = heapq.heappop(heap)
+        r = counts[e]
+        if max_replicas_per_expert is not None and r >= max_replicas_per_expert:
             if not heap:
                 hit_cap = True
                 break
             # this straggler cannot grow: drop it from the candidates (its loads stay in the CV)
             continue
-        r = int(counts[e])
-        sum_sq -= w[e] * w[e] / r
+        sq = w[e] * w[e]
+        sum_sq += sq / (r + 1) - sq / r
         counts[e] = r + 1
-        sum_sq += w[e] * w[e] / (r + 1)
         n += 1
-        alloc += expert_bytes
-        heapq.heappush(heap, (-float(w[e]) / (r + 1), e))
-        cv = _cv(total, sum_sq, n)
-    return ScalingResult(counts=counts, cv=cv, hit_cap=hit_cap, added_bytes=alloc)
+        heapq.heappush(heap, (-w[e] / (r + 1), e))
+    cv = _cv(total, sum_sq, n)
+    return ScalingResult(counts=np.asarray(counts, dtype=np.int64), cv=cv, hit_cap=hit_cap,
+                         added_bytes=(n - E) * expert_bytes)
