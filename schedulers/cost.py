@@ -242,6 +242,16 @@ class CostModel:
             out[live[0]] += self.call_overhead_s
         return out
 
+    def t_g_group_sum(self, ms: Sequence[float]) -> float:
+        """`sum(t_g_group(ms))` as a plain loop (the schedulers' per-layer path)."""
+        total, live = 0.0, False
+        floor = self.expert_bytes / self._gpu_bw
+        for m in ms:
+            if m > 0:
+                total += self.gpu_overhead_s + max(float(m) * self.expert_flops / self._gpu_flops, floor)
+                live = True
+        return total + self.call_overhead_s if live else 0.0
+
     def _gpu_block(self, flops: float, nbytes: float, kernels: int = 1) -> float:
         return kernels * self.gpu_overhead_s + max(flops / self._gpu_flops, nbytes / self._gpu_bw)
 

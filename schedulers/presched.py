@@ -142,11 +142,6 @@ def prefetch_count(t_gap: float, t_attn: float, t_io: float, hit_rate: float, ha
     return max(count, 0), f, xi
 
 
-def gpu_group_time(cost: CostModel, ms: Sequence[int]) -> float:
-    """GPU time of experts of `ms` tokens run together in one call (0 for none)."""
-    return float(np.sum(cost.t_g_group(np.asarray(ms)))) if ms else 0.0
-
-
 def resident_to_cpu(state: LayerState, ready: Sequence[int], cpu: Sequence[int], n_loads: int, alpha: float,
                     t_load: float, t_g: float) -> list[int]:
     """`offload_resident`: resident experts of this layer to run on the CPU too, coldest first.
@@ -168,7 +163,7 @@ def resident_to_cpu(state: LayerState, ready: Sequence[int], cpu: Sequence[int],
     floor = link + tail  # T_G never drops below the link's share, whatever moves
 
     def layer_time(t_cpu: float, gpu_m: list) -> float:
-        return max(t_cpu, max(gpu_group_time(cost, gpu_m) + shared, link) + tail)
+        return max(t_cpu, max(cost.t_g_group_sum(gpu_m) + shared, link) + tail)
 
     best = layer_time(cost.t_c_sum(cpu_m), gpu_left)
     moved: list[int] = []
@@ -271,7 +266,7 @@ class PreSched(OffloadPolicy):
         t_g = float(cost.t_g(max(max(tok, default=1), 1)))
         # the resident experts' GPU time, where the plan uses it (eq. 1's split, or counted GPU work)
         uses_ready = state.phase is Phase.prefill or not self.settings.mask_gpu_compute
-        ready_s = float(np.sum(np.atleast_1d(cost.t_g(tokens[ready_a])))) if ready and uses_ready else 0.0
+        ready_s = sum(cost.t_g(tok[e]) for e in ready) if uses_ready else 0.0
         # Premise 5 masks the GPU's work on resident experts; `mask_gpu_compute=False` counts it
         # (many small experts at moderate batch keep the GPU busy longer than the link)
         busy = 0.0 if self.settings.mask_gpu_compute else ready_s + cost.t_shared(state.batch_tokens)

@@ -145,6 +145,7 @@ def test_one_call_for_a_group_pays_the_dispatch_once() -> None:
     # three live experts in one call: two dispatches fewer than three calls of their own
     assert alone.sum() - group.sum() == pytest.approx(2 * 200e-6)
     assert group[0] - group[2] == pytest.approx(200e-6 + float(cost._gpu_roofline(3) - cost._gpu_roofline(5)))
+    assert cost.t_g_group_sum(m.tolist()) == pytest.approx(group.sum()) and cost.t_g_group_sum([0, 0]) == 0.0
     cost.update_gpu(1, cost.t_g(1) + 1e-3)  # a slower single-expert call: the dispatch estimate grows
     assert cost.call_overhead_s > 200e-6
 

@@ -285,6 +285,8 @@ class OffloadExecutor:
             pinned += slots
         for e, retain in zip(plan.ondemand, plan.retain):
             self.link.wait(m, e)  # OnIoDone for this expert
+            # device calls run in order: with earlier work still queued, this call's wall time would include it
+            timed = all(p.is_ready() for p in parts)
             t = time.perf_counter()
             y, slots = self._device_experts(g, experts, weights, [e], m)
             parts.append(y)
@@ -292,7 +294,8 @@ class OffloadExecutor:
                 pinned += slots
             else:  # the staging buffer goes back to the link once its compute is done
                 y.block_until_ready()
-                self.timer.gpu(int((experts == e).sum()), time.perf_counter() - t)
+                if timed:
+                    self.timer.gpu(int((experts == e).sum()), time.perf_counter() - t)
                 self.cache.unpin(slots)
                 self.cache.release(slots[0])
         cpu_out, cpu_busy = None, 0.0
