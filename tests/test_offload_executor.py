@@ -220,11 +220,32 @@ def test_the_timer_measures_the_fixed_host_overheads(shipped) -> None:
     sched = build_scheduler(SchedulerSettings(kind=SchedulerKind.ondemand, label="o", use_predictor=False),
                             SchedulerSetup(L, E, cfg.num_experts_per_tok, L * E, cost, np.ones((L, E), np.int64)))
     with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=L * E, fuse_resident=False)) as ex:
+        ex.generate(prompts, 6)  # compiles: the Timer drops the samples of the passes that did
+        ex.timer.samples.clear()
         out = ex.generate(prompts, 6)
         samples = ex.timer.samples
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     assert len(samples["layer_overhead_s"]) == 5 * L and len(samples["pass_overhead_s"]) == 5  # decode passes
     assert cost.layer_overhead_s > 0 and cost.pass_overhead_s > 0  # a real executor always pays some
+
+
+def test_the_timer_drops_the_samples_of_a_window_that_compiled() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from engine.offload.timer import Timer
+
+    cost = CostModel(resolve_model_config(compose("run", ["model=mixtral_tiny"]).model), HW)
+    t_io = cost.t_io
+    timer = Timer(cost, expert_bytes=1)
+    with timer.window():
+        timer.transfer(1.0)
+        jax.jit(lambda x: x * 3.0 + 1.0)(jnp.ones(7)).block_until_ready()  # a new function: traced and compiled
+    assert cost.t_io == t_io and timer.dropped == 1 and not timer.samples["transfer_s"]
+    with timer.window():
+        timer.transfer(1.0)
+        assert cost.t_io == t_io  # held until the pass ends
+    assert cost.t_io > t_io and timer.samples["transfer_s"] == [1.0] and timer.summary()["dropped_compiling_samples"] == 1
 
 
 def test_synchronous_transfers_ablation_is_exact(shipped) -> None:

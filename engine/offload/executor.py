@@ -146,9 +146,10 @@ class OffloadExecutor:
                              f"{self.cache.cache_slots} cache slots")
         jobs = [Job(int(l), int(e), self.cache.reserve(int(l), int(e), staging=False), retain=True, prefetch=False)
                 for l, e in zip(*np.nonzero(residency))]
-        self.link.submit(jobs)
-        for job in jobs:
-            self.link.wait(job.layer, job.expert)
+        with self.timer.window():  # the first writes compile the slot update
+            self.link.submit(jobs)
+            for job in jobs:
+                self.link.wait(job.layer, job.expert)
         self.link.completed.clear()
 
     def close(self) -> None:
@@ -461,11 +462,12 @@ class OffloadExecutor:
         out = np.full((B, max_new_tokens), pad, np.int32)
         all_logits = []
         t_start = time.perf_counter()
-        if self._can_fuse():  # nothing to plan: the prefill as one device call
-            logits, kv = self._fused_forward(kv, tokens, positions, valid, Phase.prefill)
-        else:
-            logits, kv = self._forward(kv, tokens, positions, valid, Phase.prefill, seqs, longest)
-        host = np.asarray(logits)
+        with self.timer.window():  # each pass is one window of Timer samples (dropped if it compiled)
+            if self._can_fuse():  # nothing to plan: the prefill as one device call
+                logits, kv = self._fused_forward(kv, tokens, positions, valid, Phase.prefill)
+            else:
+                logits, kv = self._forward(kv, tokens, positions, valid, Phase.prefill, seqs, longest)
+            host = np.asarray(logits)
         first_logits = host
         prefill_s = time.perf_counter() - t_start
         self.metrics.add_pass(True, prefill_s)
@@ -491,14 +493,15 @@ class OffloadExecutor:
                     all_logits += list(logits_run[:-1])
                     host = logits_run[-1]
                 break
-            t = time.perf_counter()
-            logits, kv = self._forward(kv, nxt[:, None], next_pos[:, None].astype(np.int32), np.ones((B, 1), bool),
-                                       Phase.decode, seqs, int(next_pos.mean()))
-            host = np.asarray(logits)
-            steps.append(time.perf_counter() - t)
+            with self.timer.window():
+                t = time.perf_counter()
+                logits, kv = self._forward(kv, nxt[:, None], next_pos[:, None].astype(np.int32), np.ones((B, 1), bool),
+                                           Phase.decode, seqs, int(next_pos.mean()))
+                host = np.asarray(logits)
+                steps.append(time.perf_counter() - t)
+                outside = self._modelled_outside_moe(B, int(next_pos.mean()))
+                self.timer.pass_overhead(steps[-1] - self._moe_wall - outside)
             self.metrics.add_pass(False, steps[-1])
-            outside = self._modelled_outside_moe(B, int(next_pos.mean()))
-            self.timer.pass_overhead(steps[-1] - self._moe_wall - outside)
             nxt = np.where(done, pad, host.argmax(-1)).astype(np.int32)
             out[:, step] = nxt
             done |= nxt == eos
