@@ -121,6 +121,19 @@ def first_load(passes: Sequence[bool], outside: int) -> int:
     return next((i for i in range(outside, len(passes)) if passes[i]), len(passes))
 
 
+def loads_pay_for_host_copies(cur_tokens_sorted: Sequence[float], i: int, alpha: float, t_load: float, t_io: float,
+                              t_g: float, cost: CostModel, gpu_busy: float = 0.0) -> bool:
+    """Where the link copies on the host cores (`cost.link_cpu_share` > 0), loading E_cur[i..n] also
+    takes share * t_io of CPU time per load from the CPU side: the loads go ahead only if the layer
+    still ends sooner than with every missing expert on the CPU (always True with a DMA link)."""
+    n1, share = len(cur_tokens_sorted), cost.link_cpu_share
+    if share <= 0 or i >= n1:
+        return True
+    t_cpu = cost.t_c_sum(cur_tokens_sorted[:i]) + share * (n1 - i) * t_io
+    t_gpu = max(alpha + (n1 - i) * t_load, gpu_busy) + t_g
+    return max(t_cpu, t_gpu) < cost.t_c_sum(cur_tokens_sorted)
+
+
 def prefetch_gap(cur_tokens_sorted: Sequence[float], i: int, alpha: float, t_io: float, cost: CostModel,
                  gpu_busy: float = 0.0) -> float:
     """Eq. 5's T_gap: CPU time of E_cur[0..i-1] (or the GPU's own work, when longer) minus the link
@@ -235,6 +248,9 @@ class PreSched(OffloadPolicy):
     def _decode_prefetch(self, state: LayerState, ahead: Lookahead, gap: float) -> list[tuple[int, int]]:
         """Eqs. 5-6 and Q4: the hottest E_next experts of the first target whose GPU_Q holds one."""
         t_io, layer = state.t_io_s, state.layer
+        share = state.cost.link_cpu_share
+        if share > 0 and state.cost.t_c(state.batch_tokens) <= share * t_io:
+            return []  # no expert (at most every token of the batch) runs longer on the CPU than its host copy
         distances = [d for d in range(1, self._window() + 1) if layer + d < state.num_layers]
         counts = [prefetch_count(gap, state.t_attn_next_s, t_io, state.hit_rate.get(d, 1.0),
                                  self.settings.round_half_up)[0] for d in distances]
@@ -244,7 +260,9 @@ class PreSched(OffloadPolicy):
             target = layer + distance
             if not ahead.forecast(target) or not ahead.queue(target).has_next:
                 continue  # Q4: nothing of this layer belongs on the GPU; look further ahead
-            nxt = ahead.candidates(target)[0]
+            nxt, nxt_m = ahead.candidates(target)
+            if share > 0:  # a host-copied prefetch costs CPU time now: only experts whose CPU run costs more
+                nxt = [e for e, m in zip(nxt, nxt_m) if state.cost.t_c(m) > share * t_io]
             return [(target, e) for e in nxt[::-1][:counts[j]]]  # hottest first
         return []
 
@@ -282,6 +300,8 @@ class PreSched(OffloadPolicy):
             passes = ondemand_passes(cur_m, alpha, t_load, t_g, cost, busy)
             # GPU_Q (and so the next layer's forecast) only matters when some i' passes eq. 4
             i = first_load(passes, ahead.queue(layer + 1).current_outside() if any(passes) else 0)
+            if not loads_pay_for_host_copies(cur_m, i, alpha, t_load, t_io, t_g, cost, busy):
+                i = len(cur)
         cpu_experts = cur[:i]
         if self.settings.offload_resident and state.phase is Phase.decode:
             moved = resident_to_cpu(state, ready, cpu_experts, len(cur) - i, alpha, t_load, t_g)

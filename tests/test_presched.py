@@ -6,6 +6,7 @@ transfer time set to round numbers (ms): t_c(m) = m + 1, t_io = 4; t_g stays the
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -21,7 +22,8 @@ from models.loading import resolve_model_config
 from schedulers.base import (LayerState, Phase, SchedulerKind, SchedulerSettings, SchedulerSetup, Transfer,
                              build_scheduler)
 from schedulers.cost import CostModel
-from schedulers.presched import cross_layer_queue, first_load, ondemand_passes, prefetch_count, prefetch_gap
+from schedulers.presched import (cross_layer_queue, first_load, loads_pay_for_host_copies, ondemand_passes,
+                                 prefetch_count, prefetch_gap)
 
 MS = 1e-3
 A, B, C, X, Y, Z = 0, 1, 2, 3, 4, 7  # expert ids; 5 and 6 are resident
@@ -222,6 +224,36 @@ def test_plans_forecast_only_what_they_use(cost: CostModel) -> None:
     idle = ReadCounter({1: loads(x=3, y=5), 2: far})
     plan = presched(cost).plan(state(cost, idle, {1: 0.9, 2: 0.9}, alpha=20 * MS))
     assert plan.ondemand == () and plan.prefetch == () and idle.read == []
+
+
+def host_copied(cost: CostModel, t_io: float) -> CostModel:
+    """`cost` with a link whose copies run on the host cores (the CPU backend: host_cpu_share 1)."""
+    c = copy.copy(cost)
+    c.link_cpu_share, c.t_io = 1.0, t_io
+    return c
+
+
+def test_host_copied_loads_must_beat_the_all_cpu_layer(cost: CostModel) -> None:
+    # E_cur = [A, B, C] with 1, 2, 4 tokens: t_c = 2, 3, 5 ms (10 ms all on the CPU), t_io = 4 ms
+    t_g = float(cost.t_g(4))
+    assert loads_pay_for_host_copies([1, 2, 4], 1, 0.0, 4 * MS, 4 * MS, t_g, cost)  # a DMA link: always
+    shared = host_copied(cost, 4 * MS)
+    # loading C: CPU side 2 + 3 ms + 4 ms of copying = 9 ms < 10 ms all on the CPU
+    assert loads_pay_for_host_copies([1, 2, 4], 2, 0.0, 4 * MS, 4 * MS, t_g, shared)
+    # loading B and C: 2 ms + 8 ms of copying = 10 ms, no better than the CPU alone
+    assert not loads_pay_for_host_copies([1, 2, 4], 1, 0.0, 4 * MS, 4 * MS, t_g, shared)
+    assert presched(shared).plan(state(shared, {1: loads(x=3, y=5)}, {1: 0.9})).ondemand == (C,)
+
+
+def test_host_copied_prefetches_only_outlast_their_copy(cost: CostModel) -> None:
+    # an 8 ms copy: with a DMA link y (5 tokens) is prefetched; copied on the host it costs more CPU time than
+    # the 6 ms its CPU run would (no expert of this 6-token batch runs 8 ms), so no forecast is even read
+    dma = copy.copy(cost)
+    dma.t_io = 8 * MS
+    assert presched(dma).plan(state(dma, {1: loads(x=3, y=5)}, {1: 0.9})).prefetch == ((1, Y),)
+    shared = host_copied(cost, 8 * MS)
+    read = ReadCounter({1: loads(x=3, y=5)})
+    assert presched(shared).plan(state(shared, read, {1: 0.9})).prefetch == () and read.read == []
 
 
 def random_state(rng: np.random.Generator, cost: CostModel, layer: int, num_layers: int = 4, E: int = 8) -> LayerState:

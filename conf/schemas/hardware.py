@@ -34,6 +34,7 @@ TFLOP/s = 1e12, µs / ms as named.
 |                | efficiency                  | fraction of peak a pinned, chunked, asynchronous copy reaches |
 |                | latency_us                  | fixed cost per expert transfer (issue, chunk synchronisation) |
 |                | sync_copy_slowdown          | how much longer a synchronous pageable copy takes (no AsyncIO) |
+|                | host_cpu_share              | fraction of a transfer's time it takes from the host cores: 0 with a DMA engine (every GPU profile), 1 where a host thread copies (`calibrate` on the CPU backend) |
 | `interconnect` | name                        | device-to-device fabric ("none" on one device)               |
 |                | gbps_per_device             | one-direction bandwidth each device gets in an all-to-all    |
 |                | latency_us                  | per-message latency of a collective step                     |
@@ -98,6 +99,9 @@ class HostLink:
     efficiency: float = 0.8
     latency_us: float = 50.0
     sync_copy_slowdown: float = 1.7
+    # fraction of a transfer's time it also takes from the host's cores: 0 where a DMA engine copies (PCIe
+    # to a GPU), 1 where a host thread does the copy (the CPU backend: the "device" is host memory)
+    host_cpu_share: float = 0.0
 
     def transfer_s(self, nbytes: float) -> float:
         """Seconds to move `nbytes` host -> device with pinned asynchronous chunked copies."""
@@ -169,6 +173,8 @@ class HardwareProfile:
                  f"{self.gpu.usable_memory_gib} must lie in (0, memory_gib={self.gpu.memory_gib}]")
         need(self.gpu.budget_bytes > 0, "gpu.reserved_gib", "leaves no device memory")
         need(self.host_link.sync_copy_slowdown >= 1, "host_link.sync_copy_slowdown", "must be >= 1")
+        need(0 <= self.host_link.host_cpu_share <= 1, "host_link.host_cpu_share",
+             f"must lie in [0, 1], got {self.host_link.host_cpu_share}")
         if self.num_devices > 1:
             need(self.interconnect.gbps_per_device > 0, "interconnect.gbps_per_device",
                  f"must be positive with num_devices={self.num_devices}")

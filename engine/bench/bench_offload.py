@@ -100,7 +100,8 @@ def executor_run(cfg, model, store, kind: SchedulerKind, slots: int, cost: CostM
     gen = sum(int(o.lengths.sum()) for o in outs)
     return {"decode_tok_s": decode_tok / sum(o.decode_s for o in outs), "throughput_tok_s": gen / wall,
             "decode_ms_per_step": 1e3 * float(np.mean(steps)), "plan_us_per_layer": 1e6 * plan_time[0] / max(plan_time[1], 1),
-            "hit_rate": hit, "outs": outs, "cost": cost}
+            "hit_rate": hit, "outs": outs, "cost": cost,
+            "moved_mib_per_pass": sum(o.metrics.bytes_moved for o in outs) / 2**20 / max(len(steps) + len(outs), 1)}
 
 
 def main() -> None:
@@ -193,7 +194,8 @@ def section_budget(args, cfg, model, store, batches, lookup, profile, trace, cos
         spread = [x["throughput_tok_s"] for x in runs[name]]
         print(f"  {name:14s} decode {r['decode_tok_s']:8.1f} tok/s  throughput {r['throughput_tok_s']:8.1f} tok/s "
               f"(best of {len(spread)}, worst {min(spread):.1f})  {r['decode_ms_per_step']:7.2f} ms/step  "
-              f"predictor hit {r['hit_rate'] if r['hit_rate'] is not None else '-'}")
+              f"predictor hit {r['hit_rate'] if r['hit_rate'] is not None else '-'}  "
+              f"MiB moved per pass, each repeat: {[round(x['moved_mib_per_pass'], 2) for x in runs[name]]}")
     if "presched" in results:
         base = results["presched"]["throughput_tok_s"]
         print("  PreSched throughput ratios: " + ", ".join(f"vs {k} {base / v['throughput_tok_s']:.2f}x"

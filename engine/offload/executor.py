@@ -286,8 +286,9 @@ class OffloadExecutor:
             pinned += slots
         for e, retain in zip(plan.ondemand, plan.retain):
             self.link.wait(m, e)  # OnIoDone for this expert
-            # device calls run in order: with earlier work still queued, this call's wall time would include it
-            timed = all(p.is_ready() for p in parts)
+            # a sample times the call alone: device calls run in order (earlier queued work would count), and
+            # where the device is the host the CPU experts' worker shares its cores
+            timed = all(p.is_ready() for p in parts) and (cpu_future is None or cpu_future.done())
             t = time.perf_counter()
             y, slots = self._device_experts(g, experts, weights, [e], m)
             parts.append(y)
