@@ -48,6 +48,12 @@ eq. 1 (the missing experts split to minimise max(T_C, T_G), GPU work counted), a
 predicted expert of the next layer that is worth a transfer there (t_c above t_io), hottest first:
 in a prefill nearly every such expert is active, so a prefetch replaces an on-demand load of the
 same expert (eq. 6 with R_miss -> 0).
+
+Host-copied links (`cost.link_cpu_share` > 0, the CPU backend): a copy also takes CPU time, which
+the paper's DMA links never do. Decode loads then go ahead only if the layer still ends before the
+all-CPU split with share * t_io per load on the CPU side (`loads_pay_for_host_copies`), and only
+experts whose CPU run outlasts their copy are prefetched. With share 0 (every GPU profile) the plan
+is Algorithm 1's.
 """
 
 from __future__ import annotations
