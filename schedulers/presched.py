@@ -50,8 +50,8 @@ in a prefill nearly every such expert is active, so a prefetch replaces an on-de
 same expert (eq. 6 with R_miss -> 0).
 
 Host-copied links (`cost.link_cpu_share` > 0, the CPU backend): a copy also takes CPU time, which
-the paper's DMA links never do. Decode loads then go ahead only if the layer still ends before the
-all-CPU split with share * t_io per load on the CPU side (`loads_pay_for_host_copies`), and only
+the paper's DMA links never do. An i' of eq. 4 then also has to end the layer before the all-CPU
+split with share * t_io per load on the CPU side (`loads_pay_for_host_copies`), and only
 experts whose CPU run outlasts their copy are prefetched. With share 0 (every GPU profile) the plan
 is Algorithm 1's.
 """
@@ -304,10 +304,11 @@ class PreSched(OffloadPolicy):
                              alpha, t_io, t_g, cost)
         else:
             passes = ondemand_passes(cur_m, alpha, t_load, t_g, cost, busy)
+            if cost.link_cpu_share > 0:  # a passing i' whose host copies do not pay is no load at all
+                passes = [p and loads_pay_for_host_copies(cur_m, k, alpha, t_load, t_io, t_g, cost, busy)
+                          for k, p in enumerate(passes)]
             # GPU_Q (and so the next layer's forecast) only matters when some i' passes eq. 4
             i = first_load(passes, ahead.queue(layer + 1).current_outside() if any(passes) else 0)
-            if not loads_pay_for_host_copies(cur_m, i, alpha, t_load, t_io, t_g, cost, busy):
-                i = len(cur)
         cpu_experts = cur[:i]
         if self.settings.offload_resident and state.phase is Phase.decode:
             moved = resident_to_cpu(state, ready, cpu_experts, len(cur) - i, alpha, t_load, t_g)
