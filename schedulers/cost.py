@@ -16,12 +16,15 @@ Built from a `ModelConfig` and a `HardwareProfile`; every time is in seconds.
 - `t_attn(batch, ctx, phase)`: a decoder layer's attention block (projections + attention over the
   KV cache + gate) on the GPU; prefill and decode variants differ in tokens and KV traffic.
 - `update_*`: the executor's Timer feeds measured times; eq. 2 is refitted by running least squares,
-  the fixed costs by an exponential moving average.
+  the GPU call's dispatch follows a sliding median that counts the profile's value as several samples
+  (its samples are few and noisy), the other fixed costs an exponential moving average.
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
@@ -118,6 +121,13 @@ def memory_plan(cfg: ModelConfig, hw: "HardwareProfile", batch: int, prompt_len:
 
 
 # ---- times -----------------------------------------------------------------------------------
+# Single-expert GPU samples come only from on-demand loads: few, and on a shared host some are several
+# times the typical call. The dispatch estimate is the median of the last GPU_WINDOW samples with the
+# profile's value standing for GPU_PRIOR_SAMPLES of them, so a stray pair cannot move it (an average
+# would: two 3 ms samples took it from 0.09 to 1.2 ms, and every expert went to the CPU).
+GPU_PRIOR_SAMPLES = 8
+GPU_WINDOW = 40
+
 class _RunningFit:
     """Least squares y = a * x + b over a window of observations (the Timer's eq. 2 refit).
 
@@ -178,6 +188,7 @@ class CostModel:
             if measured.gpu_ms is not None:  # one expert in its own call: the call's dispatch is part of it
                 self.gpu_overhead_s = max(measured.gpu_ms * 1e-3 - self._gpu_roofline(1) - self.call_overhead_s, 0.0)
         self._cpu_fit = _RunningFit()
+        self._gpu_samples: Optional[collections.deque[float]] = None
         self._attn_params = attention_params(cfg)
         self._kv_bytes = kv_bytes_per_token(cfg, bytes_per_param)
         self._shared_params = shared_expert_params(cfg)
@@ -316,7 +327,10 @@ class CostModel:
         """A measured GPU expert time (one expert, one call); the per-call dispatch absorbs the error of
         the roofline and the per-expert kernel cost."""
         overhead = max(float(seconds) - float(self._gpu_roofline(tokens)) - self.gpu_overhead_s, 0.0)
-        self.call_overhead_s = (1 - self.ema) * self.call_overhead_s + self.ema * overhead
+        if self._gpu_samples is None:  # the prior (profile) value weighs as GPU_PRIOR_SAMPLES samples
+            self._gpu_samples = collections.deque([self.call_overhead_s] * GPU_PRIOR_SAMPLES, maxlen=GPU_WINDOW)
+        self._gpu_samples.append(overhead)
+        self.call_overhead_s = statistics.median(self._gpu_samples)
 
     def update_cpu_dispatch(self, seconds: float) -> None:
         """A measured hand-over of a layer's CPU side (its wall time minus the experts' own compute)."""
