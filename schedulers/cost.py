@@ -128,6 +128,7 @@ def memory_plan(cfg: ModelConfig, hw: "HardwareProfile", batch: int, prompt_len:
 GPU_PRIOR_SAMPLES = 8
 GPU_WINDOW = 40
 
+
 class _RunningFit:
     """Least squares y = a * x + b over a window of observations (the Timer's eq. 2 refit).
 
@@ -255,14 +256,10 @@ class CostModel:
         return out
 
     def t_g_group_sum(self, ms: Sequence[float]) -> float:
-        """`sum(t_g_group(ms))` as a plain loop (the schedulers' per-layer path)."""
-        total, live = 0.0, False
-        floor = self.expert_bytes / self._gpu_bw
-        for m in ms:
-            if m > 0:
-                total += self.gpu_overhead_s + max(float(m) * self.expert_flops / self._gpu_flops, floor)
-                live = True
-        return total + self.call_overhead_s if live else 0.0
+        """`sum(t_g_group(ms))` without numpy (the schedulers' per-layer path): each live expert's `t_g`,
+        the call's dispatch paid once."""
+        live = [m for m in ms if m > 0]
+        return sum(self.t_g(m) for m in live) - (len(live) - 1) * self.call_overhead_s if live else 0.0
 
     def _gpu_block(self, flops: float, nbytes: float, kernels: int = 1) -> float:
         return kernels * self.gpu_overhead_s + max(flops / self._gpu_flops, nbytes / self._gpu_bw)
