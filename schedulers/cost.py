@@ -176,6 +176,7 @@ class CostModel:
         self.cpu_dispatch_s = cpu.dispatch_us * 1e-6
         self.t_io = link.transfer_s(self.expert_bytes)
         self.link_cpu_share = link.host_cpu_share  # host core time a transfer takes, per second of transfer
+        self.device_cpu_share = gpu.host_cpu_share  # host core time device compute takes, per second of it
         self.beta_s = self.expert_flops / (cpu.peak_gflops * 1e9 * cpu.matmul_efficiency)
         self.cpu_startup_s = cpu.expert_overhead_us * 1e-6 + self.expert_bytes / (cpu.memory_gbps * 1e9 * cpu.memory_efficiency)
         if measured is not None:

@@ -52,8 +52,10 @@ same expert (eq. 6 with R_miss -> 0).
 Host-copied links (`cost.link_cpu_share` > 0, the CPU backend): a copy also takes CPU time, which
 the paper's DMA links never do. An i' of eq. 4 then also has to end the layer before the all-CPU
 split with share * t_io per load on the CPU side (`loads_pay_for_host_copies`), and only
-experts whose CPU run outlasts their copy are prefetched. With share 0 (every GPU profile) the plan
-is Algorithm 1's.
+experts whose CPU run outlasts their copy are prefetched. Where the device is the host itself
+(`cost.device_cpu_share`, 1 on the CPU backend), a loaded expert's device call also counts on the
+CPU side, and `offload_resident` is off: a resident expert moved to the CPU would take the cores
+the device runs on. With both shares 0 (every GPU profile) the plan is Algorithm 1's.
 """
 
 from __future__ import annotations
@@ -130,12 +132,14 @@ def first_load(passes: Sequence[bool], outside: int) -> int:
 def loads_pay_for_host_copies(cur_tokens_sorted: Sequence[float], i: int, alpha: float, t_load: float, t_io: float,
                               t_g: float, cost: CostModel, gpu_busy: float = 0.0) -> bool:
     """Where the link copies on the host cores (`cost.link_cpu_share` > 0), loading E_cur[i..n] also
-    takes share * t_io of CPU time per load from the CPU side: the loads go ahead only if the layer
-    still ends sooner than with every missing expert on the CPU (always True with a DMA link)."""
-    n1, share = len(cur_tokens_sorted), cost.link_cpu_share
-    if share <= 0 or i >= n1:
+    takes share * t_io of CPU time per load from the CPU side, and where the device computes on them
+    (`cost.device_cpu_share` > 0) that share of each loaded expert's call: the loads go ahead only if
+    the layer still ends sooner than with every missing expert on the CPU (always True with a DMA
+    link to a GPU)."""
+    n1, share, s_dev = len(cur_tokens_sorted), cost.link_cpu_share, cost.device_cpu_share
+    if (share <= 0 and s_dev <= 0) or i >= n1:
         return True
-    t_cpu = cost.t_c_sum(cur_tokens_sorted[:i]) + share * (n1 - i) * t_io
+    t_cpu = cost.t_c_sum(cur_tokens_sorted[:i]) + (n1 - i) * (share * t_io + s_dev * t_g)
     t_gpu = max(alpha + (n1 - i) * t_load, gpu_busy) + t_g
     return max(t_cpu, t_gpu) < cost.t_c_sum(cur_tokens_sorted)
 
@@ -168,8 +172,11 @@ def resident_to_cpu(state: LayerState, ready: Sequence[int], cpu: Sequence[int],
     The layer ends at max(T_C, T_G) with T_C = t_c_sum(CPU experts) and T_G = max(GPU work on
     ready experts + shared experts, alpha + n_loads t_load) + t_g when something is loaded; an
     expert moves while moving it lowers that maximum (Algorithm 1 never revisits resident experts,
-    so at moderate batches of many small experts the GPU computes while the CPU waits)."""
+    so at moderate batches of many small experts the GPU computes while the CPU waits). Where device
+    compute takes a share s of the host cores (`cost.device_cpu_share`), each side also waits for s
+    of the other's compute."""
     cost, tokens = state.cost, state.tokens.tolist()
+    s = cost.device_cpu_share
     resident = state.resident[state.layer].tolist()
     candidates = sorted_by([e for e in ready if resident[e]], tokens)
     if not candidates:
@@ -182,7 +189,8 @@ def resident_to_cpu(state: LayerState, ready: Sequence[int], cpu: Sequence[int],
     floor = link + tail  # T_G never drops below the link's share, whatever moves
 
     def layer_time(t_cpu: float, gpu_m: list) -> float:
-        return max(t_cpu, max(cost.t_g_group_sum(gpu_m) + shared, link) + tail)
+        work = cost.t_g_group_sum(gpu_m) + shared
+        return max(t_cpu + s * work, max(work + s * t_cpu, link) + tail)
 
     best = layer_time(cost.t_c_sum(cpu_m), gpu_left)
     moved: list[int] = []
@@ -245,7 +253,9 @@ class PreSched(OffloadPolicy):
 
     @property
     def resident_on_device(self) -> bool:
-        return not self.settings.offload_resident  # the extension may run cold resident experts on the CPU
+        """The extension may run cold resident experts on the CPU, unless the device is the host itself
+        (`device_cpu_share` 1): there a CPU expert takes the cores the device needs, no idle CPU."""
+        return not self.settings.offload_resident or self.cost.device_cpu_share >= 1
 
     def _window(self) -> int:
         """Q4: the furthest layer distance prefetches may target (0: no predictor, no prefetch)."""
@@ -304,13 +314,13 @@ class PreSched(OffloadPolicy):
                              alpha, t_io, t_g, cost)
         else:
             passes = ondemand_passes(cur_m, alpha, t_load, t_g, cost, busy)
-            if cost.link_cpu_share > 0:  # a passing i' whose host copies do not pay is no load at all
+            if cost.link_cpu_share > 0 or cost.device_cpu_share > 0:  # a passing i' whose host time does not pay
                 passes = [p and loads_pay_for_host_copies(cur_m, k, alpha, t_load, t_io, t_g, cost, busy)
                           for k, p in enumerate(passes)]
             # GPU_Q (and so the next layer's forecast) only matters when some i' passes eq. 4
             i = first_load(passes, ahead.queue(layer + 1).current_outside() if any(passes) else 0)
         cpu_experts = cur[:i]
-        if self.settings.offload_resident and state.phase is Phase.decode:
+        if not self.resident_on_device and state.phase is Phase.decode:
             moved = resident_to_cpu(state, ready, cpu_experts, len(cur) - i, alpha, t_load, t_g)
             ready = [e for e in ready if e not in moved]
             cpu_experts = cpu_experts + moved

@@ -135,15 +135,18 @@ def test_paper_profiles_charge_no_executor_overheads() -> None:
         _with_gpu(load_hardware("v100_pcie3"), layer_overhead_us=-1.0)
 
 
-def test_only_the_cpu_backend_profile_copies_on_the_host_cores() -> None:
+def test_only_the_cpu_backend_profile_copies_and_computes_on_the_host_cores() -> None:
     import dataclasses
 
-    for name in PROFILES:  # PCIe to a GPU: a DMA engine copies, the host cores stay free
-        assert CostModel(model("mixtral_8x7b"), load_hardware(name)).link_cpu_share == 0.0
+    for name in PROFILES:  # PCIe to a GPU: a DMA engine copies, the GPU computes, the host cores stay free
+        cost = CostModel(model("mixtral_8x7b"), load_hardware(name))
+        assert cost.link_cpu_share == 0.0 and cost.device_cpu_share == 0.0
     local = load_hardware("local_cpu")
-    assert local.host_link.host_cpu_share == 1.0
+    assert local.host_link.host_cpu_share == 1.0 and local.gpu.host_cpu_share == 1.0
     with pytest.raises(ValueError, match="host_link.host_cpu_share"):
         dataclasses.replace(local, host_link=dataclasses.replace(local.host_link, host_cpu_share=1.5))
+    with pytest.raises(ValueError, match="gpu.host_cpu_share"):
+        _with_gpu(local, host_cpu_share=-0.1)
 
 
 def test_one_call_for_a_group_pays_the_dispatch_once() -> None:

@@ -141,6 +141,7 @@ def test_presched_offload_resident_runs_resident_experts_on_the_cpu_with_the_sam
     L, E = len(cfg.moe_layers), cfg.num_experts
     cost = CostModel(cfg, HW)
     cost.gpu_overhead_s = 10 * cost.t_c(1)  # a slow device: the cold resident experts belong on the CPU
+    cost.device_cpu_share = 0.0  # a device of its own (the CPU backend's shares the cores: nothing would move)
     gate = {1: GatePredictor.from_model(model, 1)}
     out = _run(cfg, model, store, SchedulerKind.presched, L * E, gate, prompts, 6, cost=cost, offload_resident=True)
     assert out.checked.resident_on_cpu > 0

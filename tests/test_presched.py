@@ -187,6 +187,12 @@ def test_offload_resident_moves_cold_resident_experts_while_the_layer_shortens()
     plan.validate(at(Phase.decode))
     assert presched(c).plan(at(Phase.decode)).cpu == ()  # the paper's Algorithm 1
     assert presched(c, offload_resident=True).plan(at(Phase.prefill)).cpu == ()  # prefill: eq. 1's split already decides
+    # where the device is the host (the CPU backend), a CPU expert takes the cores the device runs on: none moves,
+    # and the executor may start the resident experts before the plan
+    host = copy.copy(c)
+    host.device_cpu_share = 1.0
+    sched = presched(host, offload_resident=True)
+    assert sched.resident_on_device and sched.plan(at(Phase.decode)).cpu == ()
 
 
 class ReadCounter(Mapping):
@@ -243,6 +249,18 @@ def test_host_copied_loads_must_beat_the_all_cpu_layer(cost: CostModel) -> None:
     # loading B and C: 2 ms + 8 ms of copying = 10 ms, no better than the CPU alone
     assert not loads_pay_for_host_copies([1, 2, 4], 1, 0.0, 4 * MS, 4 * MS, t_g, shared)
     assert presched(shared).plan(state(shared, {1: loads(x=3, y=5)}, {1: 0.9})).ondemand == (C,)
+
+
+def test_loads_on_a_host_device_pay_for_their_calls_on_the_cpu_side(cost: CostModel) -> None:
+    # E_cur = [A, B, C] with t_c = 2, 3, 5 ms (10 ms all on the CPU), a DMA link (t_io 4 ms), each loaded
+    # expert's call 3 ms on a device that computes on the host cores: loading C leaves the CPU side
+    # 2 + 3 + 3 = 8 ms against 4 + 3 = 7 ms on the device: 8 < 10, it pays; loading B and C: CPU side
+    # 2 + 6 = 8 ms, device side 4 + 4 + 3 = 11 ms >= 10: it does not
+    host = copy.copy(cost)
+    assert loads_pay_for_host_copies([1, 2, 4], 1, 0.0, 4 * MS, 4 * MS, 3 * MS, host)  # a GPU: always
+    host.device_cpu_share = 1.0
+    assert loads_pay_for_host_copies([1, 2, 4], 2, 0.0, 4 * MS, 4 * MS, 3 * MS, host)
+    assert not loads_pay_for_host_copies([1, 2, 4], 1, 0.0, 4 * MS, 4 * MS, 3 * MS, host)
 
 
 def test_host_copied_prefetches_only_outlast_their_copy(cost: CostModel) -> None:

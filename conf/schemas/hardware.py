@@ -22,6 +22,7 @@ TFLOP/s = 1e12, µs / ms as named.
 |                | layer_overhead_us           | fixed host time per MoE layer of the offload executor beyond attention: router output to the host (a device sync), LayerState, planning, issuing the plan. 0 in the paper's profiles |
 |                | pass_overhead_us            | fixed host time per forward pass beyond the modelled blocks: embedding, mask preparation, logits to the host. 0 in the paper's profiles |
 |                | reserved_gib                | memory held by the runtime (CUDA context, allocator slack, activation workspace) |
+|                | host_cpu_share              | fraction of the device's compute time it takes from the host cores: 0 for a GPU (every GPU profile), 1 where the device is the host itself (`calibrate` on the CPU backend: device and CPU experts share the cores, so they do not run side by side) |
 | `cpu`          | name, sockets, cores        | the host processor(s) that run CPU experts                   |
 |                | peak_gflops                 | fp32 FMA peak of the cores used, all sockets                 |
 |                | memory_gbps                 | DRAM bandwidth peak, all sockets                             |
@@ -71,6 +72,9 @@ class GpuSpec:
     call_overhead_us: float = 0.0
     layer_overhead_us: float = 0.0
     pass_overhead_us: float = 0.0
+    # fraction of the device's compute time it also takes from the host cores: 0 for a GPU, 1 where the
+    # "device" is the host (the CPU backend: its expert calls and the torch CPU experts share the cores)
+    host_cpu_share: float = 0.0
 
     @property
     def budget_bytes(self) -> float:
@@ -173,8 +177,10 @@ class HardwareProfile:
                  f"{self.gpu.usable_memory_gib} must lie in (0, memory_gib={self.gpu.memory_gib}]")
         need(self.gpu.budget_bytes > 0, "gpu.reserved_gib", "leaves no device memory")
         need(self.host_link.sync_copy_slowdown >= 1, "host_link.sync_copy_slowdown", "must be >= 1")
-        need(0 <= self.host_link.host_cpu_share <= 1, "host_link.host_cpu_share",
-             f"must lie in [0, 1], got {self.host_link.host_cpu_share}")
+        for key in ("gpu.host_cpu_share", "host_link.host_cpu_share"):
+            block, attr = key.split(".")
+            value = getattr(getattr(self, block), attr)
+            need(0 <= value <= 1, key, f"must lie in [0, 1], got {value}")
         if self.num_devices > 1:
             need(self.interconnect.gbps_per_device > 0, "interconnect.gbps_per_device",
                  f"must be positive with num_devices={self.num_devices}")
@@ -184,12 +190,15 @@ store(unfrozen(HardwareProfile), name="base_hardware", group="hardware")
 
 
 def load_hardware(name: str) -> HardwareProfile:
-    """The profile `conf/hardware/<name>.yaml` as a frozen `HardwareProfile` (tests, notebooks)."""
+    """The profile `conf/hardware/<name>.yaml` (or the YAML file at path `name`, such as one `engine.calibrate`
+    wrote) as a frozen, validated `HardwareProfile` (tests, notebooks, benchmarks)."""
+    from pathlib import Path
+
     from omegaconf import OmegaConf
 
     from conf import CONF_DIR, to_frozen
 
-    path = CONF_DIR / "hardware" / f"{name}.yaml"
+    path = Path(name) if name.endswith((".yaml", ".yml")) else CONF_DIR / "hardware" / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in (CONF_DIR / "hardware").glob("*.yaml"))
         raise FileNotFoundError(f"hardware={name}: no {path}; known profiles: {known}")

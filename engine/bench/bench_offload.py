@@ -115,7 +115,9 @@ def main() -> None:
     ap.add_argument("--predictor", default="gate", help="conf/predictor entry for PreSched (llapor needs a checkpoint)")
     ap.add_argument("--predictor-set", action="append", default=[], metavar="KEY=VALUE",
                     help="override in the predictor config, e.g. predictor.checkpoint=runs/.../predictors/llapor")
-    ap.add_argument("--hardware", default="local_cpu")
+    ap.add_argument("--hardware", default="local_cpu", help="conf/hardware profile of the cost model and simulator")
+    ap.add_argument("--calibrate", action="store_true", help="measure this machine first (engine.calibrate) and use "
+                    "that profile instead of --hardware: the shipped one is from another day's load")
     ap.add_argument("--repeats", type=int, default=3, help="[2]: runs per scheduler, alternated; the best is reported")
     ap.add_argument("--schedulers", default="presched,hybrimoe,fiddler,ondemand")
     ap.add_argument("--sections", default="1,2,3", help="1: all resident vs in-memory; 2: the budget; 3: simulator "
@@ -126,6 +128,10 @@ def main() -> None:
     node, cfg, model, batches = batches_for(args.model, args.batch, args.prompt, args.new, args.batches + 1, seed=1)
     store = ExpertStore.from_model(model)
     hw = load_hardware(args.hardware)
+    if args.calibrate:
+        from engine.calibrate import calibrate
+
+        hw, _ = calibrate(cfg, model, store, "calibrated", str(node.model.name))
     L, E = len(cfg.moe_layers), cfg.num_experts
     trace, rows = reference_trace(model, cfg, batches, args.model)
     lookup = lambda s, p: np.array([rows[(int(a), int(b))] for a, b in zip(s, p)])  # noqa: E731
@@ -200,6 +206,11 @@ def section_budget(args, cfg, model, store, batches, lookup, profile, trace, cos
         base = results["presched"]["throughput_tok_s"]
         print("  PreSched throughput ratios: " + ", ".join(f"vs {k} {base / v['throughput_tok_s']:.2f}x"
                                                         for k, v in results.items() if k != "presched"))
+        # each repeat's runs are next to each other: their ratio is steadier than the ratio of bests
+        for key in ("throughput_tok_s", "decode_tok_s"):
+            paired = {k: [a[key] / b[key] for a, b in zip(runs["presched"], runs[k])] for k in names if k != "presched"}
+            print(f"  PreSched {key} per-repeat ratios, median (min-max): " + ", ".join(
+                f"vs {k} {np.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" for k, r in paired.items()))
     return results
 
 
