@@ -94,6 +94,10 @@ class TrainedPredictor:
     def learn(self, target: int, ctx: LayerContext, actual: np.ndarray, predicted: np.ndarray) -> None:
         """Online update from the true routing of `target` (default: none)."""
 
+    def warm_up(self) -> None:
+        """Compile now what online learning would compile at its first update (default: nothing); executors
+        call it before serving, so no timed step pays a compilation."""
+
     def layer_arrays(self) -> dict[int, Any]:
         """Per target layer, the pytree of arrays this predictor keeps for it (saved, counted as footprint)."""
         raise NotImplementedError

@@ -137,21 +137,38 @@ class LLaPorPredictor(TrainedPredictor):
             self.fine_tune(target)
             mon.start_over()
 
-    def fine_tune(self, target: int) -> float:
-        """One cycle (`online.steps` AdamW steps) on the layer's buffered runtime data; returns the last loss."""
-        online = self.cfg.llapor.online
-        (hidden, routing, y), mask = self.monitor(target).batch()
-        layer = self.layers[target]
+    def _online_step(self, target: int) -> tuple[Callable, Any]:
+        """(jitted AdamW step, optimiser state) of `target`'s online fine-tuning, built on first use."""
         if target not in self._steps:
+            online = self.cfg.llapor.online
             tx = optax.adamw(online.lr, weight_decay=online.weight_decay)
             spec = self.spec(target)
             step_fn = make_step(make_loss(spec), tx, (loss_key(spec), online.lr, online.weight_decay))
             self._steps[target] = (step_fn, tx.init(self._device[target]["net"]))
-        step, opt_state = self._steps[target]
-        params = self._device[target]["net"]
+        return self._steps[target]
+
+    def _online_args(self, target: int) -> tuple[Any, dict, tuple]:
+        """(params, consts, batch) of one fine-tuning step on `target`'s buffered runtime data."""
+        (hidden, routing, y), mask = self.monitor(target).batch()
         consts = {k: self._device[target][k] for k in ("mean", "comps", "inv_freq")}
-        batch = tuple(jnp.asarray(a) for a in (hidden, routing, y, mask))
-        loss = jnp.zeros(())
+        return self._device[target]["net"], consts, tuple(jnp.asarray(a) for a in (hidden, routing, y, mask))
+
+    def warm_up(self) -> None:
+        """Compile the online fine-tuning step of every online layer now, outside timed work: its first cycle
+        would otherwise stall a decode step by ~1 s of compilation (a cycle itself takes a few ms here).
+        One step on an empty buffer, its result discarded: the nets are unchanged."""
+        for target in self.online_layers():
+            step, opt_state = self._online_step(target)
+            params, consts, batch = self._online_args(target)
+            _, sub = jax.random.split(self._key)  # (the key is not advanced: fine-tuning draws as without warm-up)
+            jax.block_until_ready(step(params, opt_state, consts, batch, sub))
+
+    def fine_tune(self, target: int) -> float:
+        """One cycle (`online.steps` AdamW steps) on the layer's buffered runtime data; returns the last loss."""
+        online = self.cfg.llapor.online
+        step, opt_state = self._online_step(target)
+        params, consts, batch = self._online_args(target)
+        loss: Any = 0.0
         for _ in range(online.steps):
             self._key, sub = jax.random.split(self._key)
             params, opt_state, loss = step(params, opt_state, consts, batch, sub)

@@ -148,6 +148,28 @@ def test_presched_offload_resident_runs_resident_experts_on_the_cpu_with_the_sam
     np.testing.assert_array_equal(out.tokens, ref.tokens)
 
 
+def test_long_passes_are_forecast_on_a_sample_and_scored_on_the_same_tokens(shipped) -> None:
+    from engine.offload.forecasts import LiveForecastBook
+    from predictors.base import LayerContext
+
+    cfg, model, *_ = shipped
+    k, E = cfg.num_experts_per_tok, cfg.num_experts
+    gate = GatePredictor.from_model(model, 1)
+    book = LiveForecastBook({1: gate}, k, E, max_tokens=64)
+    rng = np.random.default_rng(0)
+    for T, seen in ((200, 64), (10, 10)):  # a prefill-sized pass is sampled; a decode-sized one is not
+        experts = np.stack([rng.permutation(E)[:k] for _ in range(T)])
+        ctx = LayerContext(layer=0, step=T, experts=experts, weights=np.full((T, k), 1 / k, np.float32),
+                           hidden=rng.standard_normal((T, cfg.hidden_size)).astype(np.float32))
+        book.begin_layer(ctx)
+        loads = book.forecast(book.context(0, T, None), 1)
+        assert loads.sum() == pytest.approx(T * k)  # the whole pass's tokens, sampled or not
+        before = gate.stats.total.get(1, 0)
+        truth = np.stack([rng.permutation(E)[:k] for _ in range(T)])
+        book.settle_live(1, truth)
+        assert gate.stats.total[1] - before == seen * k  # scored on the tokens it forecast
+
+
 @pytest.mark.parametrize("predictor", [pytest.param("none", marks=pytest.mark.slow), "gate", "oracle"])
 def test_presched_with_every_predictor_matches_logits(shipped, predictor: str) -> None:
     cfg, model, store, prompts, ref = shipped

@@ -272,6 +272,30 @@ def test_llapor_online_fine_tunes_input_layers_on_shifted_routing_only(llapor_fi
     np.testing.assert_array_equal(hidden, shifted.hidden[0, -128:].astype(np.float32))
 
 
+def test_llapor_warm_up_compiles_the_online_step_and_changes_no_net(llapor_fit) -> None:
+    from engine.offload.timer import compile_count
+    from predictors.llapor import LayerNet, LLaPorPredictor
+
+    trace, _, cfg, groups, trained, _ = llapor_fit
+    cfg = copy.deepcopy(cfg)
+    cfg.llapor.online.lr = 1.5e-3  # a rate no other test uses: this test's step is not compiled yet
+    layers = {t: LayerNet(l.group, l.net, l.mean, l.comps, l.inv_freq) for t, l in trained.layers.items()}
+    pred = LLaPorPredictor("llapor", cfg, trace.num_layers, 8, 2, groups, layers)
+    before = {t: np.array(pred.layers[t].net["out"]["w"]) for t in pred.targets}
+    compiled = compile_count()
+    pred.warm_up()
+    assert compile_count() > compiled  # the step of the input group compiled here
+    for t, w in before.items():
+        np.testing.assert_array_equal(pred.layer_arrays()[t]["net"]["out"]["w"], w)
+    ctx = trace_context(trace, 0, np.arange(128))
+    mon = pred.monitor(1)
+    mon.push(np.ones(128), ctx.hidden.astype(np.float32), np.ones((128, 8), np.float32), np.ones((128, 8), np.float32))
+    compiled = compile_count()
+    pred.fine_tune(1)
+    assert compile_count() == compiled  # the first real cycle compiles nothing
+    assert not np.allclose(pred.layer_arrays()[1]["net"]["out"]["w"], before[1])
+
+
 def test_orbax_round_trip_through_load_predictor(llapor_fit, tmp_path: Path) -> None:
     from predictors.moeless import MoElessPredictor
     from predictors.token import fit_token

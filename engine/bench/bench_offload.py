@@ -241,6 +241,15 @@ def section_sim(args, cfg, model_name, hw, store, trace, results: dict, slots: i
                 predicted = simulated_decode_ms(args, cfg, model_name, profile_hw, store, path, name, r, slots)
                 row.append(f"{predicted:12.2f} {100 * (predicted - r['decode_ms_per_step']) / r['decode_ms_per_step']:+5.0f}%")
             print(" ".join(row))
+        print("  costs (ms): profile vs each run's Timer at its end")
+        fields = ("transfer_ms", "gpu_ms", "cpu_beta_ms", "cpu_startup_ms", "call_overhead_ms", "layer_overhead_ms",
+                  "pass_overhead_ms", "cpu_dispatch_ms")
+        print(f"  {'source':>15s} " + " ".join(f"{f.removesuffix('_ms'):>15s}" for f in fields))
+        costs = [("profile", CostModel(cfg, hw, model_name, bytes_per_param=store.dtype.itemsize))] + \
+                [(name, r["cost"]) for name, r in results.items()]
+        for name, cost in costs:
+            times = with_timer_costs(hw, model_name, cost).measured[model_name]
+            print(f"  {name:>15s} " + " ".join(f"{getattr(times, f):15.4f}" for f in fields))
 
 
 def simulated_decode_ms(args, cfg, model_name: str, hw, store, path, name: str, r: dict, slots: int) -> float:

@@ -120,6 +120,8 @@ class OffloadExecutor:
         self.cpu = CpuExperts(store, settings.cpu_threads, settings.cpu_dtype)
         self.kernels = LayerKernels(model)
         self.book = LiveForecastBook(predictors or {}, self.k, self.E)
+        for predictor in (predictors or {}).values():  # online learning compiles now, not inside a decode step
+            getattr(predictor, "warm_up", lambda: None)()
         self.row_lookup = row_lookup
         H, F = cfg.hidden_size, cfg.expert_intermediate_size
         # committed to the cache's device like the slots: an uncommitted filler would make every pattern of
