@@ -29,3 +29,20 @@ def test_main_job_names_a_bad_override(tmp_path: Path) -> None:
     proc = run_entry("engine.run", f"hydra.run.dir={tmp_path}", "scheduler=no_such_policy")
     assert proc.returncode != 0 and "no_such_policy" in proc.stderr
     assert not (tmp_path / "results.json").exists()
+
+
+def test_warm_up_picks_the_first_batch_of_each_compiled_shape() -> None:
+    from engine.offload.executor import padded_shapes
+    from engine.run import first_of_each_shape
+    from engine.workloads.prompts import PromptBatch
+
+    def batch(i: int, lengths: list[int], gen: int = 32) -> PromptBatch:
+        return PromptBatch(i, tuple(("p",) for _ in lengths), tuple(tuple(range(1, n + 1)) for n in lengths), gen)
+
+    # prompts padded to 16-token buckets, the KV cache to 64: 100 and 110 tokens share a shape, 120 does not
+    # (its bucket is 128); 4 prompts are another batch size; another generation length another cache
+    batches = [batch(0, [100, 5]), batch(1, [110, 7]), batch(2, [120, 3]), batch(3, [100, 5, 5, 5]),
+               batch(4, [100, 5], gen=100)]
+    assert padded_shapes(batches[0].token_lists(), 32) == padded_shapes(batches[1].token_lists(), 32) == (2, 112, 192)
+    assert first_of_each_shape(batches) == [0, 2, 3, 4]
+    assert first_of_each_shape(batches[1:2] * 3) == [0]

@@ -32,7 +32,7 @@ from conf import compose, to_frozen  # noqa: E402
 from conf.schemas.hardware import load_hardware  # noqa: E402
 from engine.offload.executor import OffloadExecutor, OffloadSettings  # noqa: E402
 from engine.offload.store import ExpertStore  # noqa: E402
-from engine.run import make_predictors, reference_trace  # noqa: E402
+from engine.run import make_predictors, reference_trace, serve, warm_up  # noqa: E402
 from engine.workloads import build_workload  # noqa: E402
 from models.generation import Generator  # noqa: E402
 from models.loading import load_model, load_tokenizer  # noqa: E402
@@ -84,16 +84,8 @@ def executor_run(cfg, model, store, kind: SchedulerKind, slots: int, cost: CostM
     with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=slots, validate_plans=validate,
                                                                        fuse_resident=fuse_resident),
                          predictors, lookup) as ex:
-        ex.seq_offset = sum(b.batch_size for b in batches[:1])
-        ex.generate(batches[1].token_lists(), batches[1].gen_len, pad_token_id=cfg.pad_token_id)  # warm-up/compile
-        outs = []
-        seq = ex.seq_offset
-        t = time.perf_counter()
-        for b in batches[1:]:
-            ex.seq_offset = seq
-            outs.append(ex.generate(b.token_lists(), b.gen_len, pad_token_id=cfg.pad_token_id))
-            seq += b.batch_size
-        wall = time.perf_counter() - t
+        warm_up(ex, batches[1:], cfg, seq_offset=batches[0].batch_size)  # compiles every shape measured below
+        outs, wall = serve(ex, batches[1:], cfg, seq_offset=batches[0].batch_size)
         hit = ex.book.measured_hit_rates().get(1)
     steps = [s for o in outs for s in o.step_s]
     decode_tok = sum(int(np.maximum(o.lengths - 1, 0).sum()) for o in outs)

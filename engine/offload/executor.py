@@ -96,6 +96,13 @@ def link_view(active: Optional[Job], resident: np.ndarray, t_io: float, now: flo
     return (Transfer(active.layer, active.expert, alpha, active.retain),), alpha
 
 
+def padded_shapes(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> tuple[int, int, int]:
+    """(batch, padded prompt length, KV-cache capacity) that `OffloadExecutor.generate` runs `prompts` at: the
+    shapes its passes compile for (a batch of other shapes compiles anew)."""
+    P = bucket(max(map(len, prompts)), 16)
+    return len(prompts), P, bucket(P + max_new_tokens, 64)
+
+
 class OffloadExecutor:
     """Greedy generation of a MoE model whose routed experts live in an `ExpertStore`."""
 
@@ -455,11 +462,10 @@ class OffloadExecutor:
                              f"{self.cfg.max_position_embeddings}")
         pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
         eos = -1 if eos_token_id is None else eos_token_id
-        B = len(prompts)
-        P = bucket(longest, 16)
+        B, P, capacity = padded_shapes(prompts, max_new_tokens)
         tokens, valid = left_pad(prompts, P, pad)
         positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
-        kv = init_cache(self.model, B, bucket(P + max_new_tokens, 64), self.model.embed[...].dtype)
+        kv = init_cache(self.model, B, capacity, self.model.embed[...].dtype)
         seqs = np.arange(B) + self.seq_offset
         self.metrics = RunMetrics(num_layers=self.L)
         out = np.full((B, max_new_tokens), pad, np.int32)
