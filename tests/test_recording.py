@@ -26,16 +26,18 @@ def test_recorded_trace_matches_teacher_forced_routing(tmp_path) -> None:
     assert trace.num_rows == sum(map(len, prompts)) + int((out.lengths - 1).sum())
     assert trace.num_steps == 1 + int(out.lengths.max()) - 1
     assert set(trace.phase[trace.step == 0]) == {PREFILL} and set(trace.phase[trace.step > 0]) == {DECODE}
-    for b, prompt in enumerate(prompts):
-        full = prompt + out.tokens[b, : out.lengths[b] - 1].tolist()  # every token the model consumed
-        _, _, cap = forward_jit(model, jnp.asarray([full]), init_cache(model, 1, len(full)),
-                                jnp.arange(len(full))[None], capture=True, capture_hidden=True)
+    fulls = [prompt + out.tokens[b, : out.lengths[b] - 1].tolist() for b, prompt in enumerate(prompts)]
+    n = max(map(len, fulls))  # one compiled length: causal attention leaves a prefix unchanged by what follows it
+    for b, full in enumerate(fulls):  # every token the model consumed
+        padded = full + [full[-1]] * (n - len(full))
+        _, _, cap = forward_jit(model, jnp.asarray([padded]), init_cache(model, 1, n), jnp.arange(n)[None],
+                                capture=True, capture_hidden=True)
         rows = np.flatnonzero(trace.seq == 10 + b)
         order = np.argsort(trace.pos[rows])
         rows = rows[order]
         np.testing.assert_array_equal(trace.pos[rows], np.arange(len(full)))
         np.testing.assert_array_equal(trace.token[rows], full)
-        np.testing.assert_array_equal(np.sort(trace.experts[:, rows], -1), np.sort(np.asarray(cap.experts)[:, 0], -1))
-        np.testing.assert_allclose(np.sort(trace.weights[:, rows], -1), np.sort(np.asarray(cap.weights)[:, 0], -1),
-                                   atol=1e-5)
-        np.testing.assert_allclose(trace.hidden[:, rows].astype(np.float32), np.asarray(cap.hidden)[:, 0], atol=2e-2)
+        experts, weights, hidden = (np.asarray(a)[:, 0, :len(full)] for a in (cap.experts, cap.weights, cap.hidden))
+        np.testing.assert_array_equal(np.sort(trace.experts[:, rows], -1), np.sort(experts, -1))
+        np.testing.assert_allclose(np.sort(trace.weights[:, rows], -1), np.sort(weights, -1), atol=1e-5)
+        np.testing.assert_allclose(trace.hidden[:, rows].astype(np.float32), hidden, atol=2e-2)

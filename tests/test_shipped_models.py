@@ -22,6 +22,10 @@ from models.transformer import forward_jit, init_cache
 
 SHIPPED = {"mixtral_tiny": "mixtral-tiny", "deepseek_tiny": "deepseek-tiny"}
 MAX_BYTES = 10 * 10**6
+# the heavy checks of a shipped file run by default on mixtral-tiny; deepseek-tiny's (~55 s) under -m slow:
+# its family's code paths are covered on random checkpoints by test_hf_parity, and the file changes only
+# when retrained
+HEAVY = [pytest.param(name, marks=pytest.mark.slow) if name == "deepseek_tiny" else name for name in SHIPPED]
 
 
 def _folder(config_name: str) -> Path:
@@ -41,7 +45,7 @@ def test_folder_fits_the_budget_and_records_its_training(config_name: str) -> No
     assert training["final_val_ce"] < 0.8 * np.log(vocab)
 
 
-@pytest.mark.parametrize("config_name", SHIPPED)
+@pytest.mark.parametrize("config_name", HEAVY)
 def test_transformers_reads_it_with_our_logits_and_tokenizer(config_name: str) -> None:
     folder = _folder(config_name)
     tok = transformers.AutoTokenizer.from_pretrained(folder)
@@ -57,7 +61,7 @@ def test_transformers_reads_it_with_our_logits_and_tokenizer(config_name: str) -
     np.testing.assert_allclose(np.asarray(logits), ref, atol=2e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("config_name", SHIPPED)
+@pytest.mark.parametrize("config_name", HEAVY)
 def test_routing_is_skewed_and_predictable_across_layers(config_name: str) -> None:
     node = compose("stats", [f"model={config_name}", "workload.batch_size=8", "workload.num_batches=1",
                              "workload.prompt_len=128", "workload.gen_len=8"])
