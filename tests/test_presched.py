@@ -177,10 +177,10 @@ def test_offload_resident_moves_cold_resident_experts_while_the_layer_shortens()
     resident = np.zeros((4, 8), dtype=bool)
     resident[0, :4] = True
 
-    def at(phase: Phase) -> LayerState:
+    def at(phase: Phase, cost: CostModel = c) -> LayerState:
         return LayerState(layer=0, num_layers=4, phase=phase, tokens=tokens, scores=tokens * 0.5, predicted={},
                           resident=resident, inflight=(), queued=(), alpha_s=0.0, cache_slots=16, free_slots=12,
-                          batch_tokens=10, context_len=512, hit_rate={}, cost=c, t_io_s=c.t_io, t_attn_next_s=1 * MS)
+                          batch_tokens=10, context_len=512, hit_rate={}, cost=cost, t_io_s=c.t_io, t_attn_next_s=1 * MS)
 
     plan = presched(c, offload_resident=True).plan(at(Phase.decode))
     assert plan.cpu == (0, 1) and plan.gpu == (2, 3) and plan.ondemand == ()
@@ -192,7 +192,15 @@ def test_offload_resident_moves_cold_resident_experts_while_the_layer_shortens()
     host = copy.copy(c)
     host.device_cpu_share = 1.0
     sched = presched(host, offload_resident=True)
-    assert sched.resident_on_device and sched.plan(at(Phase.decode)).cpu == ()
+    assert sched.resident_on_device and sched.plan(at(Phase.decode, host)).cpu == ()
+    # a device taking a share s of the host cores: each side also waits for s of the other's compute. Two
+    # resident 3-token experts (t_c 4 ms, GPU 3 ms each; 6 ms kept): s = 0 moves one (max(4, 3) = 4; both
+    # 8), s = 0.5 too (max(4 + 1.5, 3 + 2) = 5.5 < 6), s = 0.8 none (max(4 + 2.4, 3 + 3.2) = 6.4 > 6)
+    tokens[:4] = [3, 3, 0, 0]
+    for share, moved in ((0.0, (0,)), (0.5, (0,)), (0.8, ())):
+        partial = copy.copy(c)
+        partial.device_cpu_share = share
+        assert presched(partial, offload_resident=True).plan(at(Phase.decode, partial)).cpu == moved
 
 
 class ReadCounter(Mapping):
