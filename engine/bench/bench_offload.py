@@ -8,10 +8,12 @@
    layer spent planning (LayerState + scheduler + validation) — the executor's fixed overhead.
 2. A quarter of the experts in the cache: decode tokens/s and throughput (prefill included) of
    PreSched + the chosen predictor against HybriMoE, Fiddler and on-demand loading, in one run
-   (best of `--repeats` alternated runs each: single runs on this shared 2-core machine vary by 30%).
+   (best of `--repeats` alternated runs each: single runs on this shared 2-core machine vary by 30%),
+   and PreSched's ratio to each system within every repeat (median, min-max).
 3. Simulator agreement: the discrete-event simulator replays the same routing with the cost model
    of this machine (`--hardware`, default local_cpu, or `--calibrate` to measure it first) and the
-   executor's measured predictor hit rate; predicted vs measured decode latency per step.
+   executor's measured predictor hit rate; predicted vs measured decode latency per step, and the
+   profile's costs next to those each run's Timer ended with.
 """
 
 from __future__ import annotations
