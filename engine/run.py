@@ -158,9 +158,10 @@ def run(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     L, E = len(cfg.moe_layers), cfg.num_experts
 
     trace, rows = (None, {})
-    if rc.predictor.kind.value == "oracle" or rc.compare_in_memory:
+    if rc.predictor.kind.value == "oracle":  # it replays the in-memory model's routing (~20 s of capture here)
         if full is None:
-            raise ValueError("predictor=oracle and compare_in_memory need the in-memory model (model.checkpoint with experts)")
+            raise ValueError("predictor=oracle needs the in-memory model (compare_in_memory=true, a checkpoint with "
+                             "experts)")
         trace, rows = reference_trace(full, cfg, profile + batches, str(node.model.name))
     predictors = make_predictors(node.predictor, list(rc.predictor_distances), model, trace) if settings.use_predictor else {}
     lookup = (lambda s, p: np.array([rows[(int(a), int(b))] for a, b in zip(s, p)])) if rows else None

@@ -31,6 +31,13 @@ def test_main_job_names_a_bad_override(tmp_path: Path) -> None:
     assert not (tmp_path / "results.json").exists()
 
 
+def test_the_oracle_predictor_without_the_in_memory_model_is_named(tmp_path: Path) -> None:
+    proc = run_entry("engine.run", f"hydra.run.dir={tmp_path}", "predictor=oracle", "compare_in_memory=false",
+                     "workload.batch_size=2", "workload.num_batches=1", "workload.prompt_len=16", "workload.gen_len=2")
+    assert proc.returncode != 0 and "predictor=oracle needs the in-memory model" in proc.stderr
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_warm_up_picks_the_first_batch_of_each_compiled_shape() -> None:
     from engine.offload.executor import padded_shapes
     from engine.run import first_of_each_shape
