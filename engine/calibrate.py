@@ -206,18 +206,19 @@ def calibrate(cfg: ModelConfig, model: MoETransformer, store: ExpertStore, name:
     per_expert = max((t_all - t_one) / max(cfg.num_experts - 1, 1) - roofline_1, 0.0)
     expert_call = max(t_one - roofline_1 - per_expert, 0.0)
     device = jax.devices()[0]
+    on_host = 1.0 if device.platform == "cpu" else 0.0  # CPU backend: copies and device compute use the host cores
     profile = HardwareProfile(
         name=name, num_devices=1,
         gpu=GpuSpec(name=f"{device.platform}:{getattr(device, 'device_kind', '')}", memory_gib=device_memory_gib(),
                     bf16_tflops=tflops, hbm_gbps=gbps, matmul_efficiency=1.0, hbm_efficiency=1.0,
                     kernel_overhead_us=per_expert * 1e6, reserved_gib=0.0, call_overhead_us=expert_call * 1e6,
-                    host_cpu_share=1.0 if device.platform == "cpu" else 0.0),
+                    host_cpu_share=on_host),
         cpu=CpuSpec(name=platform.processor() or platform.machine(), cores=_cores(),
                     peak_gflops=flops_per_token / beta / 1e9, memory_gbps=gbps, matmul_efficiency=1.0,
                     memory_efficiency=1.0, expert_overhead_us=c * 1e6, dispatch_us=cpu_dispatch * 1e6),
         host_link=HostLink(name="jax: pinned host -> device slot (AsyncIO link)", peak_gbps=part_store_bytes / t_io / 1e9,
                            efficiency=1.0, latency_us=0.0, sync_copy_slowdown=max(t_io_sync / t_io, 1.0),
-                           host_cpu_share=1.0 if device.platform == "cpu" else 0.0),
+                           host_cpu_share=on_host),
         interconnect=Interconnect(),
         measured={model_name: ExpertTimes(transfer_ms=t_io * 1e3, gpu_ms=t_g[min(t_g)] * 1e3, cpu_beta_ms=beta * 1e3,
                                           cpu_startup_ms=c * 1e3)},
