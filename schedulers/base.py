@@ -46,6 +46,13 @@ class SchedulerKind(enum.Enum):
     lru = "lru"  # mixtral-offloading: per-layer LRU cache, no prefetch
 
 
+class Eviction(enum.Enum):
+    """Which expert of a pinned + dynamic cache's replaceable slots makes room first."""
+
+    lru = "lru"  # least recently used
+    token_share = "token_share"  # lowest moving average of the share of its layer's tokens routed to it (ties: LRU)
+
+
 @dataclass(frozen=True)
 class SchedulerSettings:
     """Every knob of every offload scheduler (the `scheduler` config group); each reads its own."""
@@ -62,7 +69,10 @@ class SchedulerSettings:
     micro_batches: int = 2  # klotski: micro-batches pipelined per layer
     prefill_gpu_min_tokens: int = 1024  # ktransformers: prefill passes of at least this many tokens run experts on the GPU
     round_half_up: bool = True  # presched eq. 5: |f| = round(f) with halves rounded up (else banker's rounding)
-    retain_loads: bool = False  # presched: keep on-demand loads in the dynamic region while it has room
+    retain_loads: bool = False  # presched: keep on-demand loads in the cache (evicting per `eviction`), not staging only
+    pin_hot_table: bool = True  # False: the hot table only starts the cache; any slot may be replaced (presched)
+    eviction: Eviction = Eviction.lru  # presched: replacement order of the replaceable slots
+    usage_ema: float = 0.5  # presched `token_share`: U = a * share + (1 - a) * U per pass of the layer
     mask_gpu_compute: bool = True  # presched Premise 5 as written; False: T_G and T_gap count the GPU's work on resident experts
     offload_resident: bool = False  # presched extension: in decode, move the coldest resident experts to the idle CPU
     #   while that shortens the layer (max(T_C, T_G)); Algorithm 1 as written keeps every resident expert on the GPU

@@ -27,6 +27,7 @@ def greedy_split(cur_tokens_sorted: np.ndarray, ready_gpu_s: float, alpha: float
 class LayerwiseGreedy(OffloadPolicy):
     def plan(self, state: LayerState) -> LayerPlan:
         layer, tokens, cost = state.layer, state.tokens, state.cost
+        self.observe_usage(state)
         ready, missing = split_by_availability(state)
         cur = by_tokens(missing, tokens)
         ready_s = float(np.sum(np.atleast_1d(cost.t_g(tokens[ready])))) if ready.size else 0.0
@@ -42,9 +43,4 @@ class LayerwiseGreedy(OffloadPolicy):
             cand = np.flatnonzero(pred > 0)
             cand = cand[~state.available(target)[cand]]
             prefetch = [(target, int(e)) for e in by_tokens(cand, pred, descending=True)[:self.settings.prefetch_count]]
-        granted, evict = self.room_for(state, len(prefetch), {(layer, e) for e in gpu})
-        prefetch = prefetch[:granted]
-        for t, e in prefetch:
-            self.last_used[t, e] = self._clock
-        return LayerPlan(cpu=tuple(int(e) for e in cur[:i]), gpu=gpu, ondemand=tuple(int(e) for e in loads),
-                         prefetch=tuple(prefetch), evict=tuple(evict))
+        return self.plan_with_slots(state, tuple(int(e) for e in cur[:i]), gpu, tuple(int(e) for e in loads), prefetch)

@@ -4,7 +4,8 @@ Cache organisations used by the policies:
 - *pinned + dynamic* (LayerScope, Fiddler, Klotski, Fate, kTransformers, on-demand): the hot table
   (§4.1: preload the hottest until the budget is full) pins all cache slots but `dynamic_slots` and
   starts the dynamic region with the next hottest; pinned experts stay; the dynamic region holds
-  prefetched or cached loads and evicts least-recently-used first. (An empty dynamic region would
+  prefetched or cached loads and evicts least-recently-used first (PreSched: per `eviction`, and
+  with `pin_hot_table` off nothing is pinned). (An empty dynamic region would
   be memory the budget pays for and leaves unused until enough loads arrive, at small budgets or
   when little is prefetched the whole run.)
 - *per-layer slots* (HybriMoE, mixtral-offloading): each layer owns an equal share of the slots,
@@ -17,7 +18,7 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from schedulers.base import LayerPlan, LayerState, SchedulerSettings, SchedulerSetup
+from schedulers.base import Eviction, LayerPlan, LayerState, SchedulerSettings, SchedulerSetup
 from schedulers.hot_table import hot_table, per_layer_hot_table, per_layer_slots
 
 
@@ -46,6 +47,14 @@ class OffloadPolicy:
             # without a hot table every slot is dynamic: nothing pinned, nothing preloaded
             self.pinned = hot_table(profile, setup.cache_slots - self.dynamic_slots)
             self._initial = hot_table(profile, setup.cache_slots if settings.hot_table else 0)
+        if not 0.0 < settings.usage_ema <= 1.0:
+            raise ValueError(f"scheduler.usage_ema must lie in (0, 1], got {settings.usage_ema}")
+        # `Eviction.token_share` ranks replaceable experts by a moving average of their routed share
+        # per pass of their layer (`observe_usage`), never below their long-run share in the profiling
+        # runs that built the hot table: at small batches one pass says little (a hot expert idle for a
+        # few steps is still hot); at large ones recent use tracks the drifting hot set
+        self.profile_share = routed_share(profile, self.k)
+        self.usage = self.profile_share.copy()
 
     @property
     def micro_batches(self) -> int:
@@ -63,8 +72,8 @@ class OffloadPolicy:
 
     @property
     def dynamic_slots(self) -> int:
-        """Cache slots outside the hot table (all of them without a hot table)."""
-        if not self.settings.hot_table:
+        """Cache slots outside the hot table (all of them without a hot table, or one that is not pinned)."""
+        if not self.settings.hot_table or not self.settings.pin_hot_table:
             return self.setup.cache_slots
         want = self.settings.dynamic_slots if self.settings.dynamic_slots is not None else self.E
         return int(min(max(want, 0), self.setup.cache_slots))
@@ -80,12 +89,27 @@ class OffloadPolicy:
         if ids:
             self.last_used[layer, ids] = self._clock
 
+    def observe_usage(self, state: LayerState) -> None:
+        """Fold this pass's routed shares into the layer's usage average (`usage_ema`)."""
+        a = self.settings.usage_ema
+        self.usage[state.layer] = a * routed_share(state.tokens, self.k) + (1 - a) * self.usage[state.layer]
+
+    def _usage_rank(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """Eviction rank under `Eviction.token_share`: lowest usage first, ties least recently used."""
+        usage = np.maximum(self.usage[layers, experts], self.profile_share[layers, experts])
+        order = np.lexsort((self.last_used[layers, experts], usage))
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        return rank
+
     # ---- eviction -------------------------------------------------------------------------------
     def victims(self, state: LayerState, need: int, protect: set[tuple[int, int]],
                 key: Optional[Callable[[np.ndarray, np.ndarray], np.ndarray]] = None) -> list[tuple[int, int]]:
-        """Up to `need` evictable experts of the dynamic region, least recently used first."""
+        """Up to `need` evictable experts of the dynamic region, in `eviction` order unless `key` ranks them."""
         if need <= 0:
             return []
+        if key is None and self.settings.eviction is Eviction.token_share:
+            key = self._usage_rank
         cand = state.resident & ~self.pinned
         for t in state.inflight:
             cand[t.layer, t.expert] = False
@@ -120,6 +144,38 @@ class OffloadPolicy:
             return want, []
         evict = self.victims(state, want - free, protect)
         return min(want, free + len(evict)), evict
+
+    def plan_with_slots(self, state: LayerState, cpu: tuple[int, ...], gpu: tuple[int, ...], loads: tuple[int, ...],
+                        prefetch: list[tuple[int, int]]) -> LayerPlan:
+        """A pinned + dynamic cache's plan with slots for its prefetches (and, with `retain_loads`, its
+        loads): evictions in `eviction` order; what finds no room is dropped (a load then only passes
+        through the staging buffer)."""
+        if not prefetch and not self.settings.retain_loads:  # nothing to make room for
+            return LayerPlan(cpu=cpu, gpu=gpu, ondemand=loads, retain=(False,) * len(loads))
+        want = len(prefetch) + len(loads)
+        granted, evict = (want, []) if want <= state.free_slots else \
+            self.room_for(state, want, {(state.layer, e) for e in gpu})
+        prefetch = prefetch[:granted]
+        keep = max(granted - len(prefetch), 0)
+        forecast = {target: routed_share(state.predicted[target], self.k) for target in {t for t, _ in prefetch}}
+        for target, e in prefetch:  # keep fresh prefetches away from the eviction end until their layer runs
+            self.last_used[target, e] = self._clock
+            self.usage[target, e] = max(self.usage[target, e], forecast[target][e])
+        if self.settings.retain_loads:
+            evict = evict[:max(len(prefetch) + min(keep, len(loads)) - max(state.free_slots, 0), 0)]
+            retain = tuple(i < keep for i in range(len(loads)))
+        else:
+            evict = evict[:max(len(prefetch) - max(state.free_slots, 0), 0)]
+            retain = (False,) * len(loads)
+        return LayerPlan(cpu=cpu, gpu=gpu, ondemand=loads, retain=retain, prefetch=tuple(prefetch), evict=tuple(evict))
+
+
+def routed_share(tokens: np.ndarray, top_k: int) -> np.ndarray:
+    """float64 [..., E]: each expert's share of its layer's routed tokens, scaled to sum to `top_k`
+    (tokens / batch tokens in a pass: comparable between a prefill and a decode step)."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    total = tokens.sum(axis=-1, keepdims=True)
+    return np.divide(tokens * top_k, total, out=np.zeros_like(tokens), where=total > 0)
 
 
 def split_by_availability(state: LayerState) -> tuple[np.ndarray, np.ndarray]:

@@ -30,8 +30,12 @@ i' passes eq. 4, and a target of the window while a prefetch count is left for i
 read are not made, so they are not scored either (R_hit and online fine-tuning see the ones used).
 
 Prefetches are non-interruptible and the link is serial (Premises 3-4: the mechanism's contract);
-prefetches land in the dynamic cache region (LRU); on-demand loads stay there too while it has room
-(`retain_loads`: a buffer is only overwritten when needed), else they pass through the staging buffer.
+prefetches land in the cache's replaceable slots. The paper keeps the hot table fixed and rotates
+prefetch buffers; `conf/scheduler/presched.yaml` goes further: the hot table only starts the cache
+(`pin_hot_table: false`), on-demand loads are cached too (`retain_loads`), and what makes room goes
+lowest moving-average token share first (`eviction: token_share`, `OffloadPolicy.observe_usage`),
+so the cache follows a hot set that drifts over the decode steps (on the synthetic routing that
+cache is what let HybriMoE's score-aware per-layer cache beat a pinned table at batches 16-64).
 
 Loads on the GPU side: eqs. 3-5 charge t_io per on-demand load because Premise 5 takes the GPU's
 work as negligible next to a transfer. Each loaded expert is a device call of its own, so where a
@@ -291,6 +295,7 @@ class PreSched(OffloadPolicy):
 
     def plan(self, state: LayerState) -> LayerPlan:
         layer, tokens, cost = state.layer, state.tokens, state.cost
+        self.observe_usage(state)
         ready_a, missing = split_by_availability(state)
         tok = tokens.tolist()
         ready = ready_a.tolist()
@@ -333,27 +338,4 @@ class PreSched(OffloadPolicy):
 
         prefetch = self._prefill_prefetch(state, ahead) if state.phase is Phase.prefill else \
             self._decode_prefetch(state, ahead, gap)
-        return self._with_slots(state, cpu, gpu, loads, prefetch)
-
-    def _with_slots(self, state: LayerState, cpu: tuple[int, ...], gpu: tuple[int, ...], loads: tuple[int, ...],
-                    prefetch: list[tuple[int, int]]) -> LayerPlan:
-        """The plan with cache slots for its prefetches (and, with `retain_loads`, its loads): evictions
-        of the dynamic region's least recently used experts; what finds no room is dropped."""
-        # prefetches need cache slots; loads stay in the dynamic region too while it has room (a buffer
-        # is only overwritten when needed), else they go through the staging buffer
-        if not prefetch and not self.settings.retain_loads:  # nothing to make room for
-            return LayerPlan(cpu=cpu, gpu=gpu, ondemand=loads, retain=(False,) * len(loads))
-        want = len(prefetch) + len(loads)
-        granted, evict = (want, []) if want <= state.free_slots else \
-            self.room_for(state, want, {(state.layer, e) for e in gpu})
-        prefetch = prefetch[:granted]
-        keep = max(granted - len(prefetch), 0)
-        for target, e in prefetch:
-            self.last_used[target, e] = self._clock  # keep fresh prefetches away from the LRU end
-        if self.settings.retain_loads:
-            evict = evict[:max(len(prefetch) + min(keep, len(loads)) - max(state.free_slots, 0), 0)]
-            retain = tuple(i < keep for i in range(len(loads)))
-        else:
-            evict = evict[:max(len(prefetch) - max(state.free_slots, 0), 0)]
-            retain = (False,) * len(loads)
-        return LayerPlan(cpu=cpu, gpu=gpu, ondemand=loads, retain=retain, prefetch=tuple(prefetch), evict=tuple(evict))
+        return self.plan_with_slots(state, cpu, gpu, loads, prefetch)

@@ -5,15 +5,18 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 
 from conf import compose
 from conf.schemas.hardware import load_hardware
 from models.loading import resolve_model_config
-from schedulers.base import LayerState, Phase, SchedulerKind, SchedulerSettings, SchedulerSetup, Transfer, build_scheduler
+from schedulers.base import (Eviction, LayerState, Phase, SchedulerKind, SchedulerSettings, SchedulerSetup, Transfer,
+                             build_scheduler)
 from schedulers.cost import CostModel
 from schedulers.hot_table import hot_table, per_layer_hot_table, per_layer_slots, rank_experts
 from schedulers.hybrimoe import hybrid_scheduling
 from schedulers.layerwise import greedy_split
+from schedulers.policy import routed_share
 
 MS = 1e-3
 
@@ -66,6 +69,56 @@ def test_pinned_policies_preload_the_hot_table_until_the_cache_is_full() -> None
     assert start.sum() == 10 and start[3].all() and start[2, 6:].all()  # the ten hottest: budget full
     assert ls.pinned.sum() == 7 and not ls.pinned[2, 6:].any()  # the three least hot of them start the dynamic region
     assert build(SchedulerKind.presched, cache_slots=10, profile=prof, hot_table=False).initial_residency().sum() == 0
+
+
+# ---- LayerScope's cache: token-share eviction -----------------------------------------------------
+def token_share_cache(kind: SchedulerKind = SchedulerKind.presched, **kw):
+    """Four slots, nothing pinned, cached loads; layer 0's long-run shares 0.8, 0.6, 0.4, 0.2 (k = 2)."""
+    prof = np.zeros((4, 8), dtype=np.int64)
+    prof[0, :4] = [40, 30, 20, 10]
+    settings = dict(pin_hot_table=False, retain_loads=True, eviction=Eviction.token_share, use_predictor=False)
+    return build(kind, cache_slots=4, profile=prof, **{**settings, **kw})
+
+
+def test_routed_share_compares_passes_of_any_size() -> None:
+    assert routed_share(np.array([3, 1, 0]), 2).tolist() == [1.5, 0.5, 0.0]
+    assert routed_share(np.array([300, 100, 0]), 2).tolist() == [1.5, 0.5, 0.0]
+    assert routed_share(np.zeros((2, 3)), 2).tolist() == [[0.0] * 3] * 2
+
+
+def test_token_share_evicts_the_lowest_usage_never_below_the_profile_share() -> None:
+    ls = token_share_cache()
+    assert ls.dynamic_slots == 4 and not ls.pinned.any()  # the hot table starts the cache and pins nothing
+    assert ls.initial_residency()[0, :4].all() and ls.initial_residency().sum() == 4
+    state = make_state([0, 0, 2, 0, 8, 0, 0, 0], resident_experts=[0, 1, 2, 3], cache_slots=4)
+    ls.observe_usage(state)  # U = 0.5 * share + 0.5 * U; shares this pass: expert 2 0.4, expert 4 1.6
+    np.testing.assert_allclose(ls.usage[0, :5], [0.4, 0.3, 0.4, 0.1, 0.8])
+    # ranked by max(U, profile share): 3 (0.2) < 2 (0.4) < 1 (0.6) < 0 (0.8); by U alone 1 would go before 2
+    assert ls.victims(state, 3, set()) == [(0, 3), (0, 2), (0, 1)]
+    lru = token_share_cache(eviction=Eviction.lru)
+    assert lru.victims(state, 3, set()) == [(0, 0), (0, 1), (0, 2)]  # no use recorded yet: table order
+
+
+def test_presched_caches_a_load_in_place_of_the_lowest_share_expert() -> None:
+    ls = token_share_cache()
+    # experts 4 and 5 miss with 8 tokens each: t_c(8) = 9 ms; eq. 4 loads one (4 ms + t_g), the other runs on the CPU
+    plan = ls.plan(make_state([1, 0, 0, 0, 8, 8, 0, 0], resident_experts=[0, 1, 2, 3], cache_slots=4))
+    assert plan.cpu == (4,) and plan.ondemand == (5,) and plan.retain == (True,)
+    assert plan.evict == ((0, 3),)  # LRU would give up expert 1 (the first unused), token share the coldest
+    pinned = token_share_cache(pin_hot_table=True, dynamic_slots=0)
+    plan = pinned.plan(make_state([1, 0, 0, 0, 8, 8, 0, 0], resident_experts=[0, 1, 2, 3], cache_slots=4))
+    assert plan.ondemand == (5,) and plan.retain == (False,) and plan.evict == ()  # nothing replaceable: staging
+
+
+def test_a_fresh_prefetch_ranks_by_its_forecast_until_its_layer_runs() -> None:
+    lw = token_share_cache(SchedulerKind.layerwise, use_predictor=True)
+    predicted = {1: np.array([0, 0, 0, 0, 0, 0, 3, 1], dtype=np.float64)}
+    plan = lw.plan(make_state([1, 1, 0, 0, 0, 0, 0, 0], resident_experts=[0, 1, 2, 3], cache_slots=4,
+                              predicted=predicted))
+    assert plan.prefetch == ((1, 6), (1, 7)) and plan.evict == ((0, 3), (0, 2))
+    np.testing.assert_allclose(lw.usage[1, 6:], [1.5, 0.5])  # the forecast shares, not the idle layer's 0
+    with pytest.raises(ValueError, match="scheduler.usage_ema"):
+        token_share_cache(usage_ema=0.0)
 
 
 # ---- HybriMoE ------------------------------------------------------------------------------------

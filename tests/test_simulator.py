@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conf import compose
+from conf import compose, to_frozen
 from conf.schemas.hardware import load_hardware
 from engine.sim.bounds import exact_best_pass, lower_bound
 from engine.sim.invariants import check_events
@@ -90,6 +90,12 @@ ROUTING = st.builds(
     st.floats(0.0, 2.0), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
 
 
+@functools.lru_cache(maxsize=None)
+def shipped_scheduler(name: str) -> SchedulerSettings:
+    """`conf/scheduler/<name>.yaml` as the entry points read it."""
+    return to_frozen(compose("simulate", [f"scheduler={name}"]).scheduler, SchedulerSettings)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(routing=ROUTING, batch=st.integers(1, 6), slots=st.integers(2, 14), seed=st.integers(0, 10_000),
        async_io=st.booleans(), hw=st.sampled_from(["v100_pcie3", "a100_pcie4"]))
@@ -100,13 +106,16 @@ def test_invariants_hold_for_every_scheduler(routing, batch: int, slots: int, se
                    check_invariants=True, cache_slots=slots, profile_batches=1)
     prepared = prepare_routing(spec)
     capacity = slots + spec.scheduler.staging_slots
-    for kind in SchedulerKind:
-        out = simulate(spec.with_scheduler(SchedulerSettings(kind=kind, label=kind.value, dynamic_slots=slots // 2)),
-                       prepared, record=True)
+    # every policy on a pinned + dynamic split, and LayerScope's shipped cache (cached loads, nothing pinned,
+    # token-share eviction) under PreSched and its "no PreSched" ablation
+    schedulers = [SchedulerSettings(kind=kind, label=kind.value, dynamic_slots=slots // 2) for kind in SchedulerKind]
+    schedulers += [shipped_scheduler("presched"), shipped_scheduler("layerwise")]
+    for scheduler in schedulers:
+        out = simulate(spec.with_scheduler(scheduler), prepared, record=True)
         check_events(out.sim.events, prepared.passes, staging_slots=spec.scheduler.staging_slots)
         t_io = out.cost.t_io if async_io else out.cost.t_io_sync
         lb = lower_bound(cfg, out.cost, prepared.passes, capacity, t_io)
-        assert lb <= out.summary["total_s"] * (1 + 1e-9), f"{kind.value}: lower bound {lb} above {out.summary['total_s']}"
+        assert lb <= out.summary["total_s"] * (1 + 1e-9), f"{scheduler.label}: lower bound {lb} above {out.summary['total_s']}"
 
 
 def test_exact_search_beats_every_heuristic_and_respects_the_bound() -> None:
