@@ -14,7 +14,7 @@ Cache organisations used by the policies:
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Iterable
 
 import numpy as np
 
@@ -94,22 +94,12 @@ class OffloadPolicy:
         a = self.settings.usage_ema
         self.usage[state.layer] = a * routed_share(state.tokens, self.k) + (1 - a) * self.usage[state.layer]
 
-    def _usage_rank(self, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
-        """Eviction rank under `Eviction.token_share`: lowest usage first, ties least recently used."""
-        usage = np.maximum(self.usage[layers, experts], self.profile_share[layers, experts])
-        order = np.lexsort((self.last_used[layers, experts], usage))
-        rank = np.empty_like(order)
-        rank[order] = np.arange(order.size)
-        return rank
-
     # ---- eviction -------------------------------------------------------------------------------
-    def victims(self, state: LayerState, need: int, protect: set[tuple[int, int]],
-                key: Optional[Callable[[np.ndarray, np.ndarray], np.ndarray]] = None) -> list[tuple[int, int]]:
-        """Up to `need` evictable experts of the dynamic region, in `eviction` order unless `key` ranks them."""
+    def victims(self, state: LayerState, need: int, protect: set[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Up to `need` evictable experts of the dynamic region in `eviction` order: least recently used
+        first, or (`token_share`) lowest usage, never below the profile share, then least recently used."""
         if need <= 0:
             return []
-        if key is None and self.settings.eviction is Eviction.token_share:
-            key = self._usage_rank
         cand = state.resident & ~self.pinned
         for t in state.inflight:
             cand[t.layer, t.expert] = False
@@ -118,8 +108,16 @@ class OffloadPolicy:
         layers, experts = np.nonzero(cand)
         if layers.size == 0:
             return []
-        rank = self.last_used[layers, experts] if key is None else key(layers, experts)
-        order = np.argsort(rank, kind="stable")[:need]
+        lru = self.last_used[layers, experts]
+        if self.settings.eviction is Eviction.token_share:
+            usage = np.maximum(self.usage[layers, experts], self.profile_share[layers, experts])
+            if need < usage.size:  # sort only what can be chosen: usage up to the need-th smallest
+                some = np.flatnonzero(usage <= np.partition(usage, need - 1)[need - 1])
+                order = some[np.lexsort((lru[some], usage[some]))][:need]
+            else:
+                order = np.lexsort((lru, usage))
+        else:
+            order = np.argsort(lru, kind="stable")[:need]
         return list(zip(layers[order].tolist(), experts[order].tolist()))
 
     def layer_victims(self, state: LayerState, layer: int, need: int, protect: set[int],
