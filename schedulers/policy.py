@@ -94,13 +94,23 @@ class OffloadPolicy:
         a = self.settings.usage_ema
         self.usage[state.layer] = a * routed_share(state.tokens, self.k) + (1 - a) * self.usage[state.layer]
 
+    def standing(self, layers: Iterable[int], experts: Iterable[int]) -> np.ndarray:
+        """float64 [n]: what `Eviction.token_share` ranks by: usage, never below the profile share."""
+        idx = (np.asarray(layers, dtype=np.int64), np.asarray(experts, dtype=np.int64))
+        return np.maximum(self.usage[idx], self.profile_share[idx])
+
     # ---- eviction -------------------------------------------------------------------------------
     def victims(self, state: LayerState, need: int, protect: set[tuple[int, int]]) -> list[tuple[int, int]]:
         """Up to `need` evictable experts of the dynamic region in `eviction` order: least recently used
-        first, or (`token_share`) lowest usage, never below the profile share, then least recently used."""
+        first, or (`token_share`) lowest usage, never below the profile share, then least recently used.
+        Under `token_share` the first MoE layer's experts make room only for that layer's own loads: no
+        prefetch can bring them back (no forecast runs before the first layer of a pass), so each one
+        given up for another layer is a miss on the critical path at every later pass that routes to it."""
         if need <= 0:
             return []
         cand = state.resident & ~self.pinned
+        if self.settings.eviction is Eviction.token_share and state.layer != 0:
+            cand[0] = False
         for t in state.inflight:
             cand[t.layer, t.expert] = False
         for layer, e in protect:
@@ -110,7 +120,7 @@ class OffloadPolicy:
             return []
         lru = self.last_used[layers, experts]
         if self.settings.eviction is Eviction.token_share:
-            usage = np.maximum(self.usage[layers, experts], self.profile_share[layers, experts])
+            usage = self.standing(layers, experts)
             if need < usage.size:  # sort only what can be chosen: usage up to the need-th smallest
                 some = np.flatnonzero(usage <= np.partition(usage, need - 1)[need - 1])
                 order = some[np.lexsort((lru[some], usage[some]))][:need]
@@ -144,22 +154,32 @@ class OffloadPolicy:
         return min(want, free + len(evict)), evict
 
     def plan_with_slots(self, state: LayerState, cpu: tuple[int, ...], gpu: tuple[int, ...], loads: tuple[int, ...],
-                        prefetch: list[tuple[int, int]]) -> LayerPlan:
+                        prefetch: list[tuple[int, int]], keep_working_set: bool = False) -> LayerPlan:
         """A pinned + dynamic cache's plan with slots for its prefetches (and, with `retain_loads`, its
         loads): evictions in `eviction` order; what finds no room is dropped (a load then only passes
-        through the staging buffer)."""
-        if not prefetch and not self.settings.retain_loads:  # nothing to make room for
+        through the staging buffer). `keep_working_set`: the pass may not displace experts standing
+        higher than what it brings (see `PreSched.plan`): its loads only pass through staging, a
+        prefetch takes a free slot or that of an expert of lower standing, and the forecast does not
+        raise the prefetched experts' usage."""
+        retain_loads = self.settings.retain_loads and not keep_working_set
+        if not prefetch and not retain_loads:  # nothing to make room for
             return LayerPlan(cpu=cpu, gpu=gpu, ondemand=loads, retain=(False,) * len(loads))
-        want = len(prefetch) + len(loads)
+        want = len(prefetch) + (len(loads) if retain_loads else 0)
         granted, evict = (want, []) if want <= state.free_slots else \
             self.room_for(state, want, {(state.layer, e) for e in gpu})
+        if keep_working_set and evict:  # victims come lowest standing first, prefetches hottest first
+            free = max(state.free_slots, 0)
+            gain = [self.standing(*zip(*prefetch[free:free + len(evict)])), self.standing(*zip(*evict))]
+            granted = min(granted, free + int(np.argmin(np.append(gain[1] < gain[0], False))))
         prefetch = prefetch[:granted]
         keep = max(granted - len(prefetch), 0)
-        forecast = {target: routed_share(state.predicted[target], self.k) for target in {t for t, _ in prefetch}}
         for target, e in prefetch:  # keep fresh prefetches away from the eviction end until their layer runs
             self.last_used[target, e] = self._clock
-            self.usage[target, e] = max(self.usage[target, e], forecast[target][e])
-        if self.settings.retain_loads:
+        if not keep_working_set:
+            forecast = {target: routed_share(state.predicted[target], self.k) for target in {t for t, _ in prefetch}}
+            for target, e in prefetch:
+                self.usage[target, e] = max(self.usage[target, e], forecast[target][e])
+        if retain_loads:
             evict = evict[:max(len(prefetch) + min(keep, len(loads)) - max(state.free_slots, 0), 0)]
             retain = tuple(i < keep for i in range(len(loads)))
         else:

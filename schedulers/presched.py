@@ -33,9 +33,11 @@ Prefetches are non-interruptible and the link is serial (Premises 3-4: the mecha
 prefetches land in the cache's replaceable slots. The paper keeps the hot table fixed and rotates
 prefetch buffers; `conf/scheduler/presched.yaml` goes further: the hot table only starts the cache
 (`pin_hot_table: false`), on-demand loads are cached too (`retain_loads`), and what makes room goes
-lowest moving-average token share first (`eviction: token_share`, `OffloadPolicy.observe_usage`),
-so the cache follows a hot set that drifts over the decode steps (on the synthetic routing that
-cache is what let HybriMoE's score-aware per-layer cache beat a pinned table at batches 16-64).
+lowest moving-average token share first (`eviction: token_share`, `OffloadPolicy.observe_usage`;
+the first MoE layer's experts, which no prefetch reaches, only for that layer's own loads), so the
+cache follows a hot set that drifts over the decode steps (with the paper's pinned table,
+HybriMoE's score-aware per-layer cache beat PreSched by up to 2% at batches 16-64 of the synthetic
+routing).
 
 Loads on the GPU side: eqs. 3-5 charge t_io per on-demand load because Premise 5 takes the GPU's
 work as negligible next to a transfer. Each loaded expert is a device call of its own, so where a
@@ -295,7 +297,11 @@ class PreSched(OffloadPolicy):
 
     def plan(self, state: LayerState) -> LayerPlan:
         layer, tokens, cost = state.layer, state.tokens, state.cost
-        self.observe_usage(state)
+        # a prefill on a host-copied link leaves the decode working set alone: there decode transfers
+        # rarely pay for their copies, so an expert it displaced would stay displaced for the whole decode
+        keep_working_set = state.phase is Phase.prefill and cost.link_cpu_share > 0
+        if not keep_working_set:
+            self.observe_usage(state)
         ready_a, missing = split_by_availability(state)
         tok = tokens.tolist()
         ready = ready_a.tolist()
@@ -338,4 +344,4 @@ class PreSched(OffloadPolicy):
 
         prefetch = self._prefill_prefetch(state, ahead) if state.phase is Phase.prefill else \
             self._decode_prefetch(state, ahead, gap)
-        return self.plan_with_slots(state, cpu, gpu, loads, prefetch)
+        return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)

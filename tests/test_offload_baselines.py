@@ -99,6 +99,18 @@ def test_token_share_evicts_the_lowest_usage_never_below_the_profile_share() -> 
     assert lru.victims(state, 3, set()) == [(0, 0), (0, 1), (0, 2)]  # no use recorded yet: table order
 
 
+def test_first_layer_experts_make_room_only_for_their_own_layer() -> None:
+    prof = np.zeros((4, 8), dtype=np.int64)
+    prof[0, :3], prof[1, 3] = [40, 30, 20], 100  # shares: layer 0 0.8, 0.6, 0.4; layer 1's expert 3 2.0
+    ls = build(SchedulerKind.presched, cache_slots=4, profile=prof, pin_hot_table=False, eviction=Eviction.token_share)
+    resident = ls.initial_residency()
+    assert resident[0, :3].all() and resident[1, 3]
+    tokens = [0, 0, 0, 0, 8, 8, 0, 0]
+    # no prefetch brings layer 0's experts back: a later layer gives up its own hot expert instead
+    assert ls.victims(make_state(tokens, [], layer=1, resident=resident, cache_slots=4), 1, set()) == [(1, 3)]
+    assert ls.victims(make_state(tokens, [], layer=0, resident=resident, cache_slots=4), 1, set()) == [(0, 2)]
+
+
 def test_presched_caches_a_load_in_place_of_the_lowest_share_expert() -> None:
     ls = token_share_cache()
     # experts 4 and 5 miss with 8 tokens each: t_c(8) = 9 ms; eq. 4 loads one (4 ms + t_g), the other runs on the CPU
@@ -108,6 +120,20 @@ def test_presched_caches_a_load_in_place_of_the_lowest_share_expert() -> None:
     pinned = token_share_cache(pin_hot_table=True, dynamic_slots=0)
     plan = pinned.plan(make_state([1, 0, 0, 0, 8, 8, 0, 0], resident_experts=[0, 1, 2, 3], cache_slots=4))
     assert plan.ondemand == (5,) and plan.retain == (False,) and plan.evict == ()  # nothing replaceable: staging
+
+
+def test_a_pass_that_keeps_the_working_set_only_displaces_lower_standing() -> None:
+    predicted = {1: np.array([0, 0, 0, 0, 0, 6, 2, 0], dtype=np.float64)}
+    state = make_state([0, 0, 0, 0, 0, 0, 0, 4], resident_experts=[0, 1, 2, 3], cache_slots=4, phase=Phase.prefill,
+                       predicted=predicted)
+    ls = token_share_cache()
+    ls.usage[1, 5], ls.usage[1, 6] = 0.5, 0.1
+    plan = ls.plan_with_slots(state, (), (7,), (7,), [(1, 5), (1, 6)], keep_working_set=True)
+    # (1, 5) at 0.5 takes the slot of (0, 3) at 0.2; (1, 6) at 0.1 would displace (0, 2) at 0.4: dropped
+    assert plan.prefetch == ((1, 5),) and plan.evict == ((0, 3),) and plan.retain == (False,)
+    assert ls.usage[1, 5] == 0.5  # not raised to the forecast's 1.5
+    plan = token_share_cache().plan_with_slots(state, (), (7,), (7,), [(1, 5), (1, 6)])
+    assert plan.prefetch == ((1, 5), (1, 6)) and plan.evict == ((0, 3), (0, 2), (0, 1)) and plan.retain == (True,)
 
 
 def test_a_fresh_prefetch_ranks_by_its_forecast_until_its_layer_runs() -> None:

@@ -271,6 +271,17 @@ def test_loads_on_a_host_device_pay_for_their_calls_on_the_cpu_side(cost: CostMo
     assert not loads_pay_for_host_copies([1, 2, 4], 1, 0.0, 4 * MS, 4 * MS, 3 * MS, host)
 
 
+def test_a_host_copied_prefill_leaves_the_decode_working_set_alone(cost: CostModel) -> None:
+    # a prefill's routing feeds the usage average on a DMA link; on a host-copied one it does not, and its
+    # loads are not cached (`OffloadPolicy.plan_with_slots(keep_working_set=True)`)
+    for link, observed in ((copy.copy(cost), True), (host_copied(cost, 4 * MS), False)):
+        ps = presched(link, retain_loads=True)
+        before = ps.usage.copy()
+        plan = ps.plan(state(link, {1: loads(x=3, y=5)}, {1: 0.9}, phase=Phase.prefill))
+        assert (not np.array_equal(ps.usage[0], before[0])) == observed
+        assert plan.ondemand and any(plan.retain) == observed
+
+
 def test_host_copied_prefetches_only_outlast_their_copy(cost: CostModel) -> None:
     # an 8 ms copy: with a DMA link y (5 tokens) is prefetched; copied on the host it costs more CPU time than
     # the 6 ms its CPU run would (no expert of this 6-token batch runs 8 ms), so no forecast is even read
