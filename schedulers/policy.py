@@ -91,8 +91,12 @@ class OffloadPolicy:
 
     def observe_usage(self, state: LayerState) -> None:
         """Fold this pass's routed shares into the layer's usage average (`usage_ema`)."""
+        total = int(state.tokens.sum())
         a = self.settings.usage_ema
-        self.usage[state.layer] = a * routed_share(state.tokens, self.k) + (1 - a) * self.usage[state.layer]
+        row = self.usage[state.layer]  # a view: updated in place (this runs at every gate)
+        row *= 1.0 - a
+        if total > 0:
+            row += state.tokens * (a * self.k / total)
 
     def standing(self, layers: Iterable[int], experts: Iterable[int]) -> np.ndarray:
         """float64 [n]: what `Eviction.token_share` ranks by: usage, never below the profile share."""
@@ -162,7 +166,7 @@ class OffloadPolicy:
         prefetch takes a free slot or that of an expert of lower standing, and the forecast does not
         raise the prefetched experts' usage."""
         retain_loads = self.settings.retain_loads and not keep_working_set
-        if not prefetch and not retain_loads:  # nothing to make room for
+        if not prefetch and not (retain_loads and loads):  # nothing to make room for
             return LayerPlan(cpu=cpu, gpu=gpu, ondemand=loads, retain=(False,) * len(loads))
         want = len(prefetch) + (len(loads) if retain_loads else 0)
         granted, evict = (want, []) if want <= state.free_slots else \
