@@ -173,8 +173,9 @@ class OffloadPolicy:
             self.room_for(state, want, {(state.layer, e) for e in gpu})
         if keep_working_set and evict:  # victims come lowest standing first, prefetches hottest first
             free = max(state.free_slots, 0)
-            gain = [self.standing(*zip(*prefetch[free:free + len(evict)])), self.standing(*zip(*evict))]
-            granted = min(granted, free + int(np.argmin(np.append(gain[1] < gain[0], False))))
+            incoming = self.standing(*zip(*prefetch[free:free + len(evict)]))
+            outgoing = self.standing(*zip(*evict))
+            granted = min(granted, free + int(np.argmin(np.append(outgoing < incoming, False))))  # leading Trues
         prefetch = prefetch[:granted]
         keep = max(granted - len(prefetch), 0)
         for target, e in prefetch:  # keep fresh prefetches away from the eviction end until their layer runs

@@ -98,7 +98,7 @@ def shipped_scheduler(name: str) -> SchedulerSettings:
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(routing=ROUTING, batch=st.integers(1, 6), slots=st.integers(2, 14), seed=st.integers(0, 10_000),
-       async_io=st.booleans(), hw=st.sampled_from(["v100_pcie3", "a100_pcie4"]))
+       async_io=st.booleans(), hw=st.sampled_from(["v100_pcie3", "a100_pcie4", "local_cpu"]))
 def test_invariants_hold_for_every_scheduler(routing, batch: int, slots: int, seed: int, async_io: bool, hw: str) -> None:
     cfg = mixtral(4)
     spec = RunSpec(model=cfg, model_name="mixtral-4l", hardware=load_hardware(hw), scheduler=SchedulerSettings(),
