@@ -69,6 +69,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -136,18 +137,19 @@ def first_load(passes: Sequence[bool], outside: int) -> int:
 
 
 def loads_pay_for_host_copies(cur_tokens_sorted: Sequence[float], i: int, alpha: float, t_load: float, t_io: float,
-                              t_g: float, cost: CostModel, gpu_busy: float = 0.0) -> bool:
+                              t_g: float, cost: CostModel, gpu_busy: float = 0.0,
+                              all_cpu: Optional[float] = None) -> bool:
     """Where the link copies on the host cores (`cost.link_cpu_share` > 0), loading E_cur[i..n] also
     takes share * t_io of CPU time per load from the CPU side, and where the device computes on them
     (`cost.device_cpu_share` > 0) that share of each loaded expert's call: the loads go ahead only if
     the layer still ends sooner than with every missing expert on the CPU (always True with a DMA
-    link to a GPU)."""
+    link to a GPU). `all_cpu`: that all-CPU time, when the caller already has it."""
     n1, share, s_dev = len(cur_tokens_sorted), cost.link_cpu_share, cost.device_cpu_share
     if (share <= 0 and s_dev <= 0) or i >= n1:
         return True
     t_cpu = cost.t_c_sum(cur_tokens_sorted[:i]) + (n1 - i) * (share * t_io + s_dev * t_g)
     t_gpu = max(alpha + (n1 - i) * t_load, gpu_busy) + t_g
-    return max(t_cpu, t_gpu) < cost.t_c_sum(cur_tokens_sorted)
+    return max(t_cpu, t_gpu) < (cost.t_c_sum(cur_tokens_sorted) if all_cpu is None else all_cpu)
 
 
 def prefetch_gap(cur_tokens_sorted: Sequence[float], i: int, alpha: float, t_io: float, cost: CostModel,
@@ -326,7 +328,8 @@ class PreSched(OffloadPolicy):
         else:
             passes = ondemand_passes(cur_m, alpha, t_load, t_g, cost, busy)
             if cost.link_cpu_share > 0 or cost.device_cpu_share > 0:  # a passing i' whose host time does not pay
-                passes = [p and loads_pay_for_host_copies(cur_m, k, alpha, t_load, t_io, t_g, cost, busy)
+                all_cpu = cost.t_c_sum(cur_m)  # the bar every passing i' must beat, computed once
+                passes = [p and loads_pay_for_host_copies(cur_m, k, alpha, t_load, t_io, t_g, cost, busy, all_cpu)
                           for k, p in enumerate(passes)]
             # GPU_Q (and so the next layer's forecast) only matters when some i' passes eq. 4
             i = first_load(passes, ahead.queue(layer + 1).current_outside() if any(passes) else 0)
