@@ -163,7 +163,8 @@ def llama_cpp_figure(python: str, tools: Path, folder: Path, prompt_len: int, ne
     ~2 ms, far less than evaluating 64 prompt tokens). The decode rate is therefore taken from two of
     its runs, +1 and +`new_tokens`: (new_tokens - 1) / (t_new - t_1). It has no end-to-end figure."""
     gguf = folder / "model-f32.gguf"
-    timing = [python, str(tools / "time_llama_cpp.py"), str(gguf), "--prompt", str(prompt_len), "--threads", str(threads)]
+    timing = [python, str(tools / "time_llama_cpp.py"), str(gguf), "--prompt", str(prompt_len),
+              "--threads", str(threads)]
     steps = [[python, str(tools / "hf_mixtral_to_gguf.py"), str(folder), str(gguf)],
              timing + ["--new", "1"], timing + ["--new", str(new_tokens)]]
     seconds = []
