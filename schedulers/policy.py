@@ -169,10 +169,9 @@ class OffloadPolicy:
         if not prefetch and not (retain_loads and loads):  # nothing to make room for
             return LayerPlan(cpu=cpu, gpu=gpu, ondemand=loads, retain=(False,) * len(loads))
         want = len(prefetch) + (len(loads) if retain_loads else 0)
-        granted, evict = (want, []) if want <= state.free_slots else \
-            self.room_for(state, want, {(state.layer, e) for e in gpu})
+        free = max(state.free_slots, 0)
+        granted, evict = (want, []) if want <= free else self.room_for(state, want, {(state.layer, e) for e in gpu})
         if keep_working_set and evict:  # victims come lowest standing first, prefetches hottest first
-            free = max(state.free_slots, 0)
             incoming = self.standing(*zip(*prefetch[free:free + len(evict)]))
             outgoing = self.standing(*zip(*evict))
             granted = min(granted, free + int(np.argmin(np.append(outgoing < incoming, False))))  # leading Trues
@@ -185,10 +184,10 @@ class OffloadPolicy:
             for target, e in prefetch:
                 self.usage[target, e] = max(self.usage[target, e], forecast[target][e])
         if retain_loads:
-            evict = evict[:max(len(prefetch) + min(keep, len(loads)) - max(state.free_slots, 0), 0)]
+            evict = evict[:max(len(prefetch) + min(keep, len(loads)) - free, 0)]
             retain = tuple(i < keep for i in range(len(loads)))
         else:
-            evict = evict[:max(len(prefetch) - max(state.free_slots, 0), 0)]
+            evict = evict[:max(len(prefetch) - free, 0)]
             retain = (False,) * len(loads)
         return LayerPlan(cpu=cpu, gpu=gpu, ondemand=loads, retain=retain, prefetch=tuple(prefetch), evict=tuple(evict))
 

@@ -163,12 +163,9 @@ def llama_cpp_figure(python: str, tools: Path, folder: Path, prompt_len: int, ne
     ~2 ms, far less than evaluating 64 prompt tokens). The decode rate is therefore taken from two of
     its runs, +1 and +`new_tokens`: (new_tokens - 1) / (t_new - t_1). It has no end-to-end figure."""
     gguf = folder / "model-f32.gguf"
-    timing = [python, str(tools / "time_llama_cpp.py"), str(gguf), "--prompt", str(prompt_len),
-              "--threads", str(threads)]
-    steps = [[python, str(tools / "hf_mixtral_to_gguf.py"), str(folder), str(gguf)],
-             timing + ["--new", "1"], timing + ["--new", str(new_tokens)]]
-    seconds = []
-    for cmd in steps:
+
+    def run(cmd: list[str]) -> Optional[str]:
+        """The command's stdout, or None (reported) if it fails."""
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -177,11 +174,18 @@ def llama_cpp_figure(python: str, tools: Path, folder: Path, prompt_len: int, ne
         if done.returncode != 0:
             console.print(f"[yellow]llama.cpp: {' '.join(cmd)} exited {done.returncode}:[/]\n{done.stderr[-2000:]}")
             return None
-        if cmd is steps[0]:
-            continue
-        match = re.search(r"\+(\d+): ([\d.]+) tok/s", done.stdout)
+        return done.stdout
+
+    if run([python, str(tools / "hf_mixtral_to_gguf.py"), str(folder), str(gguf)]) is None:
+        return None
+    seconds = []
+    for new in (1, new_tokens):
+        output = run([python, str(tools / "time_llama_cpp.py"), str(gguf), "--prompt", str(prompt_len),
+                      "--new", str(new), "--threads", str(threads)])
+        match = None if output is None else re.search(r"\+(\d+): ([\d.]+) tok/s", output)
         if match is None:
-            console.print(f"[yellow]llama.cpp: no tok/s figure in its output:[/]\n{done.stdout}")
+            if output is not None:
+                console.print(f"[yellow]llama.cpp: no tok/s figure in its output:[/]\n{output}")
             return None
         seconds.append(int(match.group(1)) / float(match.group(2)))  # the time of its best run
     step = (seconds[1] - seconds[0]) / (new_tokens - 1)
