@@ -8,7 +8,7 @@ import pytest
 from conf import compose
 from conf.schemas.hardware import HardwareProfile, load_hardware
 from models.loading import resolve_model_config
-from schedulers.cost import CostModel, memory_plan, non_expert_params
+from schedulers.cost import CostModel, _RunningFit, memory_plan, non_expert_params
 
 PROFILES = ["v100_pcie3", "a100_pcie4", "rtx4090", "a6000", "h200_pcie5"]
 
@@ -98,6 +98,28 @@ def test_online_updates_refit_eq2_and_track_transfers() -> None:
     for _ in range(50):
         cost.update_transfer(2e-3)
     assert cost.t_io == pytest.approx(2e-3, rel=0.01) and before != pytest.approx(2e-3)
+
+
+def test_cpu_refit_equals_least_squares_over_the_window() -> None:
+    """Eq. 2's online refit keeps running sums; after each sample it must equal np.polyfit over the
+    last `window` samples (prefill-sized and decode-sized token counts mixed, the window overrun)."""
+    fit = _RunningFit(window=64, min_span=16.0)
+    rng = np.random.default_rng(3)
+    xs: list[float] = []
+    ys: list[float] = []
+    fitted = 0
+    for i in range(400):
+        x = float(rng.integers(1, 9) if rng.random() < 0.8 else rng.integers(16, 600))
+        y = 2e-6 * x + 4e-5 + rng.normal(0, 1e-5)
+        xs, ys = (xs + [x])[-64:], (ys + [y])[-64:]
+        got = fit.add(x, y)
+        if np.ptp(xs) < 16.0:
+            assert got is None
+            continue
+        a, b = np.polyfit(xs, ys, 1)
+        assert got == pytest.approx((max(a, 0.0), max(b, 0.0)), rel=1e-6, abs=1e-12)
+        fitted += 1
+    assert 50 < fitted < 400  # both branches ran
 
 
 def test_measured_times_override_the_model() -> None:
