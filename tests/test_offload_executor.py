@@ -252,6 +252,27 @@ def test_the_timer_measures_the_fixed_host_overheads(shipped) -> None:
     assert cost.layer_overhead_s > 0 and cost.pass_overhead_s > 0  # a real executor always pays some
 
 
+def test_only_decode_calls_are_gpu_samples(shipped) -> None:
+    """A prefill's on-demand call runs the grouped kernel over every row of the pass; taken as per-call
+    dispatch it made every decode device call look ~20x dearer to the cost model. Only decode calls count."""
+    cfg, model, store, prompts, ref = shipped
+    L, E = len(cfg.moe_layers), cfg.num_experts
+    cost = CostModel(cfg, HW)
+    sched = build_scheduler(SchedulerSettings(kind=SchedulerKind.ondemand, label="o", use_predictor=False),
+                            SchedulerSetup(L, E, cfg.num_experts_per_tok, 0, cost, np.ones((L, E), np.int64)))
+    with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=0, fuse_resident=False)) as ex:
+        samples = {}
+        for new_tokens in (1, 4):
+            ex.generate(prompts, new_tokens)  # compiles: the Timer drops the samples of the passes that did
+            ex.timer.samples.clear()
+            out = ex.generate(prompts, new_tokens)
+            samples[new_tokens] = {name: list(values) for name, values in ex.timer.samples.items()}
+    # a prefill alone: every expert loaded through staging, none timed
+    assert samples[1].get("transfer_s") and not samples[1].get("gpu_s_per_expert")
+    np.testing.assert_array_equal(out.tokens, ref.tokens[:, :4])
+    assert samples[4].get("gpu_s_per_expert")  # the loads of its 3 decode passes
+
+
 def test_the_timer_drops_the_samples_of_a_window_that_compiled() -> None:
     import jax
     import jax.numpy as jnp
