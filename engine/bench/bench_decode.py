@@ -223,6 +223,27 @@ def report(figures: list[Figure], match: dict[int, float], console: Console) -> 
     return ratios
 
 
+def report_ceiling(cfg: Any, batch: int, figures: list[Figure], console: Console) -> Any:
+    """Measure the kernel ceilings of `cfg`'s decode steps here and print them next to the figures."""
+    from engine.bench.kernel_ceiling import measure
+
+    c = measure(cfg, batch)
+    by = {(f.system, f.batch): f for f in figures}
+    rates = ", ".join(f"{rows} row{'s' if rows > 1 else ''} {gbps:.1f}" for rows, gbps in c.xla_gbps_by_rows.items())
+    console.print(f"  memory read (torch sum): {c.torch_read_gbps_one_thread:.1f} GB/s on one thread, "
+                  f"{c.torch_read_gbps_all_threads:.1f} GB/s on all; XLA streams expert weights at {rates} GB/s")
+    line = f"  batch 1: a step reads {c.b1_bytes / 1e6:.1f} MB -> at least {c.b1_floor_ms:.2f} ms/step through XLA's dots"
+    for system in ("moescope", "llama.cpp"):
+        if (system, 1) in by:
+            line += f"; {system} {by[(system, 1)].decode_ms_per_step:.2f}"
+    console.print(line)
+    line = f"  batch {batch}: the experts alone ({c.b16_rows} rows per call) take at least {c.b16_expert_floor_ms:.2f} ms/step"
+    if ("transformers", batch) in by:
+        line += f"; 3x transformers allows {by[('transformers', batch)].decode_ms_per_step / 3:.2f} ms for the whole step"
+    console.print(line)
+    return c
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, help="HF Mixtral folder (default: a random 29M init in a temp dir)")
@@ -236,6 +257,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap.add_argument("--llama-tools", type=Path, help="folder with hf_mixtral_to_gguf.py and time_llama_cpp.py")
     ap.add_argument("--llama-threads", type=int, default=2)
     ap.add_argument("--llama-timeout", type=float, default=900.0)
+    ap.add_argument("--ceiling", action="store_true", help="also measure what XLA:CPU's dot kernels allow a step "
+                    "here (engine/bench/kernel_ceiling.py) and set the figures against it")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
     if (args.llama_python is None) != (args.llama_tools is None):
@@ -262,10 +285,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                                      args.llama_threads, args.llama_timeout, console)
             if llama is not None:
                 figures.append(llama)
+        ceiling = report_ceiling(engine.cfg, max(args.batches), figures, console) if args.ceiling else None
         console.print(f"load average at the end {os.getloadavg()[0]:.1f}")
         ratios = report(figures, match, console)
     result = {"figures": [asdict(f) for f in figures], "ratios": ratios, "greedy_match": match,
-              "prompt": args.prompt, "new_tokens": args.new, "command": " ".join(sys.argv)}
+              "prompt": args.prompt, "new_tokens": args.new, "command": " ".join(sys.argv),
+              "ceiling": None if ceiling is None else asdict(ceiling)}
     if args.json:
         from engine.telemetry import atomic_write_text
 
