@@ -252,6 +252,35 @@ def test_the_timer_measures_the_fixed_host_overheads(shipped) -> None:
     assert cost.layer_overhead_s > 0 and cost.pass_overhead_s > 0  # a real executor always pays some
 
 
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_cpu_experts_match_a_float64_reference(shipped, dtype: str, tol: float) -> None:
+    """The torch CPU side against numpy float64: only the listed experts, padding rows (-1) routed nowhere,
+    an expert listed with no tokens, and one timing sample per computed expert with its pair count."""
+    from engine.offload.cpu_experts import CpuExperts
+
+    cfg, _, store, _, _ = shipped
+    rng = np.random.default_rng(5)
+    T, k, layer = 9, cfg.num_experts_per_tok, 3
+    x = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
+    experts = np.stack([rng.choice(cfg.num_experts - 1, k, replace=False) for _ in range(T)])  # never the last
+    experts[4] = -1
+    weights = rng.random((T, k)).astype(np.float32)
+    chosen = [cfg.num_experts - 1, 5, 0, 2]
+    want = np.zeros((T, cfg.hidden_size))
+    for e in chosen:
+        gate, up, down = (np.asarray(v, np.float64) for v in store.numpy_views(layer, e))
+        for t, j in zip(*np.nonzero(experts == e)):
+            a, b = x[t] @ gate, x[t] @ up
+            want[t] += weights[t, j] * ((a / (1 + np.exp(-a)) * b) @ down)
+    cpu = CpuExperts(store, dtype=dtype)
+    try:
+        got = cpu.compute(layer, x, experts, weights, chosen)
+    finally:
+        cpu.close()
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    assert [n for n, _ in cpu.timings] == [int((experts == e).sum()) for e in chosen if (experts == e).any()]
+
+
 def test_only_decode_calls_are_gpu_samples(shipped) -> None:
     """A prefill's on-demand call runs the grouped kernel over every row of the pass; taken as per-call
     dispatch it made every decode device call look ~20x dearer to the cost model. Only decode calls count."""

@@ -55,17 +55,30 @@ class CpuExperts:
             torch.set_num_threads(self.threads)
         xt = torch.from_numpy(np.array(x, dtype=np.float32))
         out = torch.zeros_like(xt)
-        for e in cpu_experts:
-            tok, slot = np.nonzero(experts == e)
-            if tok.size == 0:
+        # the layer's pairs grouped by expert once (a decode expert is a few torch calls: their count is its cost)
+        flat = experts.reshape(-1)
+        order = np.argsort(flat, kind="stable")  # by expert, then token (the order index_add_ used before)
+        ranked, wanted = flat[order], np.asarray(cpu_experts)
+        bounds = np.searchsorted(ranked, wanted, side="left").tolist()
+        ends = np.searchsorted(ranked, wanted, side="right").tolist()
+        tokens_t = torch.from_numpy(order // experts.shape[1])
+        pair_w = torch.from_numpy(weights.reshape(-1)[order].astype(np.float32))
+        cast = self.dtype != torch.float32
+        for e, lo, hi in zip(cpu_experts, bounds, ends):
+            if hi == lo:
                 continue
             start = time.perf_counter()
             gate, up, down = self._expert(layer, e)
-            rows = xt[torch.from_numpy(tok)].to(self.dtype)
-            h = torch.nn.functional.silu(rows @ gate) * (rows @ up)
-            y = (h @ down).float() * torch.from_numpy(weights[tok, slot].astype(np.float32))[:, None]
-            out.index_add_(0, torch.from_numpy(tok), y)
-            self.timings.append((int(tok.size), time.perf_counter() - start))
+            tok = tokens_t[lo:hi]
+            rows = xt.index_select(0, tok)
+            if cast:
+                rows = rows.to(self.dtype)
+            h = torch.nn.functional.silu(rows @ gate).mul_(rows @ up)
+            y = h @ down
+            if cast:
+                y = y.float()
+            out.index_add_(0, tok, y.mul_(pair_w[lo:hi, None]))
+            self.timings.append((hi - lo, time.perf_counter() - start))
         return out.numpy()
 
     def submit(self, layer: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
