@@ -31,11 +31,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from engine.bench.kernel_ceiling import Ceiling
 
 BENCH_MODEL = "bench_mixtral_29m"
 
@@ -223,7 +226,7 @@ def report(figures: list[Figure], match: dict[int, float], console: Console) -> 
     return ratios
 
 
-def report_ceiling(cfg: Any, batch: int, figures: list[Figure], console: Console) -> Any:
+def report_ceiling(cfg: Any, batch: int, figures: list[Figure], console: Console) -> "Ceiling":
     """Measure the kernel ceilings of `cfg`'s decode steps here and print them next to the figures."""
     from engine.bench.kernel_ceiling import measure
 
@@ -232,14 +235,17 @@ def report_ceiling(cfg: Any, batch: int, figures: list[Figure], console: Console
     rates = ", ".join(f"{rows} row{'s' if rows > 1 else ''} {gbps:.1f}" for rows, gbps in c.xla_gbps_by_rows.items())
     console.print(f"  memory read (torch sum): {c.torch_read_gbps_one_thread:.1f} GB/s on one thread, "
                   f"{c.torch_read_gbps_all_threads:.1f} GB/s on all; XLA streams expert weights at {rates} GB/s")
-    line = f"  batch 1: a step reads {c.b1_bytes / 1e6:.1f} MB -> at least {c.b1_floor_ms:.2f} ms/step through XLA's dots"
+    line = (f"  batch 1: a step reads {c.b1_bytes / 1e6:.1f} MB -> at least {c.b1_floor_ms:.2f} ms/step "
+            "through XLA's dots")
     for system in ("moescope", "llama.cpp"):
         if (system, 1) in by:
             line += f"; {system} {by[(system, 1)].decode_ms_per_step:.2f}"
     console.print(line)
-    line = f"  batch {batch}: the experts alone ({c.b16_rows} rows per call) take at least {c.b16_expert_floor_ms:.2f} ms/step"
+    line = (f"  batch {batch}: the experts alone ({c.b16_rows} rows per call) take at least "
+            f"{c.b16_expert_floor_ms:.2f} ms/step")
     if ("transformers", batch) in by:
-        line += f"; 3x transformers allows {by[('transformers', batch)].decode_ms_per_step / 3:.2f} ms for the whole step"
+        budget = by[("transformers", batch)].decode_ms_per_step / 3
+        line += f"; 3x transformers allows {budget:.2f} ms for the whole step"
     console.print(line)
     return c
 

@@ -12,6 +12,7 @@ floors for the step: the bytes a step must read over the rate its kernels reach.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -89,8 +90,6 @@ def expert_stream_gbps(hidden: int, intermediate: int, layers: int, per_layer: i
 
 def measure(cfg: ModelConfig, batch: int = 16, repeats: int = 10) -> Ceiling:
     """The rates on this machine and the floors of `cfg`'s fp32 decode steps at batch 1 and `batch`."""
-    import os
-
     L, E, k = len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
     H, inter = cfg.hidden_size, cfg.expert_intermediate_size
     expert_bytes = cfg.expert_bytes(4)
