@@ -170,7 +170,7 @@ class OffloadPolicy:
             return LayerPlan(cpu=cpu, gpu=gpu, ondemand=loads, retain=(False,) * len(loads))
         want = len(prefetch) + (len(loads) if retain_loads else 0)
         free = max(state.free_slots, 0)
-        granted, evict = (want, []) if want <= free else self.room_for(state, want, {(state.layer, e) for e in gpu})
+        granted, evict = self.room_for(state, want, {(state.layer, e) for e in gpu})
         if keep_working_set and evict:  # victims come lowest standing first, prefetches hottest first
             incoming = self.standing(*zip(*prefetch[free:free + len(evict)]))
             outgoing = self.standing(*zip(*evict))

@@ -241,8 +241,8 @@ def report_ceiling(cfg: Any, batch: int, figures: list[Figure], console: Console
         if (system, 1) in by:
             line += f"; {system} {by[(system, 1)].decode_ms_per_step:.2f}"
     console.print(line)
-    line = (f"  batch {batch}: the experts alone ({c.b16_rows} rows per call) take at least "
-            f"{c.b16_expert_floor_ms:.2f} ms/step")
+    line = (f"  batch {batch}: the experts alone ({c.batch_rows} rows per call) take at least "
+            f"{c.batch_expert_floor_ms:.2f} ms/step")
     if ("transformers", batch) in by:
         budget = by[("transformers", batch)].decode_ms_per_step / 3
         line += f"; 3x transformers allows {budget:.2f} ms for the whole step"

@@ -22,6 +22,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.layers import swiglu
+from models.moe import default_chunk
 from schedulers.cost import non_expert_params
 
 SWEEP_BYTES = 256 * 2**20  # the host read-rate array: far beyond any cache here
@@ -36,8 +37,9 @@ class Ceiling:
     xla_gbps_by_rows: dict[int, float]  # rows per expert call -> expert weights streamed per second
     b1_bytes: int  # weights a batch-1 step reads: k experts per MoE layer and the dense weights
     b1_floor_ms: float  # b1_bytes at XLA's one-row rate
-    b16_rows: int  # rows per expert call at batch 16 (pairs per expert, rounded up)
-    b16_expert_floor_ms: float  # every expert of every MoE layer at that row count: the experts alone
+    batch: int  # the larger decode batch
+    batch_rows: int  # its pairs per expert, rounded up: the fewest rows an expert call can have
+    batch_expert_floor_ms: float  # every expert of every MoE layer at that row count: the experts alone
 
 
 def torch_read_gbps(threads: int, repeats: int = 5) -> float:
@@ -93,13 +95,14 @@ def measure(cfg: ModelConfig, batch: int = 16, repeats: int = 10) -> Ceiling:
     L, E, k = len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
     H, inter = cfg.hidden_size, cfg.expert_intermediate_size
     expert_bytes = cfg.expert_bytes(4)
-    b16_rows = math.ceil(batch * k / E)
+    batch_rows = math.ceil(batch * k / E)
     # batch 1: k experts per layer, sets enough to read the whole expert store between reuses
     rates = {1: expert_stream_gbps(H, inter, L, k, 1, sets=max(E // k, 1), repeats=repeats)}
-    for rows in sorted({b16_rows, 8}):
+    for rows in sorted({batch_rows, default_chunk(batch * k, E)}):  # exact, and the rows the engine runs
         rates[rows] = expert_stream_gbps(H, inter, L, E, rows, sets=1, repeats=repeats)
     # a decode row reads one embedding row, not the table
     dense = (non_expert_params(cfg) - cfg.vocab_size * H) * 4
     b1_bytes = L * k * expert_bytes + dense
     return Ceiling(torch_read_gbps(1), torch_read_gbps(os.cpu_count() or 1), rates, b1_bytes,
-                   1e3 * b1_bytes / (rates[1] * 1e9), b16_rows, 1e3 * L * E * expert_bytes / (rates[b16_rows] * 1e9))
+                   1e3 * b1_bytes / (rates[1] * 1e9), batch, batch_rows,
+                   1e3 * L * E * expert_bytes / (rates[batch_rows] * 1e9))
