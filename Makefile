@@ -9,6 +9,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e ".[test]"
+	$(VENV)/bin/python -m models.native.build || echo "moescope: native CPU kernels not built; bf16 runs slowly on the CPU"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -86,7 +86,7 @@ def measure_device_expert(model: MoETransformer, store: ExpertStore, token_count
     cfg = model.cfg
     kernels = LayerKernels(model)
     gate, up, down = (jnp.asarray(np.asarray(p)) for p in store.numpy_views(0, 0))
-    gate_up = jnp.concatenate([gate, up], axis=1)
+    gate_up = jnp.concatenate([gate, up], axis=0)
     dummy = (jnp.zeros_like(gate_up), jnp.zeros_like(down))
     out = {}
     for m in token_counts:
@@ -106,7 +106,7 @@ def measure_expert_call(model: MoETransformer, store: ExpertStore, repeats: int)
     kernels = LayerKernels(model)
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     gate, up, down = (jnp.asarray(np.asarray(p)) for p in store.numpy_views(0, 0))
-    gate_up = jnp.concatenate([gate, up], axis=1)
+    gate_up = jnp.concatenate([gate, up], axis=0)
     gu, dn = [gate_up + 0 for _ in range(E)], [down + 0 for _ in range(E)]
     g = jnp.asarray(np.random.default_rng(0).standard_normal((1, E, cfg.hidden_size)), gate.dtype)
     w = np.ones((E, k), np.float32)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-import jax.numpy as jnp
 from omegaconf import DictConfig, OmegaConf
 
 from conf import hydra_main, resolve_path
@@ -25,7 +24,7 @@ from models.generation import Generator
 from models.loading import load_model, load_tokenizer
 
 
-def record_trace(model_node: Any, workload_node: Any, keep_hidden: bool = True, dtype: Any = jnp.float32,
+def record_trace(model_node: Any, workload_node: Any, keep_hidden: bool = True, dtype: Any = "auto",
                  seed: int = 0, progress: Any = None) -> RoutingTrace:
     """Serve every batch of a prompt workload with the in-memory model and return its routing trace."""
     cfg, model, folder = load_model(model_node, dtype=dtype, seed=seed)
@@ -52,7 +51,7 @@ def record_trace(model_node: Any, workload_node: Any, keep_hidden: bool = True, 
 @hydra_main("record")
 def main(node: DictConfig) -> Optional[dict[str, Any]]:
     cfg: RecordConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
-    dtype = jnp.bfloat16 if cfg.dtype.value == "bfloat16" else jnp.float32
+    dtype = cfg.dtype.value
     with Telemetry(node, task="record") as tm:
         trace = record_trace(node.model, node.workload, cfg.keep_hidden, dtype, cfg.seed, tm.progress)
         path = trace.save(resolve_path(cfg.out) if cfg.out else tm.run_dir / "trace.npz")

@@ -5,18 +5,23 @@
     python -m engine.run -m scheduler=presched,hybrimoe,fiddler,ondemand     # compare systems
     python -m engine.run model.checkpoint=/path/to/hf_folder model.arch=null hardware=a100_pcie4
 
-Flow: load the model (routed experts to host memory only), build the hot-expert table from
-`profile_batches` served first (the Counter), size the device expert cache from the budget, then
-serve the workload's batches with the offload executor; optionally serve them again with the
-plain in-memory model to check the tokens are identical and to measure the machinery's cost.
+Flow: load the model (dense weights to the device, routed experts left in the checkpoint's mapped
+files, which the host expert store views), build the hot-expert table from `profile_batches` served
+first (the Counter), size the device expert cache from the budget, then serve the workload's
+batches with the offload executor; optionally (`compare_in_memory`, on by default where the
+in-memory model fits beside it) serve them again with the plain in-memory model to check the tokens
+(float32: identical; bf16: logits within bf16's own distance from float32, `fidelity`) and to
+measure the machinery's cost. Results report the load time and the peak anonymous memory against
+the checkpoint's bytes.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
-import jax.numpy as jnp
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
@@ -24,8 +29,9 @@ from conf import hydra_main, to_frozen
 from conf.schemas.hardware import HardwareProfile
 from conf.schemas.run import OffloadConfig, RunConfig
 from engine.calibrate import device_memory_gib
+from engine.fidelity import fidelity_report, float32_copy, offloaded_forced_logits
 from engine.offload.cache import slots_for_budget
-from engine.offload.executor import OffloadExecutor, OffloadOutput, OffloadSettings, padded_shapes
+from engine.offload.executor import OffloadExecutor, OffloadOutput, OffloadSettings, new_cache, padded_shapes
 from engine.offload.store import ExpertStore
 from engine.recording import record_generation, trace_meta
 from engine.sim.timeline import plot_timeline
@@ -34,29 +40,44 @@ from engine.trace import TraceRecorder
 from engine.workloads import PromptSampler, build_workload
 from models.config import ModelConfig
 from models.generation import Generator
-from models.hf import load_hf
-from models.loading import load_model, load_tokenizer, resolve_model_config
+from models.hf import OpenCheckpoint
+from models.loading import load_model, load_tokenizer, model_dtype, open_model_checkpoint, resolve_model_config
+from models.memory import GIB, PeakMemory, check_fits, host_memory, memory_report
+from models.transformer import param_bytes, without_experts
 from predictors import load_predictor
 from predictors.base import Predictor
 from schedulers.base import SchedulerSettings, SchedulerSetup, build_scheduler
 from schedulers.cost import CostModel
 
+log = logging.getLogger(__name__)
 
-def cache_slots(cfg: ModelConfig, offload: OffloadConfig, expert_bytes: int) -> int:
-    """Expert-cache slots of the configured budget; a clear error when it cannot run or exceeds the device."""
+DEFAULT_BUDGET_FRACTION = 0.25  # of all routed experts (LayerScope's and HybriMoE's usual setting)
+
+
+def cache_slots(cfg: ModelConfig, offload: OffloadConfig, expert_bytes: int, dense_bytes: int = 0) -> int:
+    """Expert-cache slots of the configured budget; a clear error when it cannot run or exceeds the device.
+
+    With no budget set, a quarter of the experts, but never more than half the device memory the dense
+    weights leave (a 60-layer model's quarter would not fit a small GPU)."""
     total = cfg.num_experts * len(cfg.moe_layers)
     budget_bytes = offload.budget_bytes
     budget_experts = offload.budget_experts
     given = [k for k, v in (("budget_fraction", offload.budget_fraction), ("budget_experts", budget_experts),
                             ("budget_bytes", budget_bytes)) if v is not None]
-    if len(given) != 1:
+    if len(given) > 1:
         raise ValueError(f"offload: set exactly one of budget_fraction / budget_experts / budget_bytes (got {given}); "
-                         "e.g. offload.budget_fraction=null offload.budget_experts=16")
+                         f"e.g. offload.{given[0]}=null")
+    device_bytes = device_memory_gib() * 2**30
+    if not given:
+        fits = int(max(device_bytes - dense_bytes, 0) / 2 // expert_bytes)
+        budget_experts = max(min(int(round(DEFAULT_BUDGET_FRACTION * total)), fits), offload.staging_slots)
+        if budget_experts < DEFAULT_BUDGET_FRACTION * total:
+            log.info("offload budget: %d experts (half of the %.1f GiB the device has beside the dense weights; a "
+                     "quarter of the experts would not fit)", budget_experts, (device_bytes - dense_bytes) / GIB)
     if offload.budget_fraction is not None:
         if not 0 < offload.budget_fraction <= 1:
             raise ValueError(f"offload.budget_fraction: must lie in (0, 1], got {offload.budget_fraction}")
         budget_experts = max(int(round(offload.budget_fraction * total)), 0)
-    device_bytes = device_memory_gib() * 2**30
     wanted = budget_bytes if budget_bytes is not None else budget_experts * expert_bytes
     if wanted > device_bytes:
         raise ValueError(f"offload budget of {wanted / 2**30:.2f} GiB exceeds the device's {device_bytes / 2**30:.2f} GiB")
@@ -66,17 +87,69 @@ def cache_slots(cfg: ModelConfig, offload: OffloadConfig, expert_bytes: int) -> 
         raise ValueError(f"{exc}; the smallest runnable budget is offload.budget_experts={offload.staging_slots}") from None
 
 
-def load_offload_model(node: Any, dtype: Any, seed: int) -> tuple[ModelConfig, Any, ExpertStore, Any, Optional[Any]]:
-    """(config, model without device experts, expert store, tokenizer, full in-memory model or None)."""
+@dataclass
+class LoadedModel:
+    """What an offloaded run serves: the model without its routed experts (they live in `store`), the
+    in-memory model with them when it is compared against (`full`), and how long and in what dtype."""
+
+    cfg: ModelConfig
+    model: Any
+    store: ExpertStore
+    tokenizer: Any
+    full: Optional[Any]
+    dtype: Any
+    checkpoint_bytes: Optional[int]
+    load_s: float
+
+
+def wants_comparison(choice: Optional[bool], opened: Optional[OpenCheckpoint], dtype: Any) -> bool:
+    """`compare_in_memory`: as set, or (None) whenever the in-memory model fits comfortably beside the run (a
+    quarter of the available memory): it doubles the model's memory, which a real checkpoint may not have."""
+    if choice is not None:
+        return choice
+    if opened is None:
+        return True
+    available = host_memory()[1]
+    return available is None or opened.param_bytes(np.dtype(dtype)) <= available / 4
+
+
+def load_offload_model(node: Any, rc: RunConfig, seed: int) -> LoadedModel:
+    """Load for an offloaded run: dense weights to the device, routed experts into the host store (views of the
+    checkpoint's mapped files when its dtype is the run's), the in-memory model only when compared against."""
+    start = time.perf_counter()
     cfg = resolve_model_config(node.model)
-    np_dtype = np.dtype(jnp.dtype(dtype))
-    if node.model.get("checkpoint") is None:
-        _, full, folder = load_model(node.model, dtype=dtype, seed=seed)
-        return cfg, full, ExpertStore.from_model(full, np_dtype), load_tokenizer(folder), full
-    _, model, folder = load_model(node.model, dtype=dtype, seed=seed, with_experts=False)
-    store = ExpertStore.from_checkpoint(folder, cfg, np_dtype)
-    full = load_hf(folder, dtype=dtype)[1] if node.compare_in_memory else None
-    return cfg, model, store, load_tokenizer(folder), full
+    opened = open_model_checkpoint(node.model)
+    dtype = model_dtype(rc.dtype, opened)
+    compare = wants_comparison(rc.compare_in_memory, opened, dtype)
+    if opened is None:
+        _, full, _ = load_model(node.model, dtype=dtype, seed=seed)
+        return LoadedModel(cfg, full, ExpertStore.from_model(full), None, full if compare else None, dtype, None,
+                           time.perf_counter() - start)
+    check_offload_fits(opened, dtype)
+    if compare:
+        full = load_model(node.model, dtype=dtype, opened=opened)[1]
+        model = without_experts(full)
+    else:
+        full, model = None, load_model(node.model, dtype=dtype, with_experts=False, opened=opened)[1]
+    store = ExpertStore.from_checkpoint(opened, dtype=np.dtype(dtype))
+    return LoadedModel(cfg, model, store, load_tokenizer(opened.folder), full, dtype, opened.file_bytes,
+                       time.perf_counter() - start)
+
+
+def check_offload_fits(opened: OpenCheckpoint, dtype: Any) -> None:
+    """An offloaded run keeps the routed experts in the checkpoint's files (page cache) or, stored in another
+    dtype, in converted host copies; either way they must fit in host memory, or every step reads the disk."""
+    total, available = host_memory()
+    experts = opened.param_bytes(np.dtype(dtype)) - opened.param_bytes(np.dtype(dtype), experts=False)
+    if total is not None and experts > total:
+        raise MemoryError(f"model.checkpoint {opened.folder}: its routed experts take {experts / GIB:.1f} GiB in "
+                          f"{np.dtype(dtype).name}, more than this machine's {total / GIB:.1f} GiB of memory; every "
+                          "decode step would read them from disk")
+    converted = experts if np.dtype(dtype) != opened.stored_dtype() else 0
+    check_fits(opened.param_bytes(np.dtype(dtype), experts=False) + converted,
+               f"model.checkpoint {opened.folder} offloaded in {np.dtype(dtype).name}",
+               f"run it in its own dtype (dtype=auto: {opened.stored_dtype().name}), whose experts stay in the "
+               "mapped files", available)
 
 
 def reference_trace(full: Any, cfg: ModelConfig, batches: list, name: str) -> tuple[Any, dict[tuple[int, int], int]]:
@@ -135,25 +208,55 @@ MOE_LAYER_KEYS = {"decode_latency_s": "moe_layers_decode_latency_s", "prefill_s"
                   "decode_s": "moe_layers_decode_s", "total_s": "moe_layers_total_s"}
 
 
+def default_distances(num_moe_layers: int) -> list[int]:
+    """Forecast distances PreSched may use (Q4 of LayerScope: up to 3 layers ahead) that the model's depth has."""
+    return [d for d in (1, 2, 3) if d < num_moe_layers]
+
+
+def forecast_distances(rc: RunConfig, num_moe_layers: int) -> list[int]:
+    """`predictor_distances` as set (each must reach a later MoE layer), or derived from the depth."""
+    if rc.predictor_distances is None:
+        return default_distances(num_moe_layers)
+    bad = [d for d in rc.predictor_distances if not 0 < d < num_moe_layers]
+    if bad:
+        raise ValueError(f"predictor_distances: {bad} reach no later layer of a model with {num_moe_layers} MoE layers; "
+                         f"use distances in [1, {num_moe_layers - 1}] (predictor_distances=null derives them)")
+    return list(rc.predictor_distances)
+
+
 def run(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     rc: RunConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
-    dtype = jnp.bfloat16 if rc.dtype.value == "bfloat16" else jnp.float32
-    cfg, model, store, tokenizer, full = load_offload_model(node, dtype, rc.seed)
-    if tokenizer is None:
+    with PeakMemory() as peak:  # loading and serving (with the in-memory model too when it is compared)
+        loaded = load_offload_model(node, rc, rc.seed)
+        results, executor, outs, batches = serve_offloaded(node, rc, loaded, tm)
+    results.update({"dtype": np.dtype(loaded.dtype).name, "load_s": loaded.load_s,
+                    "compared_in_memory": loaded.full is not None, **memory_report(peak, loaded.checkpoint_bytes)})
+    if loaded.full is not None:
+        results.update(compare_with_in_memory(loaded, batches, outs, executor))
+    results["text"] = [loaded.tokenizer.decode(s) for s in outs[0].sequences()[:4]] if loaded.tokenizer else []
+    return results
+
+
+def serve_offloaded(node: DictConfig, rc: RunConfig, loaded: LoadedModel, tm: Telemetry
+                    ) -> tuple[dict[str, Any], Callable[[], OffloadExecutor], list[OffloadOutput], list]:
+    """Profile, warm up and serve the workload offloaded: (results, a factory of executors like the measured
+    one, the measured outputs, their batches)."""
+    cfg, model, store, full = loaded.cfg, loaded.model, loaded.store, loaded.full
+    if loaded.tokenizer is None:
         raise ValueError(f"model {node.model.name}: no tokenizer next to the checkpoint; text workloads need one "
                          "(use a shipped trained model, e.g. model=mixtral_tiny)")
-    sampler = build_workload(node.workload, tokenizer, separator_id=cfg.eos_token_id)
+    sampler = build_workload(node.workload, loaded.tokenizer, separator_id=cfg.eos_token_id)
     if not isinstance(sampler, PromptSampler):
         raise ValueError("engine.run serves prompt workloads (workload=sharegpt, sharegpt_512, code)")
     profile = list(sampler.batches(rc.profile_batches)) if rc.profile_batches else []
     batches = list(sampler.batches(rc.workload.num_batches))
     hw = to_frozen(node.hardware, HardwareProfile)
     cost = CostModel(cfg, hw, str(node.model.name), bytes_per_param=store.dtype.itemsize)
-    slots = cache_slots(cfg, rc.offload, store.expert_bytes)
+    slots = cache_slots(cfg, rc.offload, store.expert_bytes, dense_bytes=param_bytes(model))
     settings = to_frozen(node.scheduler, SchedulerSettings)
     o = rc.offload
     mech = OffloadSettings(cache_slots=slots, staging_slots=o.staging_slots, chunks=o.chunks, async_io=o.async_io,
-                           cpu_threads=o.cpu_threads, cpu_dtype=o.cpu_dtype.value, retries=o.retries,
+                           cpu_threads=o.cpu_threads, retries=o.retries,
                            validate_plans=o.validate_plans, fuse_resident=o.fuse_resident)
     L, E = len(cfg.moe_layers), cfg.num_experts
 
@@ -163,20 +266,27 @@ def run(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
             raise ValueError("predictor=oracle needs the in-memory model (compare_in_memory=true, a checkpoint with "
                              "experts)")
         trace, rows = reference_trace(full, cfg, profile + batches, str(node.model.name))
-    predictors = make_predictors(node.predictor, list(rc.predictor_distances), model, trace) if settings.use_predictor else {}
+    distances = forecast_distances(rc, L)
+    predictors = make_predictors(node.predictor, distances, model, trace) if settings.use_predictor and distances else {}
     lookup = (lambda s, p: np.array([rows[(int(a), int(b))] for a, b in zip(s, p)])) if rows else None
 
+    cache = new_cache(cfg, mech, loaded.dtype)  # one set of device slots for every executor of the run
     # the Counter: profiling batches served with on-demand loading rank the experts for the hot table
     profile_loads = np.zeros((L, E), np.int64)
     if profile:
         counter = build_scheduler(SchedulerSettings(kind=settings.kind.__class__("ondemand"), label="profile",
                                                     hot_table=False),
                                   SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost))
-        with OffloadExecutor(model, store, counter, cost, mech, {}, lookup) as ex:
+        with OffloadExecutor(model, store, counter, cost, mech, {}, lookup, cache=cache) as ex:
             serve(ex, profile, cfg)
             profile_loads = ex.expert_tokens.copy()
-    scheduler = build_scheduler(settings, SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost, profile_loads))
-    with OffloadExecutor(model, store, scheduler, cost, mech, predictors, lookup) as ex:
+    setup = SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost, profile_loads)
+
+    def executor() -> OffloadExecutor:
+        return OffloadExecutor(model, store, build_scheduler(settings, setup), cost, mech, predictors, lookup,
+                               cache=cache)
+
+    with executor() as ex:
         seq_offset = sum(b.batch_size for b in profile)
         warm_up(ex, batches, cfg, seq_offset)
         outs, wall = serve(ex, batches, cfg, seq_offset=seq_offset)
@@ -184,30 +294,51 @@ def run(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     generated = int(sum(o.lengths.sum() for o in outs))
     decode_steps = [s for o in outs for s in o.step_s]
     metrics = outs[-1].metrics.summary(int(outs[-1].lengths.sum()))
+    step_ms = 1e3 * float(np.mean(decode_steps)) if decode_steps else None
     results: dict[str, Any] = {
         "model": node.model.name, "scheduler": settings.label, "predictor": rc.predictor.name,
-        "hardware_profile": hw.name, "batch_size": rc.workload.batch_size, "batches": len(batches),
+        "predictor_distances": sorted(predictors), "hardware_profile": hw.name,
+        "batch_size": rc.workload.batch_size, "batches": len(batches),
         "cache_slots": slots, "experts_total": L * E, "expert_mib": store.expert_bytes / 2**20,
-        "throughput_tok_s": generated / wall, "decode_latency_ms": 1e3 * float(np.mean(decode_steps)) if decode_steps else None,
+        "throughput_tok_s": generated / wall, "decode_latency_ms": step_ms,
+        "decode_tokens_per_s": rc.workload.batch_size * 1e3 / step_ms if step_ms else None,
         "prefill_s": float(np.mean([o.prefill_s for o in outs])), "generated_tokens": generated,
         **{MOE_LAYER_KEYS.get(k, k): v for k, v in metrics.items() if k not in ("throughput_tok_s", "tokens_generated")},
         "timer": timer, "cost_model_after": cost.summary(),
     }
-    if rc.compare_in_memory and full is not None:
-        gen = Generator(full)
-        ref_outs = [gen.generate(b.token_lists(), b.gen_len, pad_token_id=cfg.pad_token_id) for b in batches[:1]]
-        start = time.perf_counter()
-        ref_outs = [gen.generate(b.token_lists(), b.gen_len, pad_token_id=cfg.pad_token_id) for b in batches]
-        ref_wall = time.perf_counter() - start
-        same = all(np.array_equal(a.tokens, b.tokens) for a, b in zip(outs, ref_outs))
-        results.update({"tokens_match_in_memory": bool(same), "in_memory_throughput_tok_s": generated / ref_wall,
-                        "offload_vs_in_memory": ref_wall / wall})
-    results["text"] = [tokenizer.decode(s) for s in outs[0].sequences()[:4]]
     events = outs[-1].events
     if events:
         first_pass = min(e.pass_index for e in events)
         tm.save_figure(plot_timeline(events, first_pass, title=f"{settings.label} on {node.model.name}: a decode pass "
                                      f"(budget {slots} of {L * E} experts)"), "timeline.png")
+    return results, executor, outs, batches
+
+
+def compare_with_in_memory(loaded: LoadedModel, batches: list, outs: list[OffloadOutput],
+                           executor: Callable[[], OffloadExecutor]) -> dict[str, Any]:
+    """Tokens and speed against the plain in-memory model on the same batches; in bf16 also the logits'
+    distance from it next to bf16's own distance from float32 (`fidelity`)."""
+    cfg, full = loaded.cfg, loaded.full
+    gen = Generator(full)
+    gen.generate(batches[0].token_lists(), batches[0].gen_len, pad_token_id=cfg.pad_token_id)  # compiles
+    start = time.perf_counter()
+    ref_outs = [gen.generate(b.token_lists(), b.gen_len, pad_token_id=cfg.pad_token_id) for b in batches]
+    ref_wall = time.perf_counter() - start
+    same = all(np.array_equal(a.tokens, b.tokens) for a, b in zip(outs, ref_outs))
+    generated = int(sum(o.lengths.sum() for o in outs))
+    wall = sum(o.prefill_s + o.decode_s for o in outs)
+    results: dict[str, Any] = {"tokens_match_in_memory": bool(same), "in_memory_throughput_tok_s": generated / ref_wall,
+                               "offload_vs_in_memory": ref_wall / wall}
+    prompts, forced, pad = batches[0].token_lists(), outs[0].tokens, cfg.pad_token_id
+    with executor() as ex:
+        offloaded = offloaded_forced_logits(ex, prompts, forced, pad)
+    fp32 = None
+    if np.dtype(loaded.dtype) != np.float32:
+        fp32 = Generator(float32_copy(full)).forced_logits(prompts, forced, pad)
+    results["fidelity"] = fidelity_report(offloaded, gen.forced_logits(prompts, forced, pad), fp32)
+    if results["fidelity"]["within_envelope"] is False:
+        log.warning("offloaded logits differ from the in-memory model's by more than %s differs from float32: %s",
+                    np.dtype(loaded.dtype).name, results["fidelity"])
     return results
 
 

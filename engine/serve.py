@@ -156,8 +156,6 @@ def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[st
 
 
 def run_real(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
-    import jax.numpy as jnp
-
     from engine.serverless.executor import ServerlessExecutor
     from engine.serverless.experiments import default_specs
     from engine.serverless.forecast import LoadForecast
@@ -170,8 +168,7 @@ def run_real(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any
     if sv.forecast.use_predictor and cfg.predictor.kind.value == "oracle":
         raise ValueError("predictor=oracle: the oracle reads a recorded trace and works in mode=simulate only; "
                          "use predictor=gate (or a trained predictor.checkpoint), or serverless.forecast.use_predictor=false")
-    dtype = jnp.bfloat16 if cfg.dtype.value == "bfloat16" else jnp.float32
-    model_cfg, model, _ = load_model(node.model, dtype=dtype, seed=cfg.seed)
+    model_cfg, model, _ = load_model(node.model, dtype=cfg.dtype.value, seed=cfg.seed)
     mesh = ep_mesh(sv.num_devices)
     G = int(np.asarray(mesh.devices).size)
     place_model(model, mesh)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-import jax.numpy as jnp
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,7 +18,8 @@ from conf.schemas.generate import GenerateConfig
 from engine.telemetry import Telemetry
 from models.config import ModelConfig
 from models.generation import GenerationOutput, Generator, SamplingParams
-from models.loading import load_model, load_tokenizer
+from models.loading import load_model, load_tokenizer, model_dtype, open_model_checkpoint
+from models.memory import PeakMemory, memory_report
 
 
 def make_prompts(cfg: GenerateConfig, model_cfg: ModelConfig, tokenizer: Any) -> list[list[int]]:
@@ -36,11 +36,23 @@ def make_prompts(cfg: GenerateConfig, model_cfg: ModelConfig, tokenizer: Any) ->
 
 
 def run_generation(cfg: GenerateConfig, model_spec: Any) -> tuple[dict[str, Any], GenerationOutput, Any]:
-    """Load the model, generate (after a warm-up that compiles), and return the results dict."""
-    dtype = jnp.bfloat16 if cfg.dtype.value == "bfloat16" else jnp.float32
-    t0 = time.perf_counter()
-    model_cfg, model, folder = load_model(model_spec, dtype=dtype, seed=cfg.seed)
-    load_s = time.perf_counter() - t0
+    """Load the model, generate (after a warm-up that compiles), and return the results dict (with the
+    load time and the peak anonymous memory against the checkpoint's bytes)."""
+    with PeakMemory() as peak:
+        t0 = time.perf_counter()
+        opened = open_model_checkpoint(model_spec)
+        dtype = model_dtype(cfg.dtype, opened)
+        model_cfg, model, folder = load_model(model_spec, dtype=dtype, seed=cfg.seed, opened=opened)
+        load_s = time.perf_counter() - t0
+        results, out, tokenizer = generate_timed(cfg, model_cfg, model, folder)
+    results.update({"model": model_spec.get("name"), "dtype": np.dtype(dtype).name, "load_s": load_s,
+                    **memory_report(peak, opened.file_bytes if opened is not None else None)})
+    return results, out, tokenizer
+
+
+def generate_timed(cfg: GenerateConfig, model_cfg: ModelConfig, model: Any, folder: Any
+                   ) -> tuple[dict[str, Any], GenerationOutput, Any]:
+    """Generate the configured prompts twice (the first run compiles) and time the second."""
     tokenizer = load_tokenizer(folder)
     prompts = make_prompts(cfg, model_cfg, tokenizer)
     sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed)
@@ -52,7 +64,6 @@ def run_generation(cfg: GenerateConfig, model_spec: Any) -> tuple[dict[str, Any]
     out = gen.generate(prompts, cfg.max_new_tokens, sampling, eos, model_cfg.pad_token_id)
     generated = int(out.lengths.sum())
     results: dict[str, Any] = {
-        "model": model_spec.get("name"),
         "family": model_cfg.family.value,
         "batch_size": len(prompts),
         "prompt_tokens": int(out.prompt_lengths.sum()),
@@ -63,7 +74,6 @@ def run_generation(cfg: GenerateConfig, model_spec: Any) -> tuple[dict[str, Any]
         "decode_s": out.decode_s,
         "decode_ms_per_step": 1e3 * out.decode_s / max(int(out.lengths.max()) - 1, 1),
         "compile_and_first_run_s": compile_s,
-        "load_s": load_s,
     }
     return results, out, tokenizer
 

@@ -19,11 +19,9 @@ import numpy as np
 from flax import nnx
 
 from models.moe import DEFAULT_EXECUTOR, ExpertExecutor
-from models.transformer import Captured, KVCache, MoETransformer, forward, init_cache
+from models.transformer import EXACT_ROUNDING, Captured, KVCache, MoETransformer, forward, init_cache
 
 
-XLA_CPU_OPTIONS: dict[str, Any] = {}
-"""XLA compile options of the prefill and decode programs (per program, not process-wide XLA_FLAGS)."""
 
 
 @dataclass(frozen=True)
@@ -154,9 +152,10 @@ class Generator:
         self.cache_dtype = cache_dtype or model.embed[...].dtype
         self.capture, self.capture_hidden = capture, capture_hidden
         self.prompt_bucket, self.cache_bucket = prompt_bucket, cache_bucket
-        opts = dict(XLA_CPU_OPTIONS if compiler_options is None else compiler_options)
+        opts = dict(EXACT_ROUNDING if compiler_options is None else compiler_options)
         self._prefill = jax.jit(self._prefill_impl, donate_argnames=("cache",), compiler_options=opts)
         self._decode = jax.jit(self._decode_impl, static_argnames=("n_buffer",), compiler_options=opts)
+        self._forced = jax.jit(self._forced_impl, donate_argnames=("cache",), compiler_options=opts)
 
     # ---- compiled pieces --------------------------------------------------------------------
     def _model(self, state: Any) -> MoETransformer:
@@ -187,7 +186,33 @@ class Generator:
 
         return decode_loop(step_fn, cache, first, next_pos, n_steps, eos, pad, n_buffer)
 
+    def _forced_impl(self, state: Any, cache: KVCache, tokens: jax.Array, valid: jax.Array, forced: jax.Array
+                     ) -> jax.Array:
+        model = self._model(state)
+        positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
+        first, cache, _ = forward(model, tokens, cache, positions, valid, executor=self.executor, last_only=True)
+
+        def step(carry: tuple, tok: jax.Array) -> tuple:
+            cache, pos = carry
+            logits, cache, _ = forward(model, tok[:, None], cache, pos[:, None], executor=self.executor, last_only=True)
+            return (cache, pos + 1), logits
+
+        _, rest = jax.lax.scan(step, (cache, positions[:, -1] + 1), forced[:, :-1].T)
+        return jnp.concatenate([first[None], rest], axis=0).transpose(1, 0, 2)
+
     # ---- public -----------------------------------------------------------------------------------
+    def forced_logits(self, prompts: Sequence[Sequence[int]], forced: np.ndarray, pad_token_id: int = 0) -> np.ndarray:
+        """Teacher-forced logits float32 [B, N, V] for forced int [B, N]: after the prompt, then after each of
+        forced[:, :N-1] fed in turn (decode steps, as generation runs them)."""
+        prompts = [list(map(int, p)) for p in prompts]
+        forced = np.asarray(forced, np.int32)
+        self._check(prompts, forced.shape[1])
+        P = bucket(max(len(p) for p in prompts), self.prompt_bucket)
+        tokens, valid = left_pad(prompts, P, pad_token_id)
+        cache = init_cache(self._model(self.state), len(prompts), bucket(P + forced.shape[1], self.cache_bucket),
+                           self.cache_dtype)
+        return np.asarray(self._forced(self.state, cache, jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(forced)))
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  sampling: SamplingParams = SamplingParams(), eos_token_id: Optional[int] = None,
                  pad_token_id: Optional[int] = None) -> GenerationOutput:

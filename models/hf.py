@@ -68,37 +68,41 @@ class Piece:
     shape: tuple[int, ...]
     index: Optional[int] = None
 
+    @property
+    def rows(self) -> int:
+        """Rows this piece gives the parameter (its first axis after the fused slice)."""
+        return self.shape[1] if self.index is not None else self.shape[0]
+
 
 @dataclass(frozen=True)
 class TensorSource:
-    """A model parameter (its path in the pure state dict) built from HF pieces: each piece is
-    transposed when `transpose` (HF Linear [out, in] -> kernel [in, out]), then all are
-    concatenated along the last axis. `expert` is (decoder layer, expert) for routed experts."""
+    """A model parameter (its path in the pure state dict) built from HF pieces stacked along the first
+    axis: weights keep HF's [out, in] layout, so fused parameters (q|k|v, gate|up) are row blocks.
+    `expert` is (decoder layer, expert) for routed experts."""
 
     path: tuple[Any, ...]
     pieces: tuple[Piece, ...]
-    transpose: bool
     expert: Optional[tuple[int, int]] = None
 
 
 def _linear(path: tuple, name: str, d_in: int, d_out: int, bias: bool) -> list[TensorSource]:
-    out = [TensorSource(path + ("kernel",), (Piece(f"{name}.weight", (d_out, d_in)),), True)]
+    out = [TensorSource(path + ("weight",), (Piece(f"{name}.weight", (d_out, d_in)),))]
     if bias:
-        out.append(TensorSource(path + ("bias",), (Piece(f"{name}.bias", (d_out,)),), False))
+        out.append(TensorSource(path + ("bias",), (Piece(f"{name}.bias", (d_out,)),)))
     return out
 
 
 def _norm(path: tuple, name: str, dim: int, with_bias: bool) -> list[TensorSource]:
-    out = [TensorSource(path + ("weight",), (Piece(f"{name}.weight", (dim,)),), False)]
+    out = [TensorSource(path + ("weight",), (Piece(f"{name}.weight", (dim,)),))]
     if with_bias:
-        out.append(TensorSource(path + ("bias",), (Piece(f"{name}.bias", (dim,)),), False))
+        out.append(TensorSource(path + ("bias",), (Piece(f"{name}.bias", (dim,)),)))
     return out
 
 
 def _swiglu(path: tuple, name: str, hidden: int, inter: int) -> list[TensorSource]:
     return [TensorSource(path + ("gate_up",), (Piece(f"{name}.gate_proj.weight", (inter, hidden)),
-                                               Piece(f"{name}.up_proj.weight", (inter, hidden))), True),
-            TensorSource(path + ("down",), (Piece(f"{name}.down_proj.weight", (hidden, inter)),), True)]
+                                               Piece(f"{name}.up_proj.weight", (inter, hidden)))),
+            TensorSource(path + ("down",), (Piece(f"{name}.down_proj.weight", (hidden, inter)),))]
 
 
 def _attention(cfg: ModelConfig, path: tuple, name: str) -> list[TensorSource]:
@@ -121,9 +125,9 @@ def _attention(cfg: ModelConfig, path: tuple, name: str) -> list[TensorSource]:
         return out
     d, nq, nkv = cfg.attn_head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     parts = (("q_proj", nq * d), ("k_proj", nkv * d), ("v_proj", nkv * d))
-    out = [TensorSource(path + ("qkv", "kernel"), tuple(Piece(f"{name}.{p}.weight", (n, H)) for p, n in parts), True)]
+    out = [TensorSource(path + ("qkv", "weight"), tuple(Piece(f"{name}.{p}.weight", (n, H)) for p, n in parts))]
     if b:
-        out.append(TensorSource(path + ("qkv", "bias"), tuple(Piece(f"{name}.{p}.bias", (n,)) for p, n in parts), False))
+        out.append(TensorSource(path + ("qkv", "bias"), tuple(Piece(f"{name}.{p}.bias", (n,)) for p, n in parts)))
     out += _linear(path + ("o",), f"{name}.o_proj", nq * d, H, b)
     if cfg.qk_norm is QKNorm.per_head:
         out += _norm(path + ("q_norm",), f"{name}.q_norm", d, False) + _norm(path + ("k_norm",), f"{name}.k_norm", d, False)
@@ -133,25 +137,30 @@ def _attention(cfg: ModelConfig, path: tuple, name: str) -> list[TensorSource]:
     return out
 
 
+def expert_pieces(cfg: ModelConfig, layer: int, expert: int, fused: bool) -> tuple[tuple[Piece, ...], Piece]:
+    """The HF pieces of one routed expert of decoder layer `layer`: ((gate, up) or (gate|up,), down)."""
+    spec = FAMILIES[cfg.family]
+    H, F, E = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+    prefix = f"model.layers.{layer}"
+    if fused:
+        experts = f"{prefix}.mlp.experts"
+        return (Piece(f"{experts}.gate_up_proj", (E, 2 * F, H), expert),), Piece(f"{experts}.down_proj", (E, H, F), expert)
+    names, base = spec.expert_names, f"{prefix}.{spec.legacy_moe_prefix}.experts.{expert}"
+    return ((Piece(f"{base}.{names.gate}.weight", (F, H)), Piece(f"{base}.{names.up}.weight", (F, H))),
+            Piece(f"{base}.{names.down}.weight", (H, F)))
+
+
 def _moe(cfg: ModelConfig, spec: FamilySpec, layer: int, path: tuple, prefix: str, fused: bool) -> list[TensorSource]:
     H, F, E = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
     moe = f"{prefix}.mlp" if fused else f"{prefix}.{spec.legacy_moe_prefix}"
     router = spec.fused_router if fused else spec.legacy_router
-    out = [TensorSource(path + ("router", "kernel"), (Piece(f"{moe}.{router}.weight", (E, H)),), True)]
+    out = [TensorSource(path + ("router", "weight"), (Piece(f"{moe}.{router}.weight", (E, H)),))]
     if cfg.family is Family.deepseek_v3:
-        out.append(TensorSource(path + ("router", "bias"),
-                                (Piece(f"{moe}.{router}.e_score_correction_bias", (E,)),), False))
-    names = spec.expert_names
+        out.append(TensorSource(path + ("router", "bias"), (Piece(f"{moe}.{router}.e_score_correction_bias", (E,)),)))
     for e in range(E):
-        if fused:
-            gate_up = (Piece(f"{moe}.experts.gate_up_proj", (E, 2 * F, H), e),)
-            down = (Piece(f"{moe}.experts.down_proj", (E, H, F), e),)
-        else:
-            base = f"{moe}.experts.{e}"
-            gate_up = (Piece(f"{base}.{names.gate}.weight", (F, H)), Piece(f"{base}.{names.up}.weight", (F, H)))
-            down = (Piece(f"{base}.{names.down}.weight", (H, F)),)
-        out.append(TensorSource(path + ("experts", "gate_up", e), gate_up, True, expert=(layer, e)))
-        out.append(TensorSource(path + ("experts", "down", e), down, True, expert=(layer, e)))
+        gate_up, down = expert_pieces(cfg, layer, e, fused)
+        out.append(TensorSource(path + ("experts", "gate_up", e), gate_up, expert=(layer, e)))
+        out.append(TensorSource(path + ("experts", "down", e), (down,), expert=(layer, e)))
     if cfg.n_shared_experts:
         out += _swiglu(path + ("shared",), f"{moe}.shared_experts", H, F * cfg.n_shared_experts)
     return out
@@ -162,7 +171,7 @@ def tensor_sources(cfg: ModelConfig, fused: bool = False) -> list[TensorSource]:
     spec = FAMILIES[cfg.family]
     H, V = cfg.hidden_size, cfg.vocab_size
     ln_bias = cfg.norm is NormKind.layernorm
-    out = [TensorSource(("embed",), (Piece("model.embed_tokens.weight", (V, H)),), False)]
+    out = [TensorSource(("embed",), (Piece("model.embed_tokens.weight", (V, H)),))]
     for i in range(cfg.num_hidden_layers):
         path, prefix = ("layers", i), f"model.layers.{i}"
         out += _norm(path + ("input_norm",), f"{prefix}.input_layernorm", H, ln_bias)
@@ -180,65 +189,117 @@ def tensor_sources(cfg: ModelConfig, fused: bool = False) -> list[TensorSource]:
 
 # ---- reading ------------------------------------------------------------------------------------
 
+# safetensors dtypes a model can run from (converted on load when the run's dtype differs); anything
+# else (FP8, integer-quantized weights) needs dequantizing before moescope can serve it
+_SAFETENSORS_DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
+                       "F64": np.dtype(np.float64)}
 
-def _to_numpy(tensor: Any) -> np.ndarray:
-    """A torch tensor as numpy, bfloat16 kept as ml_dtypes.bfloat16 (no upcast)."""
-    import torch
 
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies: its shard, safetensors dtype name, shape and byte range in the file."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, TensorEntry], int]:
+    """The tensors of one safetensors file (name -> entry with absolute byte offsets) and the file size."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError(f"header length {n} does not fit a {size}-byte file")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: unreadable safetensors file (header is not a JSON object)")
+    out: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(v) for v in info["data_offsets"])
+            entry = TensorEntry(path.name, str(info["dtype"]), tuple(int(d) for d in info["shape"]), 8 + n + begin, 8 + n + stop)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry ({exc})") from None
+        if entry.end > size or entry.end < entry.start:
+            raise CheckpointError(f"{path}: tensor {name!r} lies past the end of the file (truncated: {size} bytes, "
+                                  f"needs {entry.end})")
+        out[name] = entry
+    return out, size
 
 
 class CheckpointReader:
-    """Lazy access to the tensors of a single-file or sharded safetensors checkpoint."""
+    """The tensors of a single-file or sharded safetensors checkpoint as zero-copy views of its files.
+
+    Each shard is memory-mapped read-only once; `view` returns a numpy array over the mapped bytes
+    (file-backed pages: reading a 100 GB checkpoint allocates no anonymous memory). Headers are read and
+    checked at construction, before any tensor data is touched.
+    """
 
     def __init__(self, folder: str | Path):
-        from safetensors import safe_open
-
         self.folder = Path(folder)
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
             files = sorted(set(weight_map.values()))
         elif single.is_file():
-            files = [single.name]
-            weight_map = None
+            files, weight_map = [single.name], None
         else:
             raise CheckpointError(f"{self.folder}: neither model.safetensors nor model.safetensors.index.json")
-        self._handles: dict[str, Any] = {}
-        self._where: dict[str, str] = {}
+        self._entries: dict[str, TensorEntry] = {}
+        self.file_bytes = 0
         for fname in files:
             path = self.folder / fname
             if not path.is_file():
                 raise CheckpointError(f"{path}: shard named in the index is missing")
-            try:
-                handle = safe_open(str(path), framework="pt")
-            except Exception as exc:  # safetensors raises its own error types
-                raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
-            self._handles[fname] = handle
-            for key in handle.keys():
-                self._where[key] = fname
+            entries, size = read_safetensors_header(path)
+            self._entries.update(entries)
+            self.file_bytes += size
         if weight_map is not None:
             for key, fname in weight_map.items():
-                if key not in self._where:
+                if key not in self._entries:
                     raise CheckpointError(f"{self.folder / fname}: tensor {key!r} listed in the index is absent")
+        self._maps: dict[str, np.memmap] = {}
 
     def keys(self) -> list[str]:
-        return list(self._where)
+        return list(self._entries)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+        return self._entries[name].shape
 
-    def read(self, piece: Piece) -> np.ndarray:
-        handle = self._handles[self._where[piece.name]]
-        if piece.index is None:
-            return _to_numpy(handle.get_tensor(piece.name))
-        return _to_numpy(handle.get_slice(piece.name)[piece.index])
+    def dtype(self, name: str) -> np.dtype:
+        """The numpy dtype a tensor is stored in; a CheckpointError for dtypes moescope cannot compute with."""
+        entry = self._entries[name]
+        if entry.dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{self.folder / entry.file}: tensor {name} is stored as {entry.dtype}; moescope runs "
+                                  f"checkpoints stored as {sorted(_SAFETENSORS_DTYPES)} (dequantize it first)")
+        return _SAFETENSORS_DTYPES[entry.dtype]
+
+    def _map(self, fname: str) -> np.memmap:
+        if fname not in self._maps:
+            self._maps[fname] = np.memmap(self.folder / fname, dtype=np.uint8, mode="r")
+        return self._maps[fname]
+
+    def view(self, piece: Piece) -> np.ndarray:
+        """The piece as a read-only numpy view of the mapped file, in its stored dtype."""
+        entry = self._entries[piece.name]
+        dtype = self.dtype(piece.name)
+        arr = self._map(entry.file)[entry.start:entry.end].view(dtype).reshape(entry.shape)
+        return arr if piece.index is None else arr[piece.index]
+
+    def stored_dtypes(self) -> set[np.dtype]:
+        return {self.dtype(name) for name in self._entries}
 
 
 def detect_fused(names: Iterable[str]) -> bool:
@@ -247,7 +308,7 @@ def detect_fused(names: Iterable[str]) -> bool:
 
 
 def validate_checkpoint(reader: CheckpointReader, sources: list[TensorSource], cfg: ModelConfig) -> None:
-    """Raise CheckpointError naming every missing / unexpected / mis-shaped tensor (first few of each)."""
+    """Raise CheckpointError naming every missing / unexpected / mis-shaped / non-float tensor (first few of each)."""
     expected: dict[str, tuple[int, ...]] = {}
     for src in sources:
         for piece in src.pieces:
@@ -269,6 +330,8 @@ def validate_checkpoint(reader: CheckpointReader, sources: list[TensorSource], c
             problems.append(f"tensor {name} has shape {list(reader.shape(name))}, expected {list(shape)}")
     if problems:
         raise CheckpointError(f"{reader.folder}: checkpoint does not match its config.json:\n  " + "\n  ".join(problems))
+    for name in expected:
+        reader.dtype(name)  # a quantized tensor is an error before any data is read
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
@@ -280,12 +343,17 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
 
 
 def assemble(reader: CheckpointReader, src: TensorSource, dtype: Any) -> np.ndarray:
-    """The parameter `src` describes, as a numpy array of `dtype`."""
-    parts = [reader.read(p) for p in src.pieces]
-    if src.transpose:
-        parts = [p.T for p in parts]
-    arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
-    return np.ascontiguousarray(arr.astype(dtype, copy=False))
+    """The parameter `src` describes as a numpy array of `dtype`: a view of the file when it is one piece
+    stored in `dtype`, else a fresh array (pieces stacked along the first axis, converted)."""
+    parts = [reader.view(p) for p in src.pieces]
+    if len(parts) == 1:
+        return parts[0].astype(dtype, copy=False)
+    out = np.empty((sum(p.shape[0] for p in parts),) + parts[0].shape[1:], dtype)
+    row = 0
+    for part in parts:
+        out[row:row + part.shape[0]] = part
+        row += part.shape[0]
+    return out
 
 
 def read_config(folder: str | Path) -> ModelConfig:
@@ -308,35 +376,66 @@ def _set_path(tree: dict, path: tuple, value: Any) -> None:
     node[path[-1]] = value
 
 
-def load_hf(folder: str | Path, dtype: Any = jnp.float32, with_experts: bool = True
-            ) -> tuple[ModelConfig, MoETransformer]:
-    """Load an HF MoE checkpoint folder into an NNX model (routed experts skipped when `with_experts` is False,
-    e.g. for the offload executor, which keeps them in host memory)."""
+@dataclass
+class OpenCheckpoint:
+    """A checkpoint folder opened and checked: its config, reader and tensor map (nothing read yet)."""
+
+    folder: Path
+    cfg: ModelConfig
+    reader: CheckpointReader
+    sources: list[TensorSource]
+    fused: bool
+
+    @property
+    def file_bytes(self) -> int:
+        return self.reader.file_bytes
+
+    def stored_dtype(self) -> np.dtype:
+        """The dtype the routed experts are stored in (the checkpoint's own dtype)."""
+        src = next((s for s in self.sources if s.expert is not None), self.sources[0])
+        return self.reader.dtype(src.pieces[0].name)
+
+    def param_bytes(self, dtype: Any, experts: bool = True) -> int:
+        """Bytes of the model's parameters in `dtype` (routed experts left out unless `experts`)."""
+        size = np.dtype(dtype).itemsize
+        return sum(size * int(np.prod(p.shape[1:] if p.index is not None else p.shape))
+                   for s in self.sources if experts or s.expert is None for p in s.pieces)
+
+
+def open_checkpoint(folder: str | Path) -> OpenCheckpoint:
+    """Read config.json and every shard header, and check tensor names, shapes and dtypes against the config."""
     cfg = read_config(folder)
     reader = CheckpointReader(folder)
-    sources = tensor_sources(cfg, fused=detect_fused(reader.keys()))
+    fused = detect_fused(reader.keys())
+    sources = tensor_sources(cfg, fused=fused)
     validate_checkpoint(reader, sources, cfg)
-    np_dtype = np.dtype(jnp.dtype(dtype))
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, with_experts=with_experts))
+    return OpenCheckpoint(Path(folder), cfg, reader, sources, fused)
+
+
+def load_hf(folder: str | Path, dtype: Any = jnp.float32, with_experts: bool = True,
+            opened: Optional[OpenCheckpoint] = None) -> tuple[ModelConfig, MoETransformer]:
+    """Load an HF MoE checkpoint folder into an NNX model (routed experts skipped when `with_experts` is False,
+    e.g. for the offload executor, which reads them from the files itself).
+
+    Each parameter is copied once from the memory-mapped files into its device array (converted to `dtype`
+    on the way when the checkpoint stores another), one at a time: the model's own arrays are the only
+    lasting allocation.
+    """
+    ck = opened or open_checkpoint(folder)
+    dtype = jnp.dtype(dtype)
+    np_dtype = np.dtype(dtype)
+    graphdef, state = nnx.split(abstract_model(ck.cfg, dtype, with_experts=with_experts))
     pure = nnx.to_pure_dict(state)
-    for src in sources:
+    for src in ck.sources:
         if src.expert is not None and not with_experts:
             continue
-        _set_path(pure, src.path, jnp.asarray(assemble(reader, src, np_dtype)))
+        _set_path(pure, src.path, jnp.asarray(assemble(ck.reader, src, np_dtype)))
     unfilled = [jax.tree_util.keystr(p) for p, leaf in jax.tree_util.tree_leaves_with_path(pure)
                 if isinstance(leaf, jax.ShapeDtypeStruct)]
     if unfilled:
         raise CheckpointError(f"{folder}: no tensor for model parameters {unfilled[:8]}")
     nnx.replace_by_pure_dict(state, pure)
-    return cfg, nnx.merge(graphdef, state)
-
-
-def iter_expert_arrays(reader: CheckpointReader, cfg: ModelConfig, dtype: Any = np.float32
-                       ) -> Iterator[tuple[int, int, str, np.ndarray]]:
-    """(decoder layer, expert, "gate_up" | "down", host array) for every routed expert, read one at a time."""
-    for src in tensor_sources(cfg, fused=detect_fused(reader.keys())):
-        if src.expert is not None:
-            yield src.expert[0], src.expert[1], str(src.path[-2]), assemble(reader, src, np.dtype(dtype))
+    return ck.cfg, nnx.merge(graphdef, state)
 
 
 # ---- writing ----------------------------------------------------------------------------------------
@@ -355,10 +454,9 @@ def state_to_hf_tensors(cfg: ModelConfig, model: MoETransformer, fused: bool = F
         arr = np.asarray(jax.device_get(node))
         if dtype is not None:
             arr = arr.astype(dtype)
-        sizes = [p.shape[-2] if src.transpose else p.shape[-1] for p in src.pieces]  # widths along our last axis
-        chunks = np.split(arr, np.cumsum(sizes)[:-1], axis=-1) if len(sizes) > 1 else [arr]
+        chunks = np.split(arr, np.cumsum([p.rows for p in src.pieces])[:-1], axis=0) if len(src.pieces) > 1 else [arr]
         for piece, chunk in zip(src.pieces, chunks):
-            chunk = np.ascontiguousarray(chunk.T if src.transpose else chunk)
+            chunk = np.ascontiguousarray(chunk)
             if piece.index is None:
                 out[piece.name] = chunk
             else:

@@ -1,7 +1,10 @@
 """Shared Flax NNX layers: norms, linear maps, SwiGLU MLPs, grouped-query attention with a KV cache.
 
-Kernels are stored [in, out] (x @ W). HF stores Linear weights [out, in]; the converters in
-`models/hf.py` transpose on the way in and out.
+Weights are stored as checkpoints store them, [out, in] (y = x W^T, torch's and HF's layout), so a
+checkpoint loads without a transpose and the host expert store can view its files directly. Every
+product with a weight goes through `linear` / `swiglu`: on the CPU a bf16 weight is multiplied by
+moescope's native kernels (`models.native`; XLA:CPU converts a bf16 weight to f32 on every call),
+elsewhere by XLA's own dot.
 """
 
 from __future__ import annotations
@@ -34,15 +37,34 @@ def _init(rngs: nnx.Rngs | AbstractRngs, shape: tuple[int, ...], dtype: jnp.dtyp
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
 
 
+def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [..., K] times weight [N, K] transposed -> [..., N] in x's dtype (accumulated in f32 for bf16)."""
+    if weight.dtype == jnp.bfloat16:
+        from models import native  # TEMP lazy
+
+        return native.linear(x.astype(jnp.bfloat16), weight).astype(x.dtype)
+    return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def take_rows(table: jax.Array, index: jax.Array) -> jax.Array:
+    """table[index] (embedding lookup). A bf16 table is gathered as its 16-bit patterns: XLA:CPU has no bf16
+    gather and would otherwise convert the whole table to float32 (hoisted out of a decode loop, a float32
+    copy of the embedding held for the whole run)."""
+    if table.dtype == jnp.bfloat16:
+        bits = jax.lax.bitcast_convert_type(table, jnp.uint16)[index]
+        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+    return table[index]
+
+
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias). kernel: [in, out]."""
+    """y = x @ weight^T (+ bias). weight: [out, in]."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
-        self.kernel = nnx.Param(_init(rngs, (d_in, d_out), dtype))
+        self.weight = nnx.Param(_init(rngs, (d_out, d_in), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.kernel[...]
+        y = linear(x, self.weight[...])
         return y + self.bias[...] if self.bias is not None else y
 
 
@@ -75,19 +97,26 @@ def make_norm(cfg: ModelConfig, dim: int, dtype: jnp.dtype) -> nnx.Module:
     return LayerNorm(dim, cfg.rms_norm_eps, dtype) if cfg.norm is NormKind.layernorm else RMSNorm(dim, cfg.rms_norm_eps, dtype)
 
 
-def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """SwiGLU MLP with a fused [H, 2F] gate|up kernel and a [F, H] down kernel. x: [T, H]."""
-    h = x @ gate_up
-    f = down.shape[0]
-    return (jax.nn.silu(h[..., :f]) * h[..., f:]) @ down
+def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array, out_dtype: Optional[jnp.dtype] = None) -> jax.Array:
+    """SwiGLU MLP: x [T, H], gate|up rows [2F, H] (gate first), down [H, F] -> [T, H] in `out_dtype`
+    (default x's). With bf16 weights the down projection is accumulated in f32 and returned unrounded
+    when `out_dtype` is f32 (the experts' weighted sum rounds once, after adding every expert)."""
+    out_dtype = out_dtype or x.dtype
+    if gate_up.dtype == jnp.bfloat16:
+        from models import native  # TEMP lazy
+
+        return native.swiglu(x.astype(jnp.bfloat16), gate_up, down).astype(out_dtype)
+    h = linear(x, gate_up)
+    f = down.shape[1]
+    return linear(jax.nn.silu(h[..., :f]) * h[..., f:], down).astype(out_dtype)
 
 
 class SwiGLU(nnx.Module):
-    """Dense SwiGLU MLP (also one shared expert group of DeepSeek)."""
+    """Dense SwiGLU MLP (also one shared expert group of DeepSeek): gate|up [2I, H], down [H, I]."""
 
     def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
-        self.gate_up = nnx.Param(_init(rngs, (hidden, 2 * intermediate), dtype))
-        self.down = nnx.Param(_init(rngs, (intermediate, hidden), dtype))
+        self.gate_up = nnx.Param(_init(rngs, (2 * intermediate, hidden), dtype))
+        self.down = nnx.Param(_init(rngs, (hidden, intermediate), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return swiglu(x, self.gate_up[...], self.down[...])

@@ -6,10 +6,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+import numpy as np
+
 from conf import resolve_path, to_frozen
 from models.config import ModelConfig
 
 if TYPE_CHECKING:
+    from models.hf import OpenCheckpoint
     from models.transformer import MoETransformer
 
 
@@ -34,25 +37,51 @@ def resolve_model_config(spec: Any) -> ModelConfig:
     return from_ckpt
 
 
-def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool = True
-               ) -> tuple[ModelConfig, "MoETransformer", Optional[Path]]:
+def open_model_checkpoint(spec: Any) -> Optional["OpenCheckpoint"]:
+    """The checkpoint a `model` config node names, opened and checked (headers only), or None (random weights)."""
+    from models.hf import open_checkpoint
+
+    ckpt = spec.get("checkpoint") if hasattr(spec, "get") else getattr(spec, "checkpoint", None)
+    return None if ckpt is None else open_checkpoint(resolve_path(ckpt))
+
+
+def model_dtype(choice: Any, checkpoint: Optional["OpenCheckpoint"]) -> Any:
+    """The jnp dtype a run computes in: `auto` is the checkpoint's own (bf16 for every real MoE checkpoint,
+    float32 for float32 or float16 files, which convert exactly), float32 for random weights."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    name = getattr(choice, "value", choice) or "auto"
+    if name != "auto":
+        return jnp.dtype(name)
+    if checkpoint is not None and checkpoint.stored_dtype() == ml_dtypes.bfloat16:
+        return jnp.dtype(jnp.bfloat16)
+    return jnp.dtype(jnp.float32)
+
+
+def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool = True,
+               opened: Optional["OpenCheckpoint"] = None) -> tuple[ModelConfig, "MoETransformer", Optional[Path]]:
     """The model a `model` config node names: its checkpoint (HF folder) or random weights of its `arch`.
 
+    `dtype`: a jnp dtype or its name, `"auto"` (the checkpoint's own), None (float32). A checkpoint whose
+    parameters would not fit in the host's available memory is an error before any weight is read.
     Returns (config, model, checkpoint folder or None).
     """
-    import jax.numpy as jnp
-
     from models.hf import load_hf
+    from models.memory import check_fits
     from models.transformer import build_model
 
-    dtype = dtype or jnp.float32
     cfg = resolve_model_config(spec)
-    ckpt = spec.get("checkpoint") if hasattr(spec, "get") else getattr(spec, "checkpoint", None)
-    if ckpt is None:
+    ck = opened or open_model_checkpoint(spec)
+    dtype = model_dtype(dtype or "float32", ck) if dtype is None or isinstance(dtype, str) else dtype
+    if ck is None:
         return cfg, build_model(cfg, seed=seed, dtype=dtype, with_experts=with_experts), None
-    folder = resolve_path(ckpt)
-    _, model = load_hf(folder, dtype=dtype, with_experts=with_experts)
-    return cfg, model, folder
+    what = f"model.checkpoint {ck.folder} in {np.dtype(dtype).name}" + ("" if with_experts else " without its experts")
+    check_fits(ck.param_bytes(np.dtype(dtype), experts=with_experts), what,
+               "serve it offloaded (python -m engine.run ... compare_in_memory=false), whose experts stay in the "
+               "checkpoint's mapped files")
+    _, model = load_hf(ck.folder, dtype=dtype, with_experts=with_experts, opened=ck)
+    return cfg, model, ck.folder
 
 
 def load_tokenizer(folder: Optional[Path]) -> Any:

@@ -74,9 +74,9 @@ class MLAttention(nnx.Module):
         k_pe = apply_rope(k_pe, cos, sin, rope.interleave)[:, :, 0]
         c_kv, k_pe = c_kv.astype(cache["ckv"].dtype), k_pe.astype(cache["kpe"].dtype)
 
-        w_b = self.kv_b.kernel[...].reshape(self.rank, nh, dn + self.d_v)
-        w_uk, w_uv = w_b[..., :dn], w_b[..., dn:]
-        q_lat = jnp.einsum("bshd,rhd->bshr", q_nope, w_uk)
+        w_b = self.kv_b.weight[...].reshape(nh, dn + self.d_v, self.rank)  # [out, in] = [heads x (dn + dv), r]
+        w_uk, w_uv = w_b[:, :dn], w_b[:, dn:]
+        q_lat = jnp.einsum("bshd,hdr->bshr", q_nope, w_uk)
         f32 = jnp.float32
         # scores over the cached slots and over the S new tokens (read before the cache is written)
         sc = (jnp.einsum("bshr,bcr->bhsc", q_lat, cache["ckv"], preferred_element_type=f32)
@@ -87,7 +87,7 @@ class MLAttention(nnx.Module):
         pc, pn = split_softmax(sc, sn, (mask_cache[:, None], mask_new[:, None]))
         o_lat = (jnp.einsum("bhsc,bcr->bshr", pc.astype(c_kv.dtype), cache["ckv"])
                  + jnp.einsum("bhsc,bcr->bshr", pn.astype(c_kv.dtype), c_kv))
-        out = jnp.einsum("bshr,rhd->bshd", o_lat, w_uv).reshape(B, S, nh * self.d_v)
+        out = jnp.einsum("bshr,hdr->bshd", o_lat, w_uv).reshape(B, S, nh * self.d_v)
         ckv_all = jax.lax.dynamic_update_slice(cache["ckv"], after(o_lat, c_kv), (0, ai.write_index, 0))
         kpe_all = jax.lax.dynamic_update_slice(cache["kpe"], after(o_lat, k_pe), (0, ai.write_index, 0))
         return self.o(out), {"ckv": ckv_all, "kpe": kpe_all}

@@ -1,8 +1,10 @@
 """The MoE block, split in two: a router (which experts, what weights) and an expert executor.
 
 `Routing` is what the router returns for T tokens. An `ExpertExecutor` turns (tokens, routing)
-into the weighted sum of expert outputs; the default `InMemoryExperts` computes it from the
-block's own expert weights inside the jitted forward. The offload executor (`engine/offload`) and
+into the weighted sum of expert outputs, in float32: the block rounds it to the model's dtype once,
+so an executor that adds experts computed in several places (the offload executor's CPU and device
+parts) rounds exactly where the in-memory model does. The default `InMemoryExperts` computes it
+from the block's own expert weights inside the jitted forward. The offload executor (`engine/offload`) and
 the expert-parallel executor (`engine/serverless`) plug in through the same call.
 
 Expert weights are stored as one array per expert (not stacked [E, ...]): on XLA:CPU, slicing
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig, ScoringFunc, TopkMethod
-from models.layers import SwiGLU, _init, swiglu
+from models.layers import SwiGLU, _init, linear, swiglu
 
 
 @jax.tree_util.register_dataclass
@@ -111,17 +113,17 @@ def grouped_topk(cfg: ModelConfig, scores: jax.Array) -> jax.Array:
 
 
 class Router(nnx.Module):
-    """Router of one MoE layer: kernel [H, E] (+ DeepSeek-V3's e_score_correction_bias [E])."""
+    """Router of one MoE layer: weight [E, H] (+ DeepSeek-V3's e_score_correction_bias [E])."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
         self.cfg = cfg
-        self.kernel = nnx.Param(_init(rngs, (cfg.hidden_size, cfg.num_experts), dtype))
+        self.weight = nnx.Param(_init(rngs, (cfg.num_experts, cfg.hidden_size), dtype))
         self.bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32)) \
             if cfg.topk_method is TopkMethod.noaux_tc else None
 
     def logits(self, x: jax.Array) -> jax.Array:
         """x [T, H] -> float32 [T, E] (computed in float32 whatever the weights' dtype)."""
-        return x.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32)
+        return linear(x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
 
     def __call__(self, x: jax.Array) -> Routing:
         """x [T, H] -> Routing for T tokens."""
@@ -132,12 +134,12 @@ class Router(nnx.Module):
 
 
 class RoutedExperts(nnx.Module):
-    """The routed experts of one layer: per expert a fused gate|up kernel [H, 2F] and down [F, H]."""
+    """The routed experts of one layer: per expert gate|up rows [2F, H] (gate first) and down [H, F]."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, *, rngs: nnx.Rngs,
                  dtype: jnp.dtype = jnp.float32):
-        self.gate_up = nnx.List([nnx.Param(_init(rngs, (hidden, 2 * intermediate), dtype)) for _ in range(num_experts)])
-        self.down = nnx.List([nnx.Param(_init(rngs, (intermediate, hidden), dtype)) for _ in range(num_experts)])
+        self.gate_up = nnx.List([nnx.Param(_init(rngs, (2 * intermediate, hidden), dtype)) for _ in range(num_experts)])
+        self.down = nnx.List([nnx.Param(_init(rngs, (hidden, intermediate), dtype)) for _ in range(num_experts)])
 
     @property
     def num_experts(self) -> int:
@@ -151,7 +153,7 @@ class ExpertExecutor(Protocol):
     """Computes sum_j weights[t, j] * Expert_{experts[t, j]}(x[t]) for one MoE layer."""
 
     def __call__(self, layer: int, x: jax.Array, routing: Routing, experts: Optional[RoutedExperts]) -> jax.Array:
-        """x [T, H], routing for T tokens -> [T, H]. `layer` is the decoder-layer index."""
+        """x [T, H], routing for T tokens -> float32 [T, H] (unrounded). `layer` is the decoder-layer index."""
         ...
 
 
@@ -165,15 +167,15 @@ def experts_per_slot(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array
                      ) -> jax.Array:
     """Few tokens: one `lax.switch` per (token, slot) so only the chosen experts' weights are read."""
     T, k = routing.experts.shape
-    branches = [lambda row, gu=gu, dn=dn: swiglu(row, gu, dn) for gu, dn in zip(gate_up, down)]
+    branches = [lambda row, gu=gu, dn=dn: swiglu(row, gu, dn, jnp.float32) for gu, dn in zip(gate_up, down)]
     rows = []
     for t in range(T):
         acc = jnp.zeros((1, x.shape[-1]), jnp.float32)
         for j in range(k):
             y = jax.lax.switch(routing.experts[t, j], branches, x[t:t + 1])
-            acc = acc + routing.weights[t, j] * y.astype(jnp.float32)
+            acc = acc + routing.weights[t, j] * y
         rows.append(acc)
-    return jnp.concatenate(rows, axis=0).astype(x.dtype)
+    return jnp.concatenate(rows, axis=0)
 
 
 def experts_dense_skip(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array], down: Sequence[jax.Array]
@@ -183,9 +185,9 @@ def experts_dense_skip(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Arr
     out = jnp.zeros(x.shape, jnp.float32)
     for e, (gu, dn) in enumerate(zip(gate_up, down)):
         w = comb[:, e:e + 1]
-        out = jax.lax.cond(jnp.any(w > 0), lambda o, gu=gu, dn=dn, w=w: o + swiglu(x, gu, dn).astype(jnp.float32) * w,
+        out = jax.lax.cond(jnp.any(w > 0), lambda o, gu=gu, dn=dn, w=w: o + swiglu(x, gu, dn, jnp.float32) * w,
                            lambda o: o, out)
-    return out.astype(x.dtype)
+    return out
 
 
 def group_by_expert(routing: Routing, num_experts: int, pad: int
@@ -245,7 +247,7 @@ def experts_grouped(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array]
         start = starts[e] + i * chunk
         live = rows + i * chunk < counts[e]
         w = jnp.where(live, jax.lax.dynamic_slice(wts, (start,), (chunk,)), 0.0)
-        y = swiglu(jax.lax.dynamic_slice(xs, (start, 0), (chunk, H)), gate_up[e], down[e]).astype(jnp.float32)
+        y = swiglu(jax.lax.dynamic_slice(xs, (start, 0), (chunk, H)), gate_up[e], down[e], jnp.float32)
         return jnp.where(live[:, None], y * w[:, None], 0.0), jax.lax.dynamic_slice(tok, (start,), (chunk,))
 
     def add_chunk(e: int, i: jax.Array, acc: jax.Array) -> jax.Array:
@@ -264,7 +266,7 @@ def experts_grouped(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array]
         for e in range(E):
             out = jax.lax.cond(n_chunks[e] > 1, lambda acc, e=e: jax.lax.fori_loop(
                 1, n_chunks[e], lambda i, a, e=e: add_chunk(e, i, a), acc), lambda acc: acc, out)
-    return out.astype(x.dtype)
+    return out
 
 
 class InMemoryExperts:
@@ -317,7 +319,7 @@ class MoEBlock(nnx.Module):
                  ) -> tuple[jax.Array, Routing]:
         """x [T, H] (the gate input), valid bool [T] -> (MoE output [T, H], routing)."""
         routing = dataclasses.replace(self.router(x), valid=valid)
-        y = executor(layer, x, routing, self.experts)
+        y = executor(layer, x, routing, self.experts).astype(x.dtype)
         if self.shared is not None:
             y = y + self.shared(x)
         return y, routing

@@ -50,9 +50,9 @@ class CapacityExperts:
         token = jnp.arange(T * k) // k
         buffers = jnp.zeros((E * C, H), x.dtype).at[slot].set(x[token], mode="drop").reshape(E, C, H)
         gate_up, down = experts.arrays()
-        F = down[0].shape[0]
-        h = jnp.einsum("ech,ehf->ecf", buffers, jnp.stack(gate_up))
-        y = jnp.einsum("ecf,efh->ech", jax.nn.silu(h[..., :F]) * h[..., F:], jnp.stack(down)).reshape(E * C, H)
+        F = down[0].shape[1]  # gate|up [2F, H], down [H, F] per expert
+        h = jnp.einsum("ech,efh->ecf", buffers, jnp.stack(gate_up))
+        y = jnp.einsum("ecf,ehf->ech", jax.nn.silu(h[..., :F]) * h[..., F:], jnp.stack(down)).reshape(E * C, H)
         pair_out = y[jnp.minimum(slot, E * C - 1)] * (routing.weights.reshape(-1) * keep)[:, None].astype(y.dtype)
         return pair_out.reshape(T, k, H).sum(axis=1).astype(x.dtype)
 

@@ -15,17 +15,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import AbstractRngs, Attention, AttentionInputs, Linear, SwiGLU, _init, make_norm
+from models.layers import AbstractRngs, Attention, AttentionInputs, Linear, SwiGLU, _init, linear, make_norm, take_rows
 from models.mla import MLAttention
 from models.moe import DEFAULT_EXECUTOR, ExpertExecutor, MoEBlock, Routing
 from models.rope import RopeTables, cos_sin, rope_tables
+
+
+EXACT_ROUNDING: dict[str, Any] = {"xla_allow_excess_precision": False}
+"""Compile options of every program that runs the model. Each bf16 value is rounded where the model's
+code rounds it, so a pass computes the same numbers whether it runs as one program (in-memory
+generation) or as the offload executor's layer-by-layer calls; left to itself XLA keeps some values
+in float32 inside a fused program and not across calls, which moved offloaded bf16 logits by about
+as much as bf16 itself moves them from float32."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,7 +134,7 @@ class MoETransformer(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: x [..., H] -> float32 logits [..., V]."""
         h = self.norm(x)
-        out = h @ self.embed[...].T if self.lm_head is None else self.lm_head(h)
+        out = linear(h, self.embed[...]) if self.lm_head is None else self.lm_head(h)
         return out.astype(jnp.float32)
 
 
@@ -174,7 +182,7 @@ def forward(model: MoETransformer, tokens: jax.Array, cache: KVCache, positions:
         token_valid = jnp.ones((B, S), bool)
     ai, cache = attention_inputs(cfg, cache, positions, token_valid)
     rope = model_rope(cfg)
-    x = model.embed[...][tokens]
+    x = take_rows(model.embed[...], tokens)
     new_layers, experts, weights, hidden, router_logits = [], [], [], [], []
     for layer, layer_cache in zip(model.layers, cache.layers):
         x, layer_cache, routing, gate_in = layer(x, ai, layer_cache, rope, executor, token_valid)
@@ -208,6 +216,12 @@ def abstract_model(cfg: ModelConfig, dtype: jnp.dtype = jnp.float32, with_expert
     return MoETransformer(cfg, rngs=AbstractRngs(), dtype=dtype, with_experts=with_experts)
 
 
+def param_bytes(model: MoETransformer) -> int:
+    """Bytes of the model's parameter arrays (routed experts included when it holds them)."""
+    state = nnx.state(model, nnx.Param)
+    return int(sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state)))
+
+
 def count_params(cfg: ModelConfig) -> int:
     """Total parameters of `cfg`'s model, counted on the abstract model (nothing allocated)."""
     state = nnx.state(abstract_model(cfg), nnx.Param)
@@ -216,3 +230,22 @@ def count_params(cfg: ModelConfig) -> int:
 
 forward_jit = nnx.jit(forward, static_argnames=("executor", "capture", "capture_hidden", "capture_logits", "last_only"))
 """`forward` compiled once per input shape (the model passes as an NNX argument)."""
+
+
+def rebuild(model: MoETransformer, dtype: jnp.dtype, with_experts: bool = True) -> MoETransformer:
+    """A model of `model.cfg` whose parameters are `model`'s, in `dtype`: the same arrays where the dtype
+    already matches (nothing copied), converted copies otherwise; routed experts left out unless `with_experts`."""
+    graphdef, state = nnx.split(abstract_model(model.cfg, dtype, with_experts=with_experts))
+    source = nnx.to_pure_dict(nnx.state(model))
+
+    def fill(target: dict, src: dict) -> dict:
+        return {k: fill(v, src[k]) if isinstance(v, dict) else jnp.asarray(src[k]).astype(v.dtype)
+                for k, v in target.items()}
+
+    nnx.replace_by_pure_dict(state, fill(nnx.to_pure_dict(state), source))
+    return nnx.merge(graphdef, state)
+
+
+def without_experts(model: MoETransformer) -> MoETransformer:
+    """`model` without its routed experts, sharing every other array (the offload executor's model)."""
+    return rebuild(model, model.embed[...].dtype, with_experts=False)

@@ -28,7 +28,7 @@ def gate_copies(model: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
         if not layer.is_moe:
             continue
         router = layer.moe.router
-        kernel = np.asarray(router.kernel[...], np.float32)
+        kernel = np.ascontiguousarray(np.asarray(router.weight[...], np.float32).T)  # the model keeps [E, H]
         kernels.append(kernel)
         biases.append(np.zeros(kernel.shape[1], np.float32) if router.bias is None
                       else np.asarray(router.bias[...], np.float32))

@@ -82,12 +82,9 @@ def obtain_trace(path: Optional[str], key: str, model_node: Any, workload_node: 
     """A trace file (`path`) or a recording of the model serving `workload_node`."""
     if path:
         return load_trace(resolve_path(path))
-    import jax.numpy as jnp
-
     from engine.record import record_trace
 
-    dtype = jnp.bfloat16 if cfg.dtype.value == "bfloat16" else jnp.float32
-    trace = record_trace(model_node, workload_node, keep_hidden=True, dtype=dtype, seed=cfg.seed, progress=tm.progress)
+    trace = record_trace(model_node, workload_node, keep_hidden=True, dtype=cfg.dtype.value, seed=cfg.seed, progress=tm.progress)
     if cfg.save_traces:
         trace.save(tm.run_dir / save_as)
     return trace

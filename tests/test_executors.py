@@ -25,8 +25,8 @@ E, H, F = 4, 16, 24
 
 def _weights(seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
     rs = np.random.RandomState(seed)
-    return ([rs.normal(0, 0.3, (H, 2 * F)).astype(np.float32) for _ in range(E)],
-            [rs.normal(0, 0.3, (F, H)).astype(np.float32) for _ in range(E)])
+    return ([rs.normal(0, 0.3, (2 * F, H)).astype(np.float32) for _ in range(E)],
+            [rs.normal(0, 0.3, (H, F)).astype(np.float32) for _ in range(E)])
 
 
 def _reference(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, gate_up, down) -> np.ndarray:
@@ -35,9 +35,9 @@ def _reference(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, gate_up,
         for e, w in zip(experts[t], weights[t]):
             if not 0 <= e < E:
                 continue
-            h = x[t].astype(np.float64) @ gate_up[e].astype(np.float64)
+            h = gate_up[e].astype(np.float64) @ x[t].astype(np.float64)
             gate, up = h[:F], h[F:]
-            out[t] += w * ((gate / (1 + np.exp(-gate)) * up) @ down[e].astype(np.float64))
+            out[t] += w * (down[e].astype(np.float64) @ (gate / (1 + np.exp(-gate)) * up))
     return out
 
 

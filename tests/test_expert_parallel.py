@@ -82,8 +82,8 @@ def test_ep_layer_equals_single_device_reference(mesh, layer, name):
     placement = Placement.from_lists(E, G, PLACEMENTS[name])
     slot_of = slots_in_order(placement)
     gate_up, down = experts.arrays()
-    gu = np.zeros((S, G, H, 2 * F), np.float32)
-    dn = np.zeros((S, G, F, H), np.float32)
+    gu = np.zeros((S, G, 2 * F, H), np.float32)
+    dn = np.zeros((S, G, H, F), np.float32)
     for r, (e, g) in enumerate(zip(placement.replica_expert, placement.replica_device)):
         gu[slot_of[r], g], dn[slot_of[r], g] = np.asarray(gate_up[e]), np.asarray(down[e])
     tables = replicate(mesh, ReplicaTables(**{k: jnp.asarray(v) for k, v in
@@ -122,8 +122,8 @@ def test_ragged_dispatch_equals_the_reference(mesh, layer, name):
     placement = Placement.from_lists(E, G, PLACEMENTS[name])
     slot_of = slots_in_order(placement)
     gate_up, down = experts.arrays()
-    gu = [np.zeros((G, H, 2 * F), np.float32) for _ in range(S)]
-    dn = [np.zeros((G, F, H), np.float32) for _ in range(S)]
+    gu = [np.zeros((G, 2 * F, H), np.float32) for _ in range(S)]
+    dn = [np.zeros((G, H, F), np.float32) for _ in range(S)]
     for r, (e, g) in enumerate(zip(placement.replica_expert, placement.replica_device)):
         gu[slot_of[r]][g], dn[slot_of[r]][g] = np.asarray(gate_up[e]), np.asarray(down[e])
     tables = replicate(mesh, ReplicaTables(**{k: jnp.asarray(v) for k, v in
@@ -169,7 +169,7 @@ def test_replica_store_reuses_live_replicas_and_counts_copies(mesh, layer):
     assert up2.count(Source.warm) == 6 and up2.count(Source.peer) == 2 and up2.count(Source.host) == 0
     assert store.bytes["peer"] == 2 * store.expert_bytes
     gu, dn = store.arrays()
-    assert len(gu) == 2 and gu[0].shape == (G, H, 2 * F) and len(gu[0].sharding.device_set) == G
+    assert len(gu) == 2 and gu[0].shape == (G, 2 * F, H) and len(gu[0].sharding.device_set) == G
     contents = store.slot_contents()
     for g in range(G):
         for s in range(2):

@@ -7,6 +7,7 @@ tiny random checkpoints of every family.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -258,7 +259,8 @@ def test_cpu_experts_match_a_float64_reference(shipped, dtype: str, tol: float) 
     an expert listed with no tokens, and one timing sample per computed expert with its pair count."""
     from engine.offload.cpu_experts import CpuExperts
 
-    cfg, _, store, _, _ = shipped
+    cfg, model, _, _, _ = shipped
+    store = ExpertStore.from_model(model, np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32))
     rng = np.random.default_rng(5)
     T, k, layer = 9, cfg.num_experts_per_tok, 3
     x = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
@@ -270,9 +272,9 @@ def test_cpu_experts_match_a_float64_reference(shipped, dtype: str, tol: float) 
     for e in chosen:
         gate, up, down = (np.asarray(v, np.float64) for v in store.numpy_views(layer, e))
         for t, j in zip(*np.nonzero(experts == e)):
-            a, b = x[t] @ gate, x[t] @ up
-            want[t] += weights[t, j] * ((a / (1 + np.exp(-a)) * b) @ down)
-    cpu = CpuExperts(store, dtype=dtype)
+            a, b = gate @ x[t], up @ x[t]
+            want[t] += weights[t, j] * (down @ (a / (1 + np.exp(-a)) * b))
+    cpu = CpuExperts(store)
     try:
         got = cpu.compute(layer, x, experts, weights, chosen)
     finally:
@@ -367,7 +369,7 @@ def test_a_slot_in_use_is_never_overwritten_and_writes_are_in_place(shipped) -> 
     after = cache.gate_up[slot].unsafe_buffer_pointer(), cache.down[slot].unsafe_buffer_pointer()
     assert before == after  # no allocation per transfer: the slot's buffers were overwritten in place
     gate, up, down = store.numpy_views(0, 1)
-    np.testing.assert_array_equal(np.asarray(cache.gate_up[slot]), np.concatenate([gate, up], axis=1))
+    np.testing.assert_array_equal(np.asarray(cache.gate_up[slot]), np.concatenate([gate, up], axis=0))
     np.testing.assert_array_equal(np.asarray(cache.down[slot]), down)
     cache.pin([slot])
     with pytest.raises(CacheError, match="in use"):

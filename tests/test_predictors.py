@@ -125,7 +125,7 @@ def test_gate_equals_the_family_routing_when_gate_inputs_are_equal(model_name: s
     for r in routers:
         if r.bias is not None:  # DeepSeek-V3: a score-correction bias that changes the choice, not the weights
             r.bias[...] = np.random.default_rng(0).normal(0, 0.05, r.bias.shape)
-    gate = GatePredictor("gate", 1, cfg, {j: np.asarray(routers[j].kernel[...]) for j in range(1, L)},
+    gate = GatePredictor("gate", 1, cfg, {j: np.asarray(routers[j].weight[...]).T for j in range(1, L)},
                          {j: np.asarray(routers[j].bias[...]) if routers[j].bias is not None else np.zeros(cfg.num_experts)
                           for j in range(1, L)})
     assert isinstance(gate, Predictor) and gate.targets == list(range(1, L))

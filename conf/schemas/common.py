@@ -20,6 +20,7 @@ class WandbMode(enum.Enum):
 
 
 class DType(enum.Enum):
+    auto = "auto"  # the checkpoint's own dtype (bf16 for real MoE checkpoints); float32 for random weights
     float32 = "float32"
     bfloat16 = "bfloat16"
 

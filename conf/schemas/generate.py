@@ -25,7 +25,7 @@ class GenerateConfig:
     batch_size: int = 4
     prompt_len: int = 64
     max_new_tokens: int = 64
-    dtype: DType = DType.float32
+    dtype: DType = DType.auto
     seed: int = 0
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_at_eos: bool = True

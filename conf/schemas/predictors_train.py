@@ -33,7 +33,7 @@ class PredictorsTrainConfig:
     hot_slack: int = 2
     out: Optional[str] = None  # folder of the trained predictor folders; default <run dir>/predictors
     plots: bool = True
-    dtype: DType = DType.float32  # of the model that records traces
+    dtype: DType = DType.auto  # of the model that records traces
     seed: int = 0
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

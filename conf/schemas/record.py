@@ -18,7 +18,7 @@ class RecordConfig:
     workload: WorkloadConfig = MISSING
     keep_hidden: bool = True  # store the gate inputs (float16) for predictor training
     out: Optional[str] = None  # trace file; default: <run dir>/trace.npz
-    dtype: DType = DType.float32
+    dtype: DType = DType.auto
     seed: int = 0
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

@@ -18,16 +18,16 @@ from schedulers.base import SchedulerSettings
 
 @dataclass
 class OffloadConfig:
-    """The expert memory budget (exactly one of the three) and the mechanism's knobs."""
+    """The expert memory budget (at most one of the three; none: a quarter of the experts, capped at half the
+    device memory the dense weights leave) and the mechanism's knobs."""
 
-    budget_fraction: Optional[float] = 0.25  # of all routed experts, staging buffers included
+    budget_fraction: Optional[float] = None  # of all routed experts, staging buffers included
     budget_experts: Optional[int] = None
     budget_bytes: Optional[float] = None
     staging_slots: int = 2  # the on-demand double buffer
     chunks: int = 2  # row chunks per projection transfer (3 projections x chunks sub-transfers per expert)
     async_io: bool = True  # False: synchronous copies (LayerScope ablation "no AsyncIO")
-    cpu_threads: int = 1  # torch threads of the CPU-expert worker (0: torch's default)
-    cpu_dtype: DType = DType.float32
+    cpu_threads: int = 1  # host threads of the CPU experts (they compute in the weights' own dtype)
     retries: int = 2
     validate_plans: bool = True
     fuse_resident: bool = True  # passes with every routed expert resident run as one device call (see OffloadSettings)
@@ -41,10 +41,12 @@ class RunConfig:
     predictor: PredictorConfig = MISSING
     hardware: unfrozen(HardwareProfile) = MISSING  # type: ignore[valid-type]  # the cost model's machine
     offload: OffloadConfig = field(default_factory=OffloadConfig)
-    predictor_distances: List[int] = field(default_factory=lambda: [1, 2, 3])  # forecasts PreSched may use (Q4)
+    # forecasts PreSched may use (Q4); null: 1, 2, 3 where the model has that many later MoE layers
+    predictor_distances: Optional[List[int]] = None
     profile_batches: int = 1  # hot-expert table: batches served before the measured ones (Counter)
-    compare_in_memory: bool = True  # also run the plain in-memory model: tokens must match, speed ratio
-    dtype: DType = DType.float32
+    # also run the plain in-memory model (tokens / bf16 fidelity, speed ratio); null: where it fits beside the run
+    compare_in_memory: Optional[bool] = None
+    dtype: DType = DType.auto
     seed: int = 0
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

@@ -129,7 +129,7 @@ class ServeConfig:
     decode_stride: int = 1  # simulate: keep every n-th decode iteration (weight n)
     max_batches: Optional[int] = None  # stop after this many non-empty batches
     verify: bool = True  # real mode: compare every step with the in-memory experts
-    dtype: DType = DType.float32  # real mode
+    dtype: DType = DType.auto  # real mode
     plots: bool = True
     seed: int = 0
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

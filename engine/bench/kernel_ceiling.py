@@ -63,13 +63,13 @@ def torch_read_gbps(threads: int, repeats: int = 5) -> float:
 def expert_stream_gbps(hidden: int, intermediate: int, layers: int, per_layer: int, rows: int, sets: int,
                        repeats: int = 10, seed: int = 0) -> float:
     """Expert weight bytes per second of one jitted program that runs, layer after layer, `per_layer`
-    independent SwiGLU experts (gate_up [hidden, 2*intermediate], down [intermediate, hidden]) on `rows`
+    independent SwiGLU experts (gate_up [2*intermediate, hidden], down [hidden, intermediate]) on `rows`
     rows each. `sets` distinct weight sets are used in turn, so the weights come from memory as in decode."""
     rng = np.random.default_rng(seed)
 
     def weights() -> list[list[tuple[jax.Array, jax.Array]]]:
-        return [[(jnp.asarray(rng.standard_normal((hidden, 2 * intermediate), np.float32) * 0.05),
-                  jnp.asarray(rng.standard_normal((intermediate, hidden), np.float32) * 0.05))
+        return [[(jnp.asarray(rng.standard_normal((2 * intermediate, hidden), np.float32) * 0.05),
+                  jnp.asarray(rng.standard_normal((hidden, intermediate), np.float32) * 0.05))
                  for _ in range(per_layer)] for _ in range(layers)]
 
     @jax.jit

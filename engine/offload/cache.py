@@ -42,12 +42,17 @@ class Slot:
     pins: int = 0  # computations using the slot
 
 
-def _write_rows(dst: jax.Array, src: jax.Array, row: int, col: int, rows: int,
+def _write_rows(dst: jax.Array, src: jax.Array, row: int, at: int, rows: int,
                 sharding: SingleDeviceSharding) -> jax.Array:
-    """dst[row:row+rows, col:col+src.cols] = src[row:row+rows]; jitted with dst donated (in place)."""
+    """dst[at:at+rows] = src[row:row+rows] from a page-locked host array; jitted with dst donated (in place)."""
     chunk = jax.lax.dynamic_slice(src, (row, 0), (rows, src.shape[1]))
     chunk = jax.device_put(chunk, sharding).astype(dst.dtype)  # host (pinned) -> device inside the program
-    return jax.lax.dynamic_update_slice(dst, chunk, (row, col))
+    return jax.lax.dynamic_update_slice(dst, chunk, (at, 0))
+
+
+def _write_block(dst: jax.Array, block: jax.Array, at: jax.Array) -> jax.Array:
+    """dst[at:at+len(block)] = block (a host block already sliced); jitted with dst donated (in place)."""
+    return jax.lax.dynamic_update_slice(dst, block.astype(dst.dtype), (at, jnp.int32(0)))
 
 
 def slots_for_budget(budget_bytes: Optional[float], budget_experts: Optional[int], expert_bytes: int,
@@ -64,7 +69,7 @@ def slots_for_budget(budget_bytes: Optional[float], budget_experts: Optional[int
 
 
 class DeviceExpertCache:
-    """`cache_slots + staging_slots` expert slots on one device, each a fused gate|up [H, 2F] and a down [F, H]."""
+    """`cache_slots + staging_slots` expert slots on one device, each gate|up rows [2F, H] and down [H, F]."""
 
     def __init__(self, cfg: ModelConfig, cache_slots: int, staging_slots: int = 2, dtype: Any = jnp.float32,
                  device: Optional[jax.Device] = None):
@@ -76,12 +81,13 @@ class DeviceExpertCache:
             if "device" in {m.kind for m in self.device.addressable_memories()} else SingleDeviceSharding(self.device)
         self._write_rows = jax.jit(functools.partial(_write_rows, sharding=self.sharding), donate_argnums=0,
                                    static_argnums=(2, 3, 4))
+        self._write_block = jax.jit(_write_block, donate_argnums=0)
         H, F = cfg.hidden_size, cfg.expert_intermediate_size
         self.num_layers, self.num_experts = len(cfg.moe_layers), cfg.num_experts
         n = cache_slots + staging_slots
         self.slots = [Slot(i, staging=i >= cache_slots) for i in range(n)]
-        self.gate_up = [jax.device_put(jnp.zeros((H, 2 * F), dtype), self.sharding) for _ in range(n)]
-        self.down = [jax.device_put(jnp.zeros((F, H), dtype), self.sharding) for _ in range(n)]
+        self.gate_up = [jax.device_put(jnp.zeros((2 * F, H), dtype), self.sharding) for _ in range(n)]
+        self.down = [jax.device_put(jnp.zeros((H, F), dtype), self.sharding) for _ in range(n)]
         self._where: dict[tuple[int, int], int] = {}
         self._lock = threading.RLock()
         self._freed = threading.Condition(self._lock)
@@ -118,6 +124,24 @@ class DeviceExpertCache:
         with self._lock:
             return sum(1 for s in self.slots if not s.staging and s.state is SlotState.free)
 
+    def reset(self) -> None:
+        """Every slot free again (its arrays kept): a new run starts with an empty cache."""
+        with self._lock:
+            for s in self.slots:
+                if s.pins:
+                    raise CacheError(f"slot {s.index} ({s.owner}) is in use by a computation; cannot reset the cache")
+                s.state, s.owner = SlotState.free, None
+            self._where.clear()
+            self._freed.notify_all()
+
+    def free(self) -> None:
+        """Drop every slot's device arrays (the cache is unusable afterwards)."""
+        with self._lock:
+            if any(s.pins for s in self.slots):
+                raise CacheError("cannot free the cache while a computation uses a slot")
+            self.gate_up, self.down, self._where = [], [], {}
+            self.slots = []
+
     def arrays(self) -> tuple[list[jax.Array], list[jax.Array]]:
         """Current handles of every slot (for a computation that indexes slots)."""
         with self._lock:
@@ -148,7 +172,9 @@ class DeviceExpertCache:
             return self.reserve(layer, expert, staging)
 
     def write(self, slot: int, part: str, src: Any, row: int, rows: int) -> jax.Array:
-        """Dispatch the in-place write of rows [row, row+rows) of one projection into `slot`."""
+        """Dispatch the in-place write of rows [row, row+rows) of one projection (`gate`, `up` [F, H] or `down`
+        [H, F]) into `slot`. A numpy source (a mapped file on the CPU backend) is sliced on the host and the
+        block copied; a page-locked jax source is sliced inside the program (one DMA per block)."""
         F = self.cfg.expert_intermediate_size
         with self._lock:
             s = self.slots[slot]
@@ -156,11 +182,13 @@ class DeviceExpertCache:
                 raise CacheError(f"slot {slot} ({s.owner}) is in use by a computation; refusing to overwrite it")
             if s.state is not SlotState.loading:
                 raise CacheError(f"slot {slot} is {s.state.value}, not reserved for a transfer")
-            if part == "down":
-                self.down[slot] = out = self._write_rows(self.down[slot], src, row, 0, rows)
+            target = self.down if part == "down" else self.gate_up
+            at = row + (F if part == "up" else 0)
+            if isinstance(src, np.ndarray):
+                block = jax.device_put(src[row:row + rows], self.sharding)
+                target[slot] = out = self._write_block(target[slot], block, np.int32(at))
             else:
-                col = 0 if part == "gate" else F
-                self.gate_up[slot] = out = self._write_rows(self.gate_up[slot], src, row, col, rows)
+                target[slot] = out = self._write_rows(target[slot], src, row, at, rows)
             return out
 
     def land(self, slot: int) -> None:

@@ -1,8 +1,12 @@
-"""CPU experts: the tokens a plan routes to CPU experts, computed with torch in a worker thread.
+"""CPU experts: the tokens a plan routes to CPU experts, computed on the host in a worker thread.
 
-Weights come from the `ExpertStore` as zero-copy torch views of the host arrays; tokens are
-grouped per expert (one GEMM chain per expert), weighted, and scattered back into the original
-token order. The worker thread overlaps with device compute; torch releases the GIL in its kernels.
+Weights are the `ExpertStore`'s own arrays (zero-copy: views of the mapped checkpoint, in its dtype).
+A layer's (token, slot) pairs are grouped by expert once, and every CPU expert of the layer runs in
+one call of moescope's native kernels (`models.native.experts_host`: bf16 or f32 weights, f32
+accumulation, the weighted scatter into the token rows), which streams each expert's weights once at
+memory bandwidth and costs no per-expert Python. Where the native library is unavailable, torch runs
+the same experts one by one (`F.linear` on the [out, in] weights). The worker thread overlaps with
+device compute; both paths release the GIL while they compute.
 """
 
 from __future__ import annotations
@@ -12,74 +16,92 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
+import ml_dtypes
 import numpy as np
 import torch
 
 from engine.offload.store import ExpertStore
+from models import native
+
+
+def torch_view(arr: np.ndarray) -> torch.Tensor:
+    """A zero-copy torch tensor over a (possibly read-only) numpy array; bf16 through its int16 bits."""
+    with warnings.catch_warnings():  # read-only views (mapped files): torch warns, and we never write to them
+        warnings.simplefilter("ignore", UserWarning)
+        if arr.dtype == ml_dtypes.bfloat16:
+            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)
 
 
 class CpuExperts:
-    """torch SwiGLU experts over an `ExpertStore`, `threads` intra-op threads, fp32 or bf16 compute.
+    """SwiGLU experts over an `ExpertStore` on `threads` host threads, in the store's dtype.
 
-    One thread by default: the device computation runs beside the worker, and an OpenMP team that
-    waits for a core held by another computation stalls for milliseconds (measured: 35 ms instead of
-    0.1 ms for a one-token expert on this 2-core machine with 2 torch threads under load).
+    One thread by default: the device computation runs beside the worker, and on a 2-core machine a
+    second CPU thread would take the core the device side needs.
     """
 
-    def __init__(self, store: ExpertStore, threads: int = 1, dtype: str = "float32"):
-        if dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"offload.cpu_dtype: {dtype!r} is not float32 or bfloat16")
+    def __init__(self, store: ExpertStore, threads: int = 1):
         self.store = store
-        self.dtype = torch.float32 if dtype == "float32" else torch.bfloat16
-        self.threads = threads
+        self.threads = max(int(threads), 1)
+        self.native = native.available()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moescope-cpu-experts")
-        self._weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.timings: list[tuple[int, float]] = []  # (tokens, seconds) per expert call, for the Timer
+        self._views: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.timings: list[tuple[int, float]] = []  # (tokens, seconds) per expert computed, for the Timer
 
-    def _expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _expert(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         key = (layer, expert)
-        if key not in self._weights:
-            views = self.store.numpy_views(layer, expert)
-            with warnings.catch_warnings():  # read-only views: torch warns, and we never write to them
-                warnings.simplefilter("ignore", UserWarning)
-                tensors = [torch.from_numpy(np.asarray(v)) for v in views]  # zero-copy
-            if self.dtype != torch.float32 or tensors[0].dtype != self.dtype:
-                tensors = [t.to(self.dtype) for t in tensors]
-            self._weights[key] = tuple(tensors)  # type: ignore[assignment]
-        return self._weights[key]
+        if key not in self._views:
+            self._views[key] = self.store.numpy_views(layer, expert)
+        return self._views[key]
 
     def compute(self, layer: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
                 cpu_experts: list[int]) -> np.ndarray:
-        """float32 [T, H]: sum over the (token, slot) pairs routed to `cpu_experts` of weight * expert(x)."""
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        xt = torch.from_numpy(np.array(x, dtype=np.float32))
-        out = torch.zeros_like(xt)
-        # the layer's pairs grouped by expert once (a decode expert is a few torch calls: their count is its cost)
+        """float32 [T, H]: sum over the (token, slot) pairs routed to `cpu_experts` of weight * expert(x).
+
+        x [T, H] (any float dtype; cast to the weights' dtype), experts int [T, k] (-1: routed nowhere),
+        weights float [T, k]."""
+        T, k = experts.shape
+        out = np.zeros((T, self.store.cfg.hidden_size), np.float32)
         flat = experts.reshape(-1)
-        order = np.argsort(flat, kind="stable")  # by expert, then token (the order index_add_ used before)
-        ranked, wanted = flat[order], np.asarray(cpu_experts)
-        bounds = np.searchsorted(ranked, wanted, side="left").tolist()
-        ends = np.searchsorted(ranked, wanted, side="right").tolist()
-        tokens_t = torch.from_numpy(order // experts.shape[1])
-        pair_w = torch.from_numpy(weights.reshape(-1)[order].astype(np.float32))
-        cast = self.dtype != torch.float32
-        for e, lo, hi in zip(cpu_experts, bounds, ends):
-            if hi == lo:
-                continue
+        order = np.argsort(flat, kind="stable")  # by expert, then token
+        ranked, wanted = flat[order], np.asarray(cpu_experts, np.int64)
+        lo = np.searchsorted(ranked, wanted, side="left")
+        hi = np.searchsorted(ranked, wanted, side="right")
+        used = hi > lo
+        if not used.any():
+            return out
+        chosen, lo, hi = wanted[used], lo[used], hi[used]
+        # the chosen experts' pairs, contiguous per expert
+        pairs = np.concatenate([order[a:b] for a, b in zip(lo, hi)])
+        offsets = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
+        tokens = (pairs // k).astype(np.int32)
+        pair_w = weights.reshape(-1)[pairs].astype(np.float32)
+        xs = np.ascontiguousarray(np.asarray(x).astype(self.store.dtype, copy=False))
+        views = [self._expert(layer, int(e)) for e in chosen]
+        if self.native:
+            seconds = np.zeros(len(chosen), np.float64)
+            native.experts_host(out, xs, [v[0] for v in views], [v[1] for v in views], [v[2] for v in views],
+                                offsets, tokens, pair_w, self.threads, seconds=seconds)
+            self.timings += list(zip((hi - lo).tolist(), seconds.tolist()))
+        else:
+            self._torch(out, xs, views, offsets, tokens, pair_w)
+        return out
+
+    def _torch(self, out: np.ndarray, xs: np.ndarray, views: list, offsets: np.ndarray, tokens: np.ndarray,
+               pair_w: np.ndarray) -> None:
+        """The fallback: one expert at a time with torch (no native library)."""
+        torch.set_num_threads(self.threads)
+        out_t, x_t = torch.from_numpy(out), torch_view(xs)
+        tok_t, w_t = torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(pair_w)
+        for (gate, up, down), a, b in zip(views, offsets[:-1], offsets[1:]):
             start = time.perf_counter()
-            gate, up, down = self._expert(layer, e)
-            tok = tokens_t[lo:hi]
-            rows = xt.index_select(0, tok)
-            if cast:
-                rows = rows.to(self.dtype)
-            h = torch.nn.functional.silu(rows @ gate).mul_(rows @ up)
-            y = h @ down
-            if cast:
-                y = y.float()
-            out.index_add_(0, tok, y.mul_(pair_w[lo:hi, None]))
-            self.timings.append((hi - lo, time.perf_counter() - start))
-        return out.numpy()
+            idx = tok_t[a:b]
+            rows = x_t.index_select(0, idx)
+            h = torch.nn.functional.silu(torch.nn.functional.linear(rows, torch_view(gate)))
+            h = h.mul_(torch.nn.functional.linear(rows, torch_view(up)))
+            y = torch.nn.functional.linear(h, torch_view(down)).float()
+            out_t.index_add_(0, idx, y.mul_(w_t[a:b, None]))
+            self.timings.append((int(b - a), time.perf_counter() - start))
 
     def submit(self, layer: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
                cpu_experts: list[int]) -> Future:
@@ -90,11 +112,10 @@ class CpuExperts:
         self._pool.shutdown(wait=True)
 
     @staticmethod
-    def time_expert(store: ExpertStore, layer: int, expert: int, tokens: int, repeats: int = 5,
-                    dtype: str = "float32", seed: int = 0, threads: int = 1) -> Optional[float]:
-        """Best-of-`repeats` seconds of one expert on `tokens` random tokens (calibration), after a warm-up call
-        (the first one pays torch's lazy set-up: ~2 ms here, 30 times a one-token expert)."""
-        cpu = CpuExperts(store, threads=threads, dtype=dtype)
+    def time_expert(store: ExpertStore, layer: int, expert: int, tokens: int, repeats: int = 5, seed: int = 0,
+                    threads: int = 1) -> Optional[float]:
+        """Best-of-`repeats` seconds of one expert on `tokens` random tokens (calibration), after a warm-up call."""
+        cpu = CpuExperts(store, threads=threads)
         rng = np.random.default_rng(seed)
         x = rng.standard_normal((tokens, store.cfg.hidden_size)).astype(np.float32)
         experts = np.full((tokens, 1), expert)

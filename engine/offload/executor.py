@@ -38,6 +38,7 @@ from engine.offload.timer import Timer
 from engine.sim.metrics import RunMetrics
 from engine.sim.pipeline import Event
 from engine.sim.predictions import LazyForecasts
+from models.config import ModelConfig
 from models.generation import bucket, left_pad
 from models.transformer import MoETransformer, init_cache
 from predictors.base import LayerContext, Predictor
@@ -53,8 +54,7 @@ class OffloadSettings:
     staging_slots: int = 2  # on-demand double buffer
     chunks: int = 2  # row chunks per projection transfer (AsyncIO sub-transfers: 3 projections x chunks)
     async_io: bool = True  # False: synchronous copies (LayerScope ablation "no AsyncIO")
-    cpu_threads: int = 1  # torch intra-op threads for CPU experts (0: torch's default); see CpuExperts
-    cpu_dtype: str = "float32"
+    cpu_threads: int = 1  # host threads of the CPU experts (see CpuExperts)
     retries: int = 2  # attempts after a failed transfer before it surfaces
     validate_plans: bool = True  # check every plan against the scheduler contract
     timeline_passes: int = 2  # record lane events of the first N decode passes (timeline plot)
@@ -96,6 +96,11 @@ def link_view(active: Optional[Job], resident: np.ndarray, t_io: float, now: flo
     return (Transfer(active.layer, active.expert, alpha, active.retain),), alpha
 
 
+def new_cache(cfg: ModelConfig, settings: OffloadSettings, dtype: Any) -> DeviceExpertCache:
+    """The device expert cache `settings` ask for, in the model's dtype."""
+    return DeviceExpertCache(cfg, settings.cache_slots, settings.staging_slots, dtype)
+
+
 def padded_shapes(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> tuple[int, int, int]:
     """(batch, padded prompt length, KV-cache capacity) that `OffloadExecutor.generate` runs `prompts` at: the
     shapes its passes compile for (a batch of other shapes compiles anew)."""
@@ -109,7 +114,9 @@ class OffloadExecutor:
     def __init__(self, model: MoETransformer, store: ExpertStore, scheduler: OffloadScheduler, cost: CostModel,
                  settings: OffloadSettings, predictors: Optional[dict[int, Predictor]] = None,
                  row_lookup: Optional[Callable[[np.ndarray, np.ndarray], np.ndarray]] = None,
-                 fault: Optional[Callable[[Job, str], None]] = None):
+                 fault: Optional[Callable[[Job, str], None]] = None, cache: Optional[DeviceExpertCache] = None):
+        """`cache`: device slots to reuse (emptied first) instead of allocating new ones, so executors run one
+        after another (the Counter's profiling run, then the measured run) never hold two caches at once."""
         self.cfg = cfg = model.cfg
         self.model = model
         self.store = store
@@ -119,12 +126,18 @@ class OffloadExecutor:
         self.L, self.E, self.k = len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
         dtype = model.embed[...].dtype
-        self.cache = DeviceExpertCache(cfg, settings.cache_slots, settings.staging_slots, dtype)
+        self._owns_cache = cache is None
+        self.cache = cache if cache is not None else new_cache(cfg, settings, dtype)
+        self.cache.reset()
+        if (self.cache.cache_slots, len(self.cache.slots) - self.cache.cache_slots) != (settings.cache_slots,
+                                                                                       settings.staging_slots):
+            raise ValueError(f"cache of {self.cache.cache_slots} + {len(self.cache.slots) - self.cache.cache_slots} "
+                             f"slots given to an executor of {settings.cache_slots} + {settings.staging_slots}")
         self.timer = Timer(cost, store.expert_bytes)
         self.metrics = RunMetrics(num_layers=self.L)
         self.link = TransferLink(store, self.cache, settings.chunks, synchronous=not settings.async_io,
                                  retries=settings.retries, on_done=self._on_io_done, fault=fault)
-        self.cpu = CpuExperts(store, settings.cpu_threads, settings.cpu_dtype)
+        self.cpu = CpuExperts(store, settings.cpu_threads)
         self.kernels = LayerKernels(model)
         self.book = LiveForecastBook(predictors or {}, self.k, self.E)
         for predictor in (predictors or {}).values():  # online learning compiles now, not inside a decode step
@@ -133,8 +146,8 @@ class OffloadExecutor:
         H, F = cfg.hidden_size, cfg.expert_intermediate_size
         # committed to the cache's device like the slots: an uncommitted filler would make every pattern of
         # (slot, filler) positions a new jit cache entry (a compile in the middle of serving)
-        self._dummy = (jax.device_put(jnp.zeros((H, 2 * F), dtype), self.cache.sharding),
-                       jax.device_put(jnp.zeros((F, H), dtype), self.cache.sharding))
+        self._dummy = (jax.device_put(jnp.zeros((2 * F, H), dtype), self.cache.sharding),
+                       jax.device_put(jnp.zeros((H, F), dtype), self.cache.sharding))
         self.events: list[Event] = []
         self._prefetched: dict[int, set[int]] = {}  # target MoE layer -> experts prefetched for it
         self.expert_tokens = np.zeros((self.L, self.E), np.int64)  # tokens routed per expert (the Counter)
@@ -162,8 +175,13 @@ class OffloadExecutor:
         self.link.completed.clear()
 
     def close(self) -> None:
+        """Stop the link and the CPU worker and give the device slots back (an executor built next, e.g.
+        after the profiling run, must not find this one's cache still holding device memory)."""
         self.link.close()
         self.cpu.close()
+        if self._owns_cache:
+            self.cache.free()
+        self._dummy = ()
 
     def __enter__(self) -> "OffloadExecutor":
         return self
@@ -454,8 +472,12 @@ class OffloadExecutor:
         return None
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: Optional[int] = None,
-                 pad_token_id: Optional[int] = None, keep_logits: bool = False) -> OffloadOutput:
-        """Greedy generation (the same tokens as the in-memory model, whatever the plans)."""
+                 pad_token_id: Optional[int] = None, keep_logits: bool = False,
+                 forced: Optional[np.ndarray] = None) -> OffloadOutput:
+        """Greedy generation (the same tokens as the in-memory model, whatever the plans).
+
+        `forced` int [B, max_new_tokens]: teacher forcing, column j is fed at decode step j + 1 whatever the
+        model chose (its own choices still go to `tokens`); with `keep_logits`, the logits of every pass."""
         prompts = [list(map(int, p)) for p in prompts]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate: empty batch or empty prompt")
@@ -486,6 +508,8 @@ class OffloadExecutor:
         nxt = host.argmax(-1).astype(np.int32)
         out[:, 0] = nxt
         done = nxt == eos
+        if forced is not None:
+            nxt = np.asarray(forced[:, 0], np.int32)
         next_pos = positions[:, -1] + 1
         steps: list[float] = []
         for step in range(1, max_new_tokens):
@@ -494,7 +518,7 @@ class OffloadExecutor:
             if keep_logits:
                 all_logits.append(host)
             self._record = step <= self.settings.timeline_passes
-            if self._can_fuse():  # the rest of the decode has nothing to plan: one device loop
+            if self._can_fuse() and forced is None:  # the rest of the decode has nothing to plan: one device loop
                 tokens_run, seconds, logits_run = self._fused_decode(kv, nxt, next_pos, done, max_new_tokens - step,
                                                                      eos, pad, keep_logits)
                 out[:, step:step + len(seconds)] = tokens_run
@@ -507,16 +531,23 @@ class OffloadExecutor:
                 break
             with self.timer.window():
                 t = time.perf_counter()
-                logits, kv = self._forward(kv, nxt[:, None], next_pos[:, None].astype(np.int32), np.ones((B, 1), bool),
-                                           Phase.decode, seqs, int(next_pos.mean()))
+                step_args = (kv, nxt[:, None], next_pos[:, None].astype(np.int32), np.ones((B, 1), bool), Phase.decode)
+                fused = self._can_fuse()  # (only under teacher forcing: one device call per pass)
+                if fused:
+                    logits, kv = self._fused_forward(*step_args)
+                else:
+                    logits, kv = self._forward(*step_args, seqs, int(next_pos.mean()))
                 host = np.asarray(logits)
                 steps.append(time.perf_counter() - t)
-                outside = self._modelled_outside_moe(B, int(next_pos.mean()))
-                self.timer.pass_overhead(steps[-1] - self._moe_wall - outside)
+                if not fused:
+                    outside = self._modelled_outside_moe(B, int(next_pos.mean()))
+                    self.timer.pass_overhead(steps[-1] - self._moe_wall - outside)
             self.metrics.add_pass(False, steps[-1])
             nxt = np.where(done, pad, host.argmax(-1)).astype(np.int32)
             out[:, step] = nxt
             done |= nxt == eos
+            if forced is not None:
+                nxt = np.asarray(forced[:, step], np.int32)
             next_pos = next_pos + 1
         self._record = False
         if keep_logits:

@@ -19,6 +19,7 @@ per (config, graphdefs, expert executor), so every executor of the same model re
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -29,8 +30,9 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.generation import bucket, decode_loop
+from models.layers import take_rows
 from models.moe import DEFAULT_EXECUTOR, ExpertExecutor, Routing
-from models.transformer import KVCache, MoETransformer, attention_inputs, model_rope
+from models.transformer import EXACT_ROUNDING, KVCache, MoETransformer, attention_inputs, model_rope
 
 
 class SlotExperts:
@@ -107,14 +109,15 @@ def _build(d: _Defs) -> _Fns:
         return r.experts, r.weights
 
     def finish(x: jax.Array, g: jax.Array, parts: list, shared: Optional[dict]) -> jax.Array:
+        """The layer's output from its float32 expert parts, rounded where the in-memory MoE block rounds."""
         B, S, H = x.shape
         y = parts[0]
         for p in parts[1:]:
             y = y + p
-        y = y.reshape(B, S, H)
+        y = y.reshape(B, S, H).astype(x.dtype)
         if shared is not None:
-            y = y + merge(d.shared, shared)(g).astype(jnp.float32)
-        return x + y.astype(x.dtype)
+            y = y + merge(d.shared, shared)(g)
+        return x + y
 
     def front(states: tuple, router: dict, x: jax.Array, ai: Any, layer_cache: dict) -> tuple:
         x, layer_cache, g = attend(states, x, ai, layer_cache)
@@ -134,7 +137,7 @@ def _build(d: _Defs) -> _Fns:
         routing = Routing(experts=jnp.where(live, slot_idx, 0).astype(jnp.int32),
                           weights=jnp.where(live, weights, 0.0).astype(jnp.float32),
                           logits=jnp.zeros((B * S, 1), jnp.float32))
-        return d.executor(-1, g.reshape(B * S, H), routing, SlotExperts(gate_up, down)).astype(jnp.float32)
+        return d.executor(-1, g.reshape(B * S, H), routing, SlotExperts(gate_up, down))
 
     def head(head_state: dict, x_last: jax.Array) -> jax.Array:
         return merge(d.head, head_state)(x_last)
@@ -144,7 +147,7 @@ def _build(d: _Defs) -> _Fns:
         """One forward pass, expert e of MoE layer m at gate_up[m][e] / down[m][e]: (last logits, kv,
         experts routed [L, B*S, k])."""
         ai, kv = attention_inputs(d.cfg, kv, positions, valid)
-        x = params["embed"][tokens]
+        x = take_rows(params["embed"], tokens)
         layers, routed = list(kv.layers), []
         live = valid.reshape(-1, 1)
         for i in range(d.cfg.num_hidden_layers):
@@ -172,11 +175,12 @@ def _build(d: _Defs) -> _Fns:
 
         return decode_loop(step_fn, kv, first, next_pos, n_steps, eos, pad, n_buffer, done=done)
 
-    return _Fns(prepare=jax.jit(lambda cache, pos, valid: attention_inputs(d.cfg, cache, pos, valid)),
-                embed=jax.jit(lambda embed, tokens: embed[tokens]), front=jax.jit(front),
-                back_front=jax.jit(back_front), back=jax.jit(finish), dense=jax.jit(dense), experts=jax.jit(experts),
-                head=jax.jit(head), resident_pass=jax.jit(resident_forward, donate_argnames=("kv",)),
-                resident_decode=jax.jit(resident_decode, static_argnames=("n_buffer", "keep_logits")))
+    jit = functools.partial(jax.jit, compiler_options=EXACT_ROUNDING)  # the rounding of the in-memory model
+    return _Fns(prepare=jit(lambda cache, pos, valid: attention_inputs(d.cfg, cache, pos, valid)),
+                embed=jit(take_rows), front=jit(front),
+                back_front=jit(back_front), back=jit(finish), dense=jit(dense), experts=jit(experts),
+                head=jit(head), resident_pass=jit(resident_forward, donate_argnames=("kv",)),
+                resident_decode=jit(resident_decode, static_argnames=("n_buffer", "keep_logits")))
 
 
 def _pure(module: nnx.Module) -> tuple[Any, dict]:

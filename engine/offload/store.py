@@ -1,16 +1,18 @@
 """Expert store: every routed expert's weights in host memory, for transfers and for CPU compute.
 
-Each expert is kept as three host arrays, gate [H, F], up [H, F] and down [F, H] (kernels laid out
-[in, out] like the NNX model), so AsyncIO can move the three projections as separate transfers.
-Where the backend offers a `pinned_host` memory kind (CPU and CUDA backends of jax do) the arrays
-are jax arrays in page-locked host memory: device transfers are DMA-able and, on the CPU backend,
-`numpy_views` are zero-copy. Otherwise plain numpy arrays are kept. Nothing is ever put on the
-device here: loading a checkpoint larger than the device budget is fine.
+Each expert is kept as its three projections in the checkpoint's own layout, gate [F, H], up [F, H]
+and down [H, F] ([out, in], as HF and torch store them), so AsyncIO can move the three as separate
+transfers and CPU experts multiply them without a transpose. Read from a checkpoint in its own dtype,
+the arrays are views of the memory-mapped safetensors files: the store then allocates nothing, and
+the operating system pages the experts in (and, under memory pressure, out) as the files' cache.
+Where the device is not the host (a GPU), the store copies every expert once into page-locked host
+memory (`pinned_host`) so transfers are DMA; on the CPU backend nothing is copied, since a "transfer"
+is already a copy between two places in the same memory. A checkpoint stored in another dtype than
+the run's is converted once, expert by expert. Nothing is ever put on the device here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -19,7 +21,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from models.config import ModelConfig
-from models.hf import CheckpointReader, iter_expert_arrays
+from models.hf import OpenCheckpoint, open_checkpoint
 from models.transformer import MoETransformer
 
 PARTS = ("gate", "up", "down")
@@ -32,22 +34,23 @@ def pinned_sharding(device: Optional[jax.Device] = None) -> Optional[SingleDevic
     return SingleDeviceSharding(device, memory_kind="pinned_host") if "pinned_host" in kinds else None
 
 
-@dataclass(frozen=True)
-class ExpertKey:
-    layer: int  # MoE-layer index (0 = first MoE layer)
-    expert: int
+def wants_pinned(device: Optional[jax.Device] = None) -> bool:
+    """Whether host experts should live in page-locked memory: only where the device is not the host."""
+    device = device or jax.devices()[0]
+    return device.platform != "cpu" and pinned_sharding(device) is not None
 
 
 class ExpertStore:
-    """Host copies of the routed experts of every MoE layer, indexed by (MoE layer, expert)."""
+    """Host arrays of the routed experts of every MoE layer, indexed by (MoE layer, expert)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: Any = np.float32, pinned: bool = True):
+    def __init__(self, cfg: ModelConfig, dtype: Any = np.float32, pinned: Optional[bool] = None):
         self.cfg = cfg
         self.dtype = np.dtype(dtype)
         self.num_layers = len(cfg.moe_layers)
         self.num_experts = cfg.num_experts
-        self._sharding = pinned_sharding() if pinned else None
+        self._sharding = pinned_sharding() if (wants_pinned() if pinned is None else pinned) else None
         self._parts: dict[tuple[int, int], dict[str, Any]] = {}
+        self.allocated_bytes = 0  # host memory the store allocated itself (views of mapped files cost none)
 
     @property
     def pinned(self) -> bool:
@@ -57,19 +60,23 @@ class ExpertStore:
     def expert_bytes(self) -> int:
         return 3 * self.cfg.hidden_size * self.cfg.expert_intermediate_size * self.dtype.itemsize
 
-    def put(self, layer: int, expert: int, gate_up: np.ndarray, down: np.ndarray) -> None:
-        """Store one expert from the model layout (gate|up fused [H, 2F], down [F, H])."""
-        F = self.cfg.expert_intermediate_size
-        H = self.cfg.hidden_size
-        if gate_up.shape != (H, 2 * F) or down.shape != (F, H):
-            raise ValueError(f"expert ({layer}, {expert}): shapes {gate_up.shape}, {down.shape}; "
-                             f"expected ({H}, {2 * F}), ({F}, {H})")
-        parts = {"gate": gate_up[:, :F], "up": gate_up[:, F:], "down": down}
-        self._parts[(layer, expert)] = {name: self._host(arr) for name, arr in parts.items()}
+    def put(self, layer: int, expert: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> None:
+        """Store one expert: gate [F, H], up [F, H], down [H, F] (kept as given when already in the store's
+        dtype and contiguous, e.g. views of a mapped checkpoint)."""
+        F, H = self.cfg.expert_intermediate_size, self.cfg.hidden_size
+        if gate.shape != (F, H) or up.shape != (F, H) or down.shape != (H, F):
+            raise ValueError(f"expert ({layer}, {expert}): shapes {gate.shape}, {up.shape}, {down.shape}; "
+                             f"expected ({F}, {H}), ({F}, {H}), ({H}, {F})")
+        self._parts[(layer, expert)] = {name: self._host(arr) for name, arr in zip(PARTS, (gate, up, down))}
 
     def _host(self, arr: np.ndarray) -> Any:
-        arr = np.ascontiguousarray(np.asarray(arr).astype(self.dtype, copy=False))
-        return jax.device_put(arr, self._sharding) if self._sharding is not None else arr
+        host = np.ascontiguousarray(np.asarray(arr).astype(self.dtype, copy=False))
+        if self._sharding is not None:
+            self.allocated_bytes += host.nbytes
+            return jax.device_put(host, self._sharding)
+        if not np.shares_memory(host, arr):
+            self.allocated_bytes += host.nbytes
+        return host
 
     def part(self, layer: int, expert: int, name: str) -> Any:
         """The host array of one projection (`gate`, `up` or `down`): the source of a device transfer."""
@@ -79,7 +86,7 @@ class ExpertStore:
             raise KeyError(f"expert store: no expert ({layer}, {expert}) part {name!r}") from None
 
     def numpy_views(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(gate, up, down) as numpy arrays (zero-copy for pinned arrays on the CPU backend)."""
+        """(gate, up, down) as numpy arrays (zero-copy: mapped files, or pinned arrays on the CPU backend)."""
         return tuple(np.asarray(self.part(layer, expert, p)) for p in PARTS)  # type: ignore[return-value]
 
     def __len__(self) -> int:
@@ -95,31 +102,39 @@ class ExpertStore:
 
     # ---- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_model(cls, model: MoETransformer, dtype: Any = None, pinned: bool = True) -> "ExpertStore":
-        """Copy the routed experts out of an in-memory model."""
+    def from_model(cls, model: MoETransformer, dtype: Any = None, pinned: Optional[bool] = None) -> "ExpertStore":
+        """The routed experts of an in-memory model (views of its arrays where the backend allows)."""
         cfg = model.cfg
         store = cls(cfg, dtype or np.dtype(model.embed[...].dtype), pinned)
+        F = cfg.expert_intermediate_size
         for i, decoder_layer in enumerate(cfg.moe_layers):
             experts = model.layers[decoder_layer].moe.experts
             if experts is None:
                 raise ValueError(f"decoder layer {decoder_layer} holds no experts to copy")
             gate_up, down = experts.arrays()
             for e in range(cfg.num_experts):
-                store.put(i, e, np.asarray(gate_up[e]), np.asarray(down[e]))
+                gu = np.asarray(gate_up[e])
+                store.put(i, e, gu[:F], gu[F:], np.asarray(down[e]))
         return store
 
     @classmethod
-    def from_checkpoint(cls, folder: str | Path, cfg: ModelConfig, dtype: Any = np.float32,
-                        pinned: bool = True) -> "ExpertStore":
-        """Read every routed expert of an HF checkpoint straight into host memory, one at a time."""
-        store = cls(cfg, dtype, pinned)
-        moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
-        pending: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        for decoder_layer, expert, kind, arr in iter_expert_arrays(CheckpointReader(folder), cfg, dtype):
-            key = (moe_index[decoder_layer], expert)
-            pending.setdefault(key, {})[kind] = arr
-            if len(pending[key]) == 2:
-                parts = pending.pop(key)
-                store.put(key[0], key[1], parts["gate_up"], parts["down"])
+    def from_checkpoint(cls, checkpoint: OpenCheckpoint | str | Path, dtype: Any = None,
+                        pinned: Optional[bool] = None) -> "ExpertStore":
+        """Every routed expert of an HF checkpoint: views of its mapped files (converted copies when `dtype`
+        differs from the stored one; default: the checkpoint's own dtype)."""
+        ck = checkpoint if isinstance(checkpoint, OpenCheckpoint) else open_checkpoint(checkpoint)
+        store = cls(ck.cfg, dtype or ck.stored_dtype(), pinned)
+        F = ck.cfg.expert_intermediate_size
+        moe_index = {layer: i for i, layer in enumerate(ck.cfg.moe_layers)}
+        pending: dict[tuple[int, int], list[np.ndarray]] = {}
+        for src in ck.sources:
+            if src.expert is None:
+                continue
+            key = (moe_index[src.expert[0]], src.expert[1])
+            if src.path[-2] == "gate_up":
+                views = [ck.reader.view(p) for p in src.pieces]
+                pending[key] = views if len(views) == 2 else [views[0][:F], views[0][F:]]
+            else:
+                store.put(key[0], key[1], *pending.pop(key), ck.reader.view(src.pieces[0]))
         store.check_complete()
         return store

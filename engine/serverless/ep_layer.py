@@ -120,12 +120,12 @@ def _replica_choice(e: jax.Array, ok: jax.Array, tables: ReplicaTables, num_devi
 
 
 def _local_experts(rows: jax.Array, slot: jax.Array, gate_up: tuple, down: tuple) -> jax.Array:
-    """rows [N, H], slot int32 [N] (S for rows to skip), this device's S slots: gate_up[s] [1, H, 2F],
-    down[s] [1, F, H] -> [N, H]."""
+    """rows [N, H], slot int32 [N] (S for rows to skip), this device's S slots: gate_up[s] [1, 2F, H],
+    down[s] [1, H, F] -> [N, H]."""
     S = len(gate_up)
     routing = Routing(experts=slot[:, None], weights=(slot < S).astype(jnp.float32)[:, None],
                       logits=jnp.zeros((rows.shape[0], S), jnp.float32))
-    return experts_grouped(rows, routing, [w[0] for w in gate_up], [w[0] for w in down])
+    return experts_grouped(rows, routing, [w[0] for w in gate_up], [w[0] for w in down]).astype(rows.dtype)
 
 
 def _assignments(experts, valid, tables: ReplicaTables, num_devices: int):
@@ -209,7 +209,7 @@ def ep_moe(x: jax.Array, experts: jax.Array, weights: jax.Array, valid: jax.Arra
     """Expert-parallel MoE over the `ep` axis of `mesh`.
 
     x [T, H], experts int32 [T, k], weights float32 [T, k], valid bool [T] (all sharded over `ep` by
-    rows, T = G * t); gate_up: S arrays [G, H, 2F] and down: S arrays [G, F, H], slot s of every
+    rows, T = G * t); gate_up: S arrays [G, 2F, H] and down: S arrays [G, H, F], slot s of every
     device, sharded over `ep` (row g lives on device g); tables replicated. Returns the combined
     expert output [T, H] (sharded like x) and the number of assignments that did not fit [G]
     (every entry the same total; 0 when `capacity` sufficed). `capacity`: padded, the rows one

@@ -65,8 +65,8 @@ def self_check(seed: int = 0) -> dict[str, Any]:
     E, H, F, k, S = 6, 16, 24, 2, 2
     T = 4 * G
     rng = np.random.default_rng(seed)  # same seed on every process: same weights, tokens, plan
-    gate_up = (0.2 * rng.standard_normal((E, H, 2 * F))).astype(np.float32)
-    down = (0.2 * rng.standard_normal((E, F, H))).astype(np.float32)
+    gate_up = (0.2 * rng.standard_normal((E, 2 * F, H))).astype(np.float32)
+    down = (0.2 * rng.standard_normal((E, H, F))).astype(np.float32)
     x = rng.standard_normal((T, H)).astype(np.float32)
     experts = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
     experts[: T // 2, 0] = 0  # a hot expert
@@ -88,8 +88,8 @@ def self_check(seed: int = 0) -> dict[str, Any]:
     ref = np.zeros_like(x)
     for t in range(T):
         for j in range(k):
-            h = x[t] @ gate_up[experts[t, j]]
-            ref[t] += weights[t, j] * ((silu(h[:F]) * h[F:]) @ down[experts[t, j]])
+            h = gate_up[experts[t, j]] @ x[t]
+            ref[t] += weights[t, j] * (down[experts[t, j]] @ (silu(h[:F]) * h[F:]))
     return {"process": jax.process_index(), "processes": jax.process_count(), "devices": G,
             "local_devices": len(jax.local_devices()), "replicas": placement.num_replicas,
             "hot_expert_replicas": int(placement.replica_counts()[0]),

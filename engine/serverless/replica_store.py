@@ -1,6 +1,6 @@
 """Replica slots of one MoE layer on the devices of the `ep` axis, holding real expert weights.
 
-Device g's slot s holds one expert as arrays [1, H, 2F] and [1, F, H] on device g. Applying a
+Device g's slot s holds one expert as arrays [1, 2F, H] and [1, H, F] on device g. Applying a
 placement follows the `SlotMap`: warm replicas stay where they are, cold ones are copied into a
 free slot from a peer device that holds the expert (a device-to-device transfer) or from the host
 master copy; the bytes of each kind are counted. A copy is a transfer only (no computation runs
@@ -79,7 +79,7 @@ class DeviceReplicaStore:
         return update
 
     def arrays(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-        """Per slot s: gate_up [G, H, 2F] and down [G, F, H], sharded over `ep` (row g on device g)."""
+        """Per slot s: gate_up [G, 2F, H] and down [G, H, F], sharded over `ep` (row g on device g)."""
         sharding = NamedSharding(self.mesh, P(EP_AXIS))
         G = self.num_devices
         gu_shape = (G, *self.master_gate_up[0].shape)
