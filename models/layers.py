@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import native
 from models.config import ModelConfig, NormKind, QKNorm
 from models.rope import RopeTables, apply_rope
 
@@ -40,20 +41,8 @@ def _init(rngs: nnx.Rngs | AbstractRngs, shape: tuple[int, ...], dtype: jnp.dtyp
 def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x [..., K] times weight [N, K] transposed -> [..., N] in x's dtype (accumulated in f32 for bf16)."""
     if weight.dtype == jnp.bfloat16:
-        from models import native  # TEMP lazy
-
         return native.linear(x.astype(jnp.bfloat16), weight).astype(x.dtype)
     return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())))
-
-
-def take_rows(table: jax.Array, index: jax.Array) -> jax.Array:
-    """table[index] (embedding lookup). A bf16 table is gathered as its 16-bit patterns: XLA:CPU has no bf16
-    gather and would otherwise convert the whole table to float32 (hoisted out of a decode loop, a float32
-    copy of the embedding held for the whole run)."""
-    if table.dtype == jnp.bfloat16:
-        bits = jax.lax.bitcast_convert_type(table, jnp.uint16)[index]
-        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
-    return table[index]
 
 
 class Linear(nnx.Module):
@@ -103,8 +92,6 @@ def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array, out_dtype: Optiona
     when `out_dtype` is f32 (the experts' weighted sum rounds once, after adding every expert)."""
     out_dtype = out_dtype or x.dtype
     if gate_up.dtype == jnp.bfloat16:
-        from models import native  # TEMP lazy
-
         return native.swiglu(x.astype(jnp.bfloat16), gate_up, down).astype(out_dtype)
     h = linear(x, gate_up)
     f = down.shape[1]

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import native
 from models.config import ModelConfig, ScoringFunc, TopkMethod
 from models.layers import SwiGLU, _init, linear, swiglu
 
@@ -269,9 +270,21 @@ def experts_grouped(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array]
     return out
 
 
+def experts_native(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array], down: Sequence[jax.Array]
+                   ) -> jax.Array:
+    """On the CPU: every expert of the layer in one native call over exactly its live pairs (each used expert's
+    weights read once, unused ones never touched), whatever the token count."""
+    E = len(gate_up)
+    tok, wts, counts, starts = group_by_expert(routing, E, pad=0)
+    offsets = jnp.concatenate([starts, (starts[-1] + counts[-1])[None]]).astype(jnp.int32)
+    return native.experts(x, tok, wts.astype(jnp.float32), offsets, list(gate_up), list(down))
+
+
 class InMemoryExperts:
     """Default executor: the layer's own expert weights, strategy chosen by token count at trace time.
 
+    On the CPU backend: `experts_native` (XLA:CPU has no bf16 dot of its own, and its per-expert calls cost
+    more than the experts themselves at decode sizes). Elsewhere (or without the native library):
     T * k <= slot_limit (batch-1 decode): a `switch` per (token, slot) reads only the chosen experts.
     T <= dense_limit: each used expert runs on all T rows (no gather/scatter; unused experts skipped).
     Otherwise (larger decode batches, prefill): pairs grouped by expert, `chunk` rows per expert call.
@@ -293,6 +306,13 @@ class InMemoryExperts:
         if experts is None:
             raise ValueError(f"layer {layer}: the model holds no expert weights; pass an expert executor")
         gate_up, down = experts.arrays()
+        if x.dtype == gate_up[0].dtype and x.dtype in (jnp.bfloat16, jnp.float32) and native.available_experts():
+            return jax.lax.platform_dependent(x, routing, gate_up, down, cpu=experts_native, default=self.by_count)
+        return self.by_count(x, routing, gate_up, down)
+
+    def by_count(self, x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array], down: Sequence[jax.Array]
+                 ) -> jax.Array:
+        """The XLA strategies, by token count (see the class docstring)."""
         T, k = routing.experts.shape
         if T * k <= self.slot_limit:
             return experts_per_slot(x, routing, gate_up, down)

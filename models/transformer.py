@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import AbstractRngs, Attention, AttentionInputs, Linear, SwiGLU, _init, linear, make_norm, take_rows
+from models.layers import AbstractRngs, Attention, AttentionInputs, Linear, SwiGLU, _init, linear, make_norm
+from models.native import take_rows
 from models.mla import MLAttention
 from models.moe import DEFAULT_EXECUTOR, ExpertExecutor, MoEBlock, Routing
 from models.rope import RopeTables, cos_sin, rope_tables

@@ -30,7 +30,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.generation import bucket, decode_loop
-from models.layers import take_rows
+from models.native import take_rows
 from models.moe import DEFAULT_EXECUTOR, ExpertExecutor, Routing
 from models.transformer import EXACT_ROUNDING, KVCache, MoETransformer, attention_inputs, model_rope
 

@@ -1,0 +1,622 @@
+"""moescope's compiled CPU kernels for bf16 (and f32) weights: dots and SwiGLU experts.
+
+XLA:CPU converts a whole bf16 weight to f32 on every bf16 dot (well under 1 GB/s for a matvec here),
+and torch's bf16 linear reads ~7 GB/s; these kernels stream bf16 weights at close to the memory read
+rate (AVX512-BF16 dot products, AVX2+FMA or scalar fallbacks chosen at load time). Two ways in:
+
+* JAX, inside `jax.jit` / `lax.cond` / `lax.switch` / `lax.while_loop`: `linear(x, w)` and
+  `swiglu(x, gate_up, down)`, XLA FFI custom calls on the CPU backend and XLA's own dot_general on any
+  other backend (`lax.platform_dependent`), or everywhere when the library is unavailable
+  (`linear_reference`, `swiglu_reference`: the same math in pure XLA). `take_rows(table, index)`: an
+  embedding lookup that copies just the rows (XLA:CPU converts or copies a whole bf16 table to gather
+  from it), the same way. `experts(x, tokens, pair_weight, offsets, gate_up, down)`: all the routed experts
+  of an MoE layer in one call over their live (token, expert) pairs -- a raw CPU-only custom call (check
+  `available_experts()`, wrap it in `lax.platform_dependent` with an XLA path such as `experts_reference`).
+* Host code (numpy / torch arrays, ctypes; the GIL is released while the kernels run):
+  `experts_host` runs all the CPU experts of a layer in one call, `linear_host` one linear map.
+
+Weights are [out, in] (HF/torch layout): a linear map W [N, K] gives y[m, n] = sum_k x[m, k] W[n, k];
+an expert is gate [F, H], up [F, H], down [H, F] (in JAX, gate and up stacked as gate_up [2F, H]).
+
+Numerics: f32 accumulation always. bf16 weights take bf16 activations; a SwiGLU expert rounds the gate
+and up projections to bf16, computes silu(g) * u in f32, rounds h to bf16, and returns the down
+projection in f32 (unrounded); `linear` rounds its f32 sums once to bf16. f32 weights: plain f32.
+Results do not depend on the thread count (the f32 summation order depends only on K, the ISA path and,
+with AVX-512, on whether a call has one activation row or more).
+
+The library is compiled on first use (`models/native/build.py`, 5-10 s with g++ 12) and cached.
+Without a compiler every entry point still works (pure XLA in JAX; `experts_host` and `linear_host`
+raise, check `available()` first); `load()` warns once, naming the cause.
+
+Environment: `MOESCOPE_NATIVE_DISABLE=1` skips the library; `MOESCOPE_NATIVE_ISA=avx2|scalar` forces a
+slower path (also `set_isa`); `MOESCOPE_NATIVE_DIR` chooses the build folder; `CXX` the compiler;
+`MOESCOPE_NATIVE_EP_MAX_MB` (default 64) the largest expert (MiB of weights) a layer call shares out whole
+to a thread; `MOESCOPE_NATIVE_XLA_POOL=0` keeps FFI calls on the library's own threads instead of
+borrowing XLA's intra-op pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+__all__ = [
+    "load", "available", "build_error", "isa", "best_isa", "set_isa", "set_threads", "get_threads",
+    "linear", "swiglu", "linear_reference", "swiglu_reference", "take_rows", "take_rows_reference",
+    "experts", "experts_reference", "available_experts",
+    "ExpertWeights", "pack_experts", "experts_host", "linear_host", "stream_read",
+]
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_F32 = np.dtype(np.float32)
+_W_BF16, _W_F32 = 0, 1
+
+# FFI target name -> exported handler symbol
+_TARGETS = {
+    "moescope_linear": "ms_ffi_linear_bf16",
+    "moescope_linear_f32": "ms_ffi_linear_f32",
+    "moescope_swiglu": "ms_ffi_swiglu_bf16",
+    "moescope_swiglu_f32": "ms_ffi_swiglu_f32",
+    "moescope_take_rows": "ms_ffi_take_rows",
+    "moescope_experts": "ms_ffi_experts_bf16",
+    "moescope_experts_f32": "ms_ffi_experts_f32",
+}
+_STRATEGIES = {"auto": 0, "rows": 1, "experts": 2}
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_error: Optional[str] = None
+_tried = False
+_ffi = False  # FFI targets registered with jax
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+
+def _declare(lib: ctypes.CDLL) -> None:
+    c = ctypes
+    vp, i64, i32 = c.c_void_p, c.c_int64, c.c_int
+    lib.ms_isa.restype = c.c_char_p
+    lib.ms_isa.argtypes = []
+    lib.ms_best_isa.restype = c.c_char_p
+    lib.ms_best_isa.argtypes = []
+    lib.ms_last_error.restype = c.c_char_p
+    lib.ms_last_error.argtypes = []
+    lib.ms_set_isa.restype = i32
+    lib.ms_set_isa.argtypes = [c.c_char_p]
+    lib.ms_set_threads.restype = None
+    lib.ms_set_threads.argtypes = [i32]
+    lib.ms_get_threads.restype = i32
+    lib.ms_get_threads.argtypes = []
+    lib.ms_has_ffi.restype = i32
+    lib.ms_has_ffi.argtypes = []
+    lib.ms_linear.restype = i32
+    lib.ms_linear.argtypes = [vp, i64, i64, vp, i64, vp, i32, i32]
+    lib.ms_experts.restype = i32
+    lib.ms_experts.argtypes = [vp, i64, i64, i64, i32, i64, vp, vp, vp, vp, i64, vp, vp, vp, i32, vp, i32]
+    lib.ms_read.restype = c.c_double
+    lib.ms_read.argtypes = [vp, i64, i32]
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The native library (built if needed, once per process; FFI targets registered with jax), or None
+    when it cannot be had: then a one-line warning names the cause, once, and `build_error()` returns it."""
+    global _lib, _error, _tried, _ffi
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            if os.environ.get("MOESCOPE_NATIVE_DISABLE", "") not in ("", "0"):
+                raise RuntimeError("disabled by MOESCOPE_NATIVE_DISABLE")
+            from models.native import build as _build
+
+            path, _ = _build.build()
+            lib = ctypes.CDLL(str(path))
+            _declare(lib)
+            if lib.ms_has_ffi():
+                for name, symbol in _TARGETS.items():
+                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                _ffi = True
+            _lib = lib
+        except Exception as e:  # noqa: BLE001 - any failure means "no native kernels", said once
+            _error = " ".join(f"{e.__class__.__name__}: {e}".split())
+            warnings.warn(f"models.native: compiled CPU kernels unavailable ({_error}); "
+                          f"using XLA / torch instead", RuntimeWarning, stacklevel=2)
+        _tried = True
+    return _lib
+
+
+def available() -> bool:
+    """Whether the native library loaded (builds it on first call)."""
+    return load() is not None
+
+
+def build_error() -> Optional[str]:
+    """Why the library is unavailable (None if it loaded or was not tried yet)."""
+    return _error
+
+
+def _need() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"models.native: library unavailable ({_error})")
+    return lib
+
+
+def isa() -> str:
+    """The ISA path in use: "avx512bf16", "avx2" or "scalar" ("none" without the library)."""
+    lib = load()
+    return lib.ms_isa().decode() if lib is not None else "none"
+
+
+def best_isa() -> str:
+    """The fastest ISA path this CPU supports ("none" without the library)."""
+    lib = load()
+    return lib.ms_best_isa().decode() if lib is not None else "none"
+
+
+def set_isa(name: Optional[str]) -> None:
+    """Force an ISA path ("avx512bf16", "avx2", "scalar"; None: the best). ValueError if the CPU lacks it.
+    Process-wide; meant for tests and benchmarks."""
+    lib = _need()
+    if lib.ms_set_isa((name or "").encode()) != 0:
+        raise ValueError(lib.ms_last_error().decode())
+
+
+def set_threads(n: int) -> None:
+    """Threads of the FFI kernels (and of host calls passing threads=0); n <= 0: the CPUs this process may use
+    (the default). An FFI call's helpers are tasks on XLA's intra-op pool, so it also uses at most one thread
+    more than that pool has. Without the library this does nothing."""
+    lib = load()
+    if lib is not None:
+        lib.ms_set_threads(int(n))
+
+
+def get_threads() -> int:
+    """The current default thread count (0 without the library)."""
+    lib = load()
+    return int(lib.ms_get_threads()) if lib is not None else 0
+
+
+# ---- JAX wrappers --------------------------------------------------------------------------------
+
+def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] . w [N, K]^T -> [..., N], accumulated in f32 (f32 inputs at full precision on any backend)."""
+    return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
+def _both(a: Any, b: Any, dtype: Any) -> bool:
+    return a.dtype == dtype and b.dtype == dtype
+
+
+def linear_reference(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Pure-XLA `linear`: x [..., K] times w [N, K]^T -> [..., N], f32 accumulation, result rounded once
+    to bf16 when both are bf16 (else in their common dtype)."""
+    out = jnp.bfloat16 if _both(x, w, jnp.bfloat16) else jnp.result_type(x.dtype, w.dtype)
+    return _dot_t(x, w).astype(out)
+
+
+def swiglu_reference(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """Pure-XLA `swiglu`: x [..., H], gate_up [2F, H] (gate rows first), down [H, F] -> f32 [..., H].
+    With bf16 weights and activation, g and u are rounded to bf16, h = silu(g) * u is computed in f32
+    and rounded to bf16, and the down projection is returned in f32."""
+    f = gate_up.shape[0] // 2
+    low = _both(x, gate_up, jnp.bfloat16) and down.dtype == jnp.bfloat16
+    gu = _dot_t(x, gate_up)
+    g, u = gu[..., :f], gu[..., f:]
+    if low:
+        g = g.astype(jnp.bfloat16).astype(jnp.float32)
+        u = u.astype(jnp.bfloat16).astype(jnp.float32)
+    h = jax.nn.silu(g) * u
+    h = h.astype(jnp.bfloat16) if low else h.astype(jnp.result_type(h.dtype, down.dtype))
+    return _dot_t(h, down).astype(jnp.float32)
+
+
+def _ffi_linear(x2: jax.Array, w: jax.Array) -> jax.Array:
+    target = "moescope_linear" if x2.dtype == jnp.bfloat16 else "moescope_linear_f32"
+    out = jax.ShapeDtypeStruct((x2.shape[0], w.shape[0]), x2.dtype)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x2, w)
+
+
+def _ffi_swiglu(x2: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    target = "moescope_swiglu" if x2.dtype == jnp.bfloat16 else "moescope_swiglu_f32"
+    out = jax.ShapeDtypeStruct((x2.shape[0], down.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x2, gate_up, down)
+
+
+@jax.custom_jvp
+def _linear2(x2: jax.Array, w: jax.Array) -> jax.Array:
+    return lax.platform_dependent(x2, w, cpu=_ffi_linear, default=linear_reference)
+
+
+@_linear2.defjvp
+def _linear2_jvp(primals: tuple, tangents: tuple) -> tuple:
+    return _linear2(*primals), jax.jvp(linear_reference, primals, tangents)[1]
+
+
+@jax.custom_jvp
+def _swiglu2(x2: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    return lax.platform_dependent(x2, gate_up, down, cpu=_ffi_swiglu, default=swiglu_reference)
+
+
+@_swiglu2.defjvp
+def _swiglu2_jvp(primals: tuple, tangents: tuple) -> tuple:
+    return _swiglu2(*primals), jax.jvp(swiglu_reference, primals, tangents)[1]
+
+
+def _native_ok(*arrays: Any) -> bool:
+    dt = arrays[0].dtype
+    return (dt in (jnp.bfloat16, jnp.float32) and all(a.dtype == dt for a in arrays)
+            and all(a.ndim == 2 for a in arrays[1:]) and load() is not None and _ffi)
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] times w [N, K]^T -> [..., N]: bf16 x and w give bf16 (f32 sums rounded once); f32 gives f32.
+    On the CPU backend a native FFI kernel; elsewhere, for other dtypes, or without the library,
+    `linear_reference`. Usable under jit and control flow; differentiable (through the reference math)."""
+    if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"linear: x {x.shape} and w {w.shape}: expected x [..., K] and w [N, K]")
+    if not _native_ok(x, w):
+        return linear_reference(x, w)
+    lead = x.shape[:-1]
+    y = _linear2(x.reshape(-1, x.shape[-1]), w)
+    return y.reshape(*lead, w.shape[0])
+
+
+def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """SwiGLU expert: x [..., H], gate_up [2F, H] (gate rows 0..F-1, up rows F..2F-1), down [H, F] -> f32 [..., H].
+    All bf16 (roundings as in `swiglu_reference`) or all f32. On the CPU backend a native FFI kernel;
+    elsewhere, for other dtypes, or without the library, `swiglu_reference`. Usable under jit and control
+    flow; differentiable (through the reference math)."""
+    h = x.shape[-1] if x.ndim else -1
+    if (x.ndim < 1 or gate_up.ndim != 2 or down.ndim != 2 or gate_up.shape[0] % 2 or gate_up.shape[1] != h
+            or down.shape != (h, gate_up.shape[0] // 2)):
+        raise ValueError(f"swiglu: x {x.shape}, gate_up {gate_up.shape}, down {down.shape}: "
+                         f"expected x [..., H], gate_up [2F, H], down [H, F]")
+    if not _native_ok(x, gate_up, down):
+        return swiglu_reference(x, gate_up, down)
+    lead = x.shape[:-1]
+    y = _swiglu2(x.reshape(-1, h), gate_up, down)
+    return y.reshape(*lead, h)
+
+
+# ---- row gather (embedding lookup) -----------------------------------------------------------------
+
+_SUB_BYTE = frozenset({"int1", "uint1", "int2", "uint2", "int4", "uint4", "float4_e2m1fn"})
+
+
+def _take_native_ok(table: Any) -> bool:
+    dt = np.dtype(table.dtype)
+    return (table.ndim >= 1 and table.shape[0] > 0 and dt.itemsize in (1, 2, 4, 8) and dt.name not in _SUB_BYTE
+            and load() is not None and _ffi)
+
+
+def take_rows_reference(table: jax.Array, index: jax.Array) -> jax.Array:
+    """Pure-XLA `take_rows`: `table[index]` (jnp indexing: a negative index counts from the end, and an index
+    still outside [0, V) is clamped into it)."""
+    return table[index]
+
+
+def _ffi_take(table: jax.Array, idx: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct((idx.shape[0], *table.shape[1:]), table.dtype)
+    return jax.ffi.ffi_call("moescope_take_rows", out, vmap_method="sequential")(table, idx)
+
+
+@jax.custom_jvp
+def _take(table: jax.Array, idx: jax.Array) -> jax.Array:
+    return lax.platform_dependent(table, idx, cpu=_ffi_take, default=take_rows_reference)
+
+
+@_take.defjvp
+def _take_jvp(primals: tuple, tangents: tuple) -> tuple:
+    return _take(*primals), jax.jvp(take_rows_reference, primals, tangents)[1]
+
+
+def take_rows(table: jax.Array, index: Any) -> jax.Array:
+    """Rows of `table` [V, ...] at integer `index` of any shape [...] -> [..., ...], the same dtype: an
+    embedding lookup. XLA:CPU has no bf16 gather (it would convert or copy the WHOLE table on every call,
+    or keep a converted copy alive across a while_loop); on the CPU backend this is an FFI custom call that
+    memcpys just the N rows (over threads from 4 MiB), for any element type of 1, 2, 4 or 8 bytes (copied as
+    raw bits); elsewhere, for other dtypes, or without the library, `table[index]`.
+    Index semantics are those of `table[index]`: a negative index counts from the end (index + V), and an
+    index still outside [0, V-1] is clamped to it (XLA's gather clamps too), never an error. Usable under
+    jit / while_loop / cond / switch; differentiable in `table` (through `table[index]`)."""
+    if table.ndim < 1:
+        raise ValueError(f"take_rows: table {table.shape}: expected [V, ...]")
+    index = jnp.asarray(index)
+    if not jnp.issubdtype(index.dtype, jnp.integer):
+        raise ValueError(f"take_rows: index dtype {index.dtype}, expected an integer type")
+    if not _take_native_ok(table):
+        return take_rows_reference(table, index)
+    V = table.shape[0]
+    flat = index.reshape(-1)
+    if flat.dtype != jnp.int32:  # clamp wide indices into [-V, V] first: the same rows, and it fits int32
+        if np.iinfo(flat.dtype).max > V:
+            unsigned = jnp.issubdtype(flat.dtype, jnp.unsignedinteger)
+            flat = jnp.minimum(flat, V) if unsigned else jnp.clip(flat, -V, V)
+        flat = flat.astype(jnp.int32)
+    rows = _take(table, flat)
+    return rows.reshape(*index.shape, *table.shape[1:])
+
+
+# ---- a layer's routed experts in one call --------------------------------------------------------------
+
+def _strategy(name: str) -> int:
+    if name not in _STRATEGIES:
+        raise ValueError(f"strategy {name!r}: expected one of {sorted(_STRATEGIES)}")
+    return _STRATEGIES[name]
+
+
+def available_experts() -> bool:
+    """Whether `experts` can run here (the library loaded with its XLA FFI targets registered)."""
+    return load() is not None and _ffi
+
+
+def _expert_weights(gate_up: Any, down: Any, E: int, H: int, dtype: Any, what: str) -> tuple[bool, int]:
+    """(stacked, F) after checking gate_up / down: E arrays [2F, H] / [H, F], or one [E, 2F, H] / [E, H, F]."""
+    stacked = hasattr(gate_up, "ndim") and hasattr(down, "ndim")
+    if stacked:
+        ok = (gate_up.ndim == 3 and down.ndim == 3 and gate_up.shape[0] == E and down.shape[0] == E
+              and gate_up.shape[1] % 2 == 0 and gate_up.shape[2] == H
+              and down.shape[1:] == (H, gate_up.shape[1] // 2))
+        shapes = f"gate_up {gate_up.shape}, down {down.shape}"
+        F = gate_up.shape[1] // 2 if gate_up.ndim == 3 else -1
+        dtypes = {gate_up.dtype, down.dtype}
+    else:
+        gate_up, down = list(gate_up), list(down)
+        F = gate_up[0].shape[0] // 2 if gate_up and gate_up[0].ndim == 2 else 0
+        ok = (len(gate_up) == E and len(down) == E and all(g.shape == (2 * F, H) for g in gate_up)
+              and all(d.shape == (H, F) for d in down))
+        shapes = (f"{len(gate_up)} gate_up {sorted({g.shape for g in gate_up})}, "
+                  f"{len(down)} down {sorted({d.shape for d in down})}")
+        dtypes = {a.dtype for a in (*gate_up, *down)}
+    if not ok:
+        raise ValueError(f"{what}: {shapes} for {E} experts of hidden size {H}: expected E gate_up [2F, H] and E "
+                         f"down [H, F], or one gate_up [E, 2F, H] and one down [E, H, F]")
+    if dtypes - {jnp.dtype(dtype)}:
+        raise ValueError(f"{what}: weight dtypes {sorted(map(str, dtypes))}, expected {jnp.dtype(dtype)} like x")
+    return stacked, F
+
+
+def _routing(x: Any, tokens: Any, pair_weight: Any, offsets: Any, what: str) -> tuple[Any, Any, Any]:
+    tokens, pair_weight, offsets = jnp.asarray(tokens), jnp.asarray(pair_weight), jnp.asarray(offsets)
+    if x.ndim != 2:
+        raise ValueError(f"{what}: x {x.shape}, expected [T, H]")
+    if (tokens.ndim != 1 or pair_weight.shape != tokens.shape or offsets.ndim != 1 or offsets.shape[0] < 1
+            or not jnp.issubdtype(tokens.dtype, jnp.integer) or not jnp.issubdtype(offsets.dtype, jnp.integer)):
+        raise ValueError(f"{what}: tokens {tokens.dtype}{list(tokens.shape)}, pair_weight "
+                         f"{pair_weight.dtype}{list(pair_weight.shape)}, offsets {offsets.dtype}{list(offsets.shape)}:"
+                         f" expected integer [P], float [P] and integer [E + 1]")
+    return tokens.astype(jnp.int32), pair_weight.astype(jnp.float32), offsets.astype(jnp.int32)
+
+
+def experts(x: jax.Array, tokens: jax.Array, pair_weight: jax.Array, offsets: jax.Array,
+            gate_up: Sequence[jax.Array] | jax.Array, down: Sequence[jax.Array] | jax.Array, *,
+            strategy: str = "auto") -> jax.Array:
+    """All the routed SwiGLU experts of one MoE layer in one CPU FFI call, exactly over their live pairs.
+
+    x [T, H] (bf16, or f32); tokens int32 [P]: the row of x of each (token, expert) pair, pairs sorted by
+    expert; pair_weight f32 [P]; offsets int32 [E + 1]: expert e's pairs are offsets[e] .. offsets[e+1]-1,
+    and pairs outside offsets[0] .. offsets[E]-1 are padding, never read (any value); gate_up: E arrays
+    [2F, H] (gate rows first) or one stacked [E, 2F, H]; down: E arrays [H, F] or one [E, H, F]; weights of
+    x's dtype. Returns f32 [T, H]: out[t] = sum over live pairs p with tokens[p] == t of
+    pair_weight[p] * expert_e(x[t]), experts added in expert order (rows without a pair are 0).
+
+    Numerics are `swiglu`'s (bf16: g, u and h rounded to bf16, the down projection summed in f32,
+    unrounded), each pair's product pair_weight * y rounded once to f32 before it is added; deterministic,
+    bit for bit the same for any thread count and `strategy` ("auto", "rows", "experts": see
+    `experts_host`). Each used expert's weights are read once per call (per 128 rows of its pairs); an
+    expert without pairs is never read. Offsets must satisfy 0 <= offsets[0] <= ... <= offsets[E] <= P and
+    live pairs' tokens lie in [0, T): otherwise the call fails at run time. Pass the weights as separate jit
+    arguments (or loop-carried / closed-over arrays), not as slices of a stacked array (XLA would copy
+    each slice): the stacked form takes the stacked array whole.
+
+    This is a raw CPU-only custom call (lowering for another backend fails): wrap it in
+    `lax.platform_dependent(..., cpu=experts, default=<XLA path>)`, e.g. with `experts_reference`, and
+    check `available_experts()` first (RuntimeError without the library). Usable under jit, while_loop,
+    cond, switch; not differentiable."""
+    tokens, pair_weight, offsets = _routing(x, tokens, pair_weight, offsets, "experts")
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"experts: x dtype {x.dtype}, expected bfloat16 or float32")
+    T, H = x.shape
+    E = offsets.shape[0] - 1
+    stacked, _ = _expert_weights(gate_up, down, E, H, x.dtype, "experts")
+    code = _strategy(strategy)
+    if not available_experts():
+        raise RuntimeError(f"models.native.experts: library unavailable ({_error or 'no XLA FFI support'})")
+    weights = [gate_up, down] if stacked else [*gate_up, *down]
+    target = "moescope_experts" if x.dtype == jnp.bfloat16 else "moescope_experts_f32"
+    out = jax.ShapeDtypeStruct((T, H), jnp.float32)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, tokens, pair_weight, offsets, *weights,
+                                                                     strategy=np.int32(code))
+
+
+def experts_reference(x: jax.Array, tokens: jax.Array, pair_weight: jax.Array, offsets: jax.Array,
+                      gate_up: Sequence[jax.Array] | jax.Array, down: Sequence[jax.Array] | jax.Array) -> jax.Array:
+    """Pure-XLA `experts`, same arguments and result (any backend): a scan over the experts, each expert
+    run by `swiglu_reference` on all P pair rows and masked to its own live pairs, weighted, and added
+    into its tokens' rows (expert order). E times the work of the live pairs: a reference, and a last-resort
+    fallback. Padding pairs may hold any value (clamped, masked)."""
+    tokens, pair_weight, offsets = _routing(x, tokens, pair_weight, offsets, "experts_reference")
+    T, H = x.shape
+    P, E = tokens.shape[0], offsets.shape[0] - 1
+    stacked, _ = _expert_weights(gate_up, down, E, H, x.dtype, "experts_reference")
+    out = jnp.zeros((T, H), jnp.float32)
+    if E == 0 or P == 0 or T == 0:
+        return out
+    gu = gate_up if stacked else jnp.stack(list(gate_up))
+    dn = down if stacked else jnp.stack(list(down))
+    tok = jnp.clip(tokens, 0, T - 1)
+    rows = x[tok]
+    p = jnp.arange(P, dtype=jnp.int32)
+
+    def one(out, item):
+        e, gu_e, dn_e = item
+        live = (p >= offsets[e]) & (p < offsets[e + 1])
+        y = swiglu_reference(rows, gu_e, dn_e)
+        return out.at[tok].add(jnp.where(live[:, None], pair_weight[:, None] * y, 0.0)), None
+
+    return lax.scan(one, out, (jnp.arange(E, dtype=jnp.int32), gu, dn))[0]
+
+
+# ---- host (ctypes) -------------------------------------------------------------------------------
+
+def _host_array(a: Any, what: str, writeable: bool = False) -> tuple[int, np.dtype, tuple[int, ...]]:
+    """(address, numpy dtype, shape) of a C-contiguous CPU numpy array or torch tensor; ValueError otherwise."""
+    if isinstance(a, np.ndarray):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{what}: must be C-contiguous")
+        if writeable and not a.flags.writeable:
+            raise ValueError(f"{what}: must be writeable")
+        return a.__array_interface__["data"][0], a.dtype, a.shape
+    if type(a).__module__.split(".")[0] == "torch":
+        import torch
+
+        if a.device.type != "cpu":
+            raise ValueError(f"{what}: torch tensor on {a.device}, expected the CPU")
+        if not a.is_contiguous():
+            raise ValueError(f"{what}: torch tensor must be contiguous")
+        dt = {torch.bfloat16: _BF16, torch.float32: _F32}.get(a.dtype)
+        if dt is None:
+            raise ValueError(f"{what}: torch dtype {a.dtype}, expected torch.bfloat16 or torch.float32")
+        return a.data_ptr(), dt, tuple(a.shape)
+    raise ValueError(f"{what}: {type(a).__name__}, expected a numpy array or a torch tensor")
+
+
+def _wdtype(dt: np.dtype, what: str) -> int:
+    if dt == _BF16:
+        return _W_BF16
+    if dt == _F32:
+        return _W_F32
+    raise ValueError(f"{what}: dtype {dt}, expected bfloat16 (ml_dtypes / torch) or float32")
+
+
+class ExpertWeights:
+    """Validated weights of several SwiGLU experts (gate [F, H], up [F, H], down [H, F] each, one dtype),
+    with their addresses packed for `experts_host`. Holds references to the arrays. Pack a layer's
+    experts once and pass the result to `experts_host` to skip the per-call checks."""
+
+    def __init__(self, gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any]):
+        n = len(gates)
+        if len(ups) != n or len(downs) != n:
+            raise ValueError(f"experts: {n} gates, {len(ups)} ups, {len(downs)} downs")
+        self.arrays = (list(gates), list(ups), list(downs))
+        self.n = n
+        self.hidden = self.intermediate = 0
+        self.dtype: Optional[np.dtype] = None
+        ptrs = np.zeros((3, n), np.uintp)
+        for e in range(n):
+            for j, (arr, name) in enumerate(zip((gates[e], ups[e], downs[e]), ("gate", "up", "down"))):
+                addr, dt, shape = _host_array(arr, f"expert {e} {name}")
+                if self.dtype is None:
+                    self.dtype = dt
+                    _wdtype(dt, f"expert {e} {name}")
+                    if len(shape) != 2:
+                        raise ValueError(f"expert {e} {name}: shape {shape}, expected [F, H]")
+                    self.intermediate, self.hidden = shape
+                elif dt != self.dtype:
+                    raise ValueError(f"expert {e} {name}: dtype {dt}, expected {self.dtype} like the first weight")
+                want = (self.hidden, self.intermediate) if name == "down" else (self.intermediate, self.hidden)
+                if tuple(shape) != want:
+                    raise ValueError(f"expert {e} {name}: shape {tuple(shape)}, expected {list(want)}")
+                ptrs[j, e] = addr
+        self.ptrs = ptrs
+        self.wdtype = _W_F32 if self.dtype == _F32 else _W_BF16
+
+
+def pack_experts(gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any]) -> ExpertWeights:
+    """`ExpertWeights` of these experts (validated once; reuse it across calls)."""
+    return ExpertWeights(gates, ups, downs)
+
+
+def _check_vec(a: Any, dtype: Any, n: Optional[int], what: str, writeable: bool = False) -> int:
+    if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != 1 or (n is not None and a.shape[0] != n):
+        got = f"{type(a).__name__} {getattr(a, 'dtype', '')} {getattr(a, 'shape', '')}"
+        raise ValueError(f"{what}: {got}, expected a numpy {np.dtype(dtype)} vector"
+                         + (f" of {n}" if n is not None else ""))
+    if not a.flags.c_contiguous or (writeable and not a.flags.writeable):
+        raise ValueError(f"{what}: must be contiguous" + (" and writeable" if writeable else ""))
+    return a.__array_interface__["data"][0]
+
+
+def experts_host(out: np.ndarray, x: Any, gates: Sequence[Any] | ExpertWeights, ups: Optional[Sequence[Any]],
+                 downs: Optional[Sequence[Any]], offsets: np.ndarray, tokens: np.ndarray, pair_weight: np.ndarray,
+                 threads: int = 1, seconds: Optional[np.ndarray] = None, strategy: str = "auto") -> None:
+    """All the CPU experts of a layer in one native call (the GIL is released while it runs).
+
+    out f32 [T, H] (C-contiguous, accumulated in place); x [T, H] C-contiguous, bf16 (ml_dtypes or torch)
+    for bf16 weights, f32 for f32 weights; gates[e], ups[e] [F, H] and downs[e] [H, F] for each of n
+    experts (numpy arrays or torch tensors, C-contiguous, possibly read-only; never written), or
+    `gates` an `ExpertWeights` and ups = downs = None; offsets int64 [n + 1]: expert e's pairs are
+    offsets[e] .. offsets[e+1]; tokens int32 [n_pairs]: the row of x of each pair; pair_weight f32
+    [n_pairs]. Adds pair_weight[p] * expert(x[tokens[p]]) into out[tokens[p]] for every pair, experts
+    in order: the result does not depend on `threads` (<= 0: the library default, see `set_threads`).
+    seconds: optional f64 [n], each expert's wall time (0 for experts without pairs).
+    strategy: how threads share the work, never what is computed (bit-identical results): "rows" splits
+    each expert's output rows over the threads, expert after expert; "experts" gives whole experts to
+    threads (each into a scratch block, added into out in expert order at the end); "auto" (default)
+    chooses: whole experts for several small ones at decode sizes, rows for large experts (over 64 MiB
+    of weights, `MOESCOPE_NATIVE_EP_MAX_MB` changes it), large batches, or one expert that dominates.
+    Experts without pairs are never read."""
+    lib = _need()
+    w = gates if isinstance(gates, ExpertWeights) else ExpertWeights(gates, ups or (), downs or ())
+    xa, xdt, xshape = _host_array(x, "x")
+    oa, odt, oshape = _host_array(out, "out", writeable=True)
+    if odt != _F32 or len(oshape) != 2:
+        raise ValueError(f"out: {odt} {oshape}, expected float32 [T, H]")
+    T, H = oshape
+    if tuple(xshape) != (T, H):
+        raise ValueError(f"x: shape {tuple(xshape)}, expected {[T, H]} like out")
+    if w.n and w.hidden != H:
+        raise ValueError(f"experts: hidden size {w.hidden}, but x and out have {H}")
+    if w.n and xdt != w.dtype:
+        raise ValueError(f"x: dtype {xdt}, expected {w.dtype} like the weights")
+    wdtype = w.wdtype if w.n else _wdtype(xdt, "x")
+    offs = _check_vec(offsets, np.int64, w.n + 1, "offsets")
+    n_pairs = int(tokens.shape[0]) if isinstance(tokens, np.ndarray) else -1
+    toks = _check_vec(tokens, np.int32, None, "tokens")
+    pws = _check_vec(pair_weight, np.float32, n_pairs, "pair_weight")
+    secs = None if seconds is None else _check_vec(seconds, np.float64, w.n, "seconds", writeable=True)
+    rc = lib.ms_experts(xa, T, H, w.intermediate, wdtype, w.n, w.ptrs[0].ctypes.data, w.ptrs[1].ctypes.data,
+                        w.ptrs[2].ctypes.data, offs, n_pairs, toks, pws, oa, int(threads), secs,
+                        _strategy(strategy))
+    if rc != 0:
+        raise ValueError(lib.ms_last_error().decode())
+
+
+def linear_host(x: Any, w: Any, threads: int = 1) -> np.ndarray:
+    """f32 [..., N] = x [..., K] times w [N, K]^T (x bf16 for bf16 w, f32 for f32 w; C-contiguous numpy or
+    torch CPU arrays), with `threads` threads (<= 0: the library default)."""
+    lib = _need()
+    xa, xdt, xshape = _host_array(x, "x")
+    wa, wdt, wshape = _host_array(w, "w")
+    wdtype = _wdtype(wdt, "w")
+    if xdt != wdt:
+        raise ValueError(f"x: dtype {xdt}, expected {wdt} like w")
+    if len(wshape) != 2 or len(xshape) < 1 or xshape[-1] != wshape[1]:
+        raise ValueError(f"x {tuple(xshape)}, w {tuple(wshape)}: expected x [..., K], w [N, K]")
+    K, N = wshape[1], wshape[0]
+    M = int(np.prod(xshape[:-1], dtype=np.int64))
+    y = np.empty((*xshape[:-1], N), np.float32)
+    if lib.ms_linear(xa, M, K, wa, N, y.ctypes.data, wdtype, int(threads)) != 0:
+        raise ValueError(lib.ms_last_error().decode())
+    return y
+
+
+def stream_read(a: np.ndarray, threads: int = 1) -> float:
+    """Reads all of `a` (C-contiguous) once with the native streaming kernel on `threads` threads and returns
+    a checksum: time it for the machine's memory read rate."""
+    lib = _need()
+    addr, _, _ = _host_array(a, "a")
+    return float(lib.ms_read(addr, a.nbytes, int(threads)))

@@ -1,0 +1,1536 @@
+// moescope native CPU kernels: dense dots over [out, in] weights (bf16 or f32), SwiGLU experts, a
+// layer's routed experts in one call, and row gathers (embedding lookups). Used from jitted JAX programs
+// through XLA FFI custom calls (moescope_linear, moescope_swiglu, moescope_experts, each with an _f32
+// variant, and moescope_take_rows) and from Python through ctypes (ms_linear, ms_experts;
+// models/native/__init__.py). Built by models/native/build.py with plain -O3:
+// the ISA-specific code is compiled under `#pragma GCC target` and chosen once at load time
+// (AVX512-BF16, AVX2+FMA, or portable scalar code; MOESCOPE_NATIVE_ISA or ms_set_isa force a slower one).
+//
+// Layout. Every weight is [N, K] row-major with contiguous rows (HF/torch [out, in]):
+//   y[m, n] = sum_k x[m, k] * W[n, k].
+// A SwiGLU expert is gate [F, H], up [F, H], down [H, F]:
+//   y = (silu(x gate^T) * (x up^T)) down^T.
+// Weights are only read, never written (they may be read-only mappings of checkpoint files).
+//
+// Numerics.
+//   * Products are accumulated in f32, always. Each output element is one f32 sum whose order depends
+//     on K, on the ISA path and, on the AVX-512 path, on whether the call has one activation row or
+//     more (two lane layouts, below) -- never on the thread count, on how rows are split into parts
+//     or on how K is chunked: results are deterministic and the same for any number of threads.
+//   * bf16 weights: the activation is bf16 (exact). The AVX512-BF16 path multiplies bf16 pairs with
+//     VDPBF16PS (exact products, f32 sums; this instruction reads bf16 denormals as zero); the AVX2 and
+//     scalar paths widen both to f32 and use f32 FMAs / multiply-adds. A linear map returns f32 (C ABI)
+//     or its f32 sums rounded once to bf16, round-to-nearest-even (FFI). A SwiGLU expert rounds the
+//     gate and up projections to bf16, computes silu(g) * u in f32, rounds h to bf16 before the down
+//     projection (as a bf16 JAX/torch model does: every matmul output is bf16), and returns the down
+//     projection in f32, unrounded.
+//   * f32 weights: plain f32 everywhere, no rounding.
+//
+// Memory streaming. A decode-sized call (M <= 4 rows) is bound by the rate weights come from memory.
+// On one core that rate is limited by how many cache lines are in flight, so a call streams several
+// weight rows at once (a part's rows are cut into R equal runs, each read sequentially) and, on the
+// AVX-512 path, packs up to 4 activation rows into the 128-bit lanes of one accumulator (a 16-byte
+// weight chunk broadcast to every lane), which leaves enough registers for 6-8 concurrent weight
+// streams at M = 2..4, and prefetches those streams into L2 a few KiB ahead (for 1 row the out-of-order window
+// keeps enough lines in flight by itself). For more rows, groups of 4 are computed two at a time
+// against each block of weight rows and K is walked in chunks (partial sums kept as vectors between
+// chunks), so the weight block and the activation chunk stay in cache and the weights are read from
+// memory once per 128 activation rows.
+//
+// Threads. A persistent pool of std::threads shared by all callers, safe for concurrent calls from
+// different host threads (XLA's thread and a torch worker may call at the same time). A call splits
+// its output rows into parts; the calling thread and up to `threads - 1` pool workers take parts
+// from a shared counter, so a call never waits for a worker busy elsewhere: it does the work itself.
+// Work under 256 KiB of weights (and little compute) runs on the calling thread alone. A layer's
+// experts may instead be shared out whole, one thread per expert (experts_core: small experts at
+// decode sizes), with the same results bit for bit. Inside an XLA FFI call the helpers are tasks on
+// XLA's own intra-op pool instead of the kernels' workers (Executor): XLA's idle pool threads spin
+// for a while after each op, and extra threads of ours would compete with them for the cores
+// (measured: a 6-expert DeepSeek layer in a jitted loop took 3.0 ms a call on our workers and
+// 2.2 ms on XLA's, 2 cores).
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+
+// x86-64 kernels (MOESCOPE_PORTABLE: build only the portable scalar code, as on other architectures)
+#if defined(__x86_64__) && !defined(MOESCOPE_PORTABLE)
+#define MS_X86 1
+#include <immintrin.h>
+#else
+#define MS_X86 0
+#endif
+
+#if defined(__has_include)
+#if __has_include("xla/ffi/api/ffi.h") && !defined(MOESCOPE_NO_FFI)
+#define MOESCOPE_HAVE_FFI 1
+#include "xla/ffi/api/ffi.h"
+#endif
+#endif
+
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Basics
+// ------------------------------------------------------------------------------------------------
+
+enum Isa { kScalar = 0, kAvx2 = 1, kAvx512Bf16 = 2 };
+enum WType { kWBf16 = 0, kWF32 = 1 };
+
+constexpr int kKC = 2048;                    // K chunk (elements) of a weight-row block, reused from cache
+constexpr int kMB = 128;                     // activation rows per pass over the weights (multiple of 4)
+constexpr size_t kSmallBytes = 256 * 1024;   // below this much weight, one thread ...
+constexpr double kSmallMacs = 4.0e6;         // ... unless the compute is large
+constexpr size_t kTakeParallelBytes = 4 * 1024 * 1024;  // row copies (take_rows) over threads from here
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays a (quiet) NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+inline void cpu_relax() {
+#if MS_X86
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+int detect_isa() {
+#if MS_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
+    return kAvx512Bf16;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+#endif
+  return kScalar;
+}
+
+const char* isa_name(int isa) {
+  switch (isa) {
+    case kAvx512Bf16: return "avx512bf16";
+    case kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+int isa_from_name(const char* s) {
+  if (!s) return -1;
+  std::string n(s);
+  if (n == "avx512bf16" || n == "avx512") return kAvx512Bf16;
+  if (n == "avx2") return kAvx2;
+  if (n == "scalar") return kScalar;
+  return -1;
+}
+
+int cpus_available() {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+#endif
+  unsigned n = std::thread::hardware_concurrency();
+  return n ? int(n) : 1;
+}
+
+const int g_best_isa = detect_isa();
+std::atomic<int> g_isa{[] {
+  int want = isa_from_name(std::getenv("MOESCOPE_NATIVE_ISA"));
+  return (want >= 0 && want <= g_best_isa) ? want : g_best_isa;
+}()};
+std::atomic<int> g_threads{cpus_available()};
+
+thread_local std::string t_error;
+
+int fail(const std::string& msg) {
+  t_error = msg;
+  return -1;
+}
+// ------------------------------------------------------------------------------------------------
+// Thread pool
+// ------------------------------------------------------------------------------------------------
+
+// Another thread pool to borrow helpers from: an FFI handler lends XLA's intra-op pool for the duration
+// of its call (t_executor), so that the kernels' helpers run on XLA's own threads instead of competing
+// for the cores with them (XLA:CPU's idle pool threads spin for a while after each op).
+struct Executor {
+  virtual ~Executor() = default;
+  virtual int threads() const = 0;                        // its thread count (<= 0: unusable)
+  virtual void schedule(std::function<void()> task) = 0;  // runs task() on one of its threads, later
+};
+thread_local Executor* t_executor = nullptr;
+
+// Parts claimed from a counter by the caller and by helper tasks that may start late -- even after the
+// call returned: the state is shared, and a helper counts itself active before it claims a part, so the
+// caller, once every part is claimed, only waits for helpers that hold one.
+struct SharedJob {
+  void (*fn)(void*, int);
+  void* ctx;
+  int nparts;
+  std::atomic<int> next{0};
+  std::atomic<int> active{0};
+  void work() {
+    for (;;) {
+      const int i = next.fetch_add(1);
+      if (i >= nparts) return;
+      fn(ctx, i);
+    }
+  }
+};
+
+void run_borrowed(Executor& ex, int nparts, int threads, void (*fn)(void*, int), void* ctx) {
+  auto job = std::make_shared<SharedJob>();
+  job->fn = fn;
+  job->ctx = ctx;
+  job->nparts = nparts;
+  const int helpers = std::min({threads, nparts, ex.threads() + 1}) - 1;
+  for (int h = 0; h < helpers; ++h)
+    ex.schedule([job] {
+      job->active.fetch_add(1);
+      job->work();
+      job->active.fetch_sub(1);
+    });
+  job->work();
+  for (int i = 0; job->active.load() != 0; ++i) {
+    if (i < 20000) cpu_relax(); else std::this_thread::yield();
+  }
+}
+
+struct Job {
+  void (*fn)(void*, int);
+  void* ctx;
+  int nparts;
+  std::atomic<int> next{0};
+  std::atomic<int> active{0};  // workers that hold this job (changed under the pool mutex)
+};
+
+class Pool {
+ public:
+  // Runs fn(ctx, i) for i in [0, nparts) on the caller and up to threads - 1 workers.
+  void run(int nparts, int threads, void (*fn)(void*, int), void* ctx) {
+    if (nparts <= 0) return;
+    if (threads <= 1 || nparts == 1) {
+      for (int i = 0; i < nparts; ++i) fn(ctx, i);
+      return;
+    }
+    if (t_executor != nullptr && t_executor->threads() > 0) return run_borrowed(*t_executor, nparts, threads, fn, ctx);
+    Job job;
+    job.fn = fn;
+    job.ctx = ctx;
+    job.nparts = nparts;
+    int tickets = std::min(threads, nparts) - 1;
+    ensure_workers(tickets);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (int t = 0; t < tickets; ++t) queue_.push_back(&job);
+      pending_.fetch_add(tickets, std::memory_order_release);
+    }
+    if (tickets == 1)
+      cv_work_.notify_one();
+    else
+      cv_work_.notify_all();
+    work(&job);
+    // Every part is claimed: withdraw the tickets nobody took, then wait for the workers that did.
+    std::unique_lock<std::mutex> lk(mu_);
+    size_t before = queue_.size();
+    queue_.erase(std::remove(queue_.begin(), queue_.end(), &job), queue_.end());
+    pending_.fetch_sub(int(before - queue_.size()), std::memory_order_relaxed);
+    if (job.active.load(std::memory_order_acquire) != 0) {
+      lk.unlock();
+      for (int i = 0; i < 10000 && job.active.load(std::memory_order_acquire) != 0; ++i) cpu_relax();
+      lk.lock();
+      cv_done_.wait(lk, [&] { return job.active.load(std::memory_order_acquire) == 0; });
+    }
+  }
+
+ private:
+  static void work(Job* job) {
+    for (;;) {
+      int i = job->next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= job->nparts) return;
+      job->fn(job->ctx, i);
+    }
+  }
+
+  void ensure_workers(int n) {
+    n = std::min(n, 255);
+    if (nworkers_.load(std::memory_order_acquire) >= n) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    while (nworkers_.load(std::memory_order_relaxed) < n) {
+      std::thread(&Pool::loop, this).detach();
+      nworkers_.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void loop() {
+    for (;;) {
+      // spin a little first: back-to-back calls (an expert's two phases, a layer's experts) find us awake
+      for (int i = 0; i < 4000 && pending_.load(std::memory_order_acquire) == 0; ++i) cpu_relax();
+      Job* job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_work_.wait(lk, [&] { return !queue_.empty(); });
+        job = queue_.front();
+        queue_.pop_front();
+        pending_.fetch_sub(1, std::memory_order_relaxed);
+        job->active.fetch_add(1, std::memory_order_relaxed);
+      }
+      work(job);
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (job->active.fetch_sub(1, std::memory_order_acq_rel) == 1) cv_done_.notify_all();
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_work_, cv_done_;
+  std::deque<Job*> queue_;
+  std::atomic<int> pending_{0};
+  std::atomic<int> nworkers_{0};
+};
+
+// Leaked on purpose: detached workers may still be blocked in it at exit. A forked child gets a fresh
+// pool (the parent's workers do not exist there, and its mutex may have been held at fork time).
+Pool* g_pool = new Pool();
+
+#if defined(__linux__)
+void reset_pool_in_child() { g_pool = new Pool(); }
+const int g_atfork = pthread_atfork(nullptr, nullptr, reset_pool_in_child);
+#endif
+
+template <class F>
+void parallel(int nparts, int threads, F& f) {
+  g_pool->run(nparts, threads, [](void* c, int i) { (*static_cast<F*>(c))(i); }, &f);
+}
+
+int resolve_threads(int threads) {
+  if (threads <= 0) threads = g_threads.load(std::memory_order_relaxed);
+  return std::max(1, std::min(threads, 256));
+}
+
+// Threads for a section that reads `wbytes` of weights and does `macs` multiply-adds.
+int threads_for(int threads, double wbytes, double macs) {
+  threads = resolve_threads(threads);
+  if (wbytes < double(kSmallBytes) && macs < kSmallMacs) return 1;
+  return threads;
+}
+
+// Parts for `n` output rows on `threads` threads: a few per thread (the caller takes over parts of
+// a worker that is late), at least 16 rows each.
+int parts_for(int64_t n, int threads) {
+  if (threads <= 1) return 1;
+  int64_t p = std::min<int64_t>(int64_t(threads) * 4, std::max<int64_t>(1, n / 16));
+  return int(std::max<int64_t>(p, 1));
+}
+
+inline int64_t part_begin(int64_t n, int nparts, int i) { return n * i / nparts; }
+
+// ------------------------------------------------------------------------------------------------
+// Activations, as the ISA path reads them.
+//   kPlain: rows of `ld` elements.
+//   kQuad (AVX-512, M >= 2): groups of 4 rows, each [Kp / g][4][g] with g elements per 128-bit lane
+//     (bf16 8, f32 4); group q starts at q * gstride. Rows past M are zero.
+// Kp is K rounded up to a whole 64-byte vector (bf16 32, f32 16); the padding is zero.
+// Element type: bf16 bits on the AVX-512 path with bf16 weights, else f32.
+// ------------------------------------------------------------------------------------------------
+
+enum Layout { kPlain = 0, kQuad = 1 };
+
+struct Act {
+  const void* x = nullptr;
+  size_t ld = 0;        // kPlain: row stride (elements)
+  int64_t gstride = 0;  // kQuad: group stride (elements)
+  int layout = kPlain;
+};
+
+inline bool act_is_bf16(int isa, int wt) { return isa == kAvx512Bf16 && wt == kWBf16; }
+
+// ------------------------------------------------------------------------------------------------
+// Micro-kernels. A micro-kernel computes R weight rows (given by pointers) against activation rows
+// (one or a few; on AVX-512 one row or groups of four), over k in [k0, k1), and stores -- or, when
+// `acc`, adds -- each sum into y[m * ldy + nc[r]].
+// ------------------------------------------------------------------------------------------------
+
+#define MK_ARGS(XT, WT) \
+  const XT *x, size_t ldx, const WT *const *wr, int k0, int k1, float *y, size_t ldy, const int *nc, bool acc
+#define MK_PASS x, ldx, wr, k0, k1, y, ldy, nc, acc
+
+inline void put(float* p, float s, bool acc) { *p = acc ? *p + s : s; }
+
+// ---- scalar (any architecture): 8 lanes per sum, summed in a fixed order -------------------------
+
+inline float wval(uint16_t w) { return bf16_to_f32(w); }
+inline float wval(float w) { return w; }
+
+template <class WT>
+void mk_scalar(MK_ARGS(float, WT)) {  // one activation row, one weight row
+  (void)ldx;
+  (void)ldy;
+  const WT* w = wr[0];
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int k = k0;
+  for (; k + 8 <= k1; k += 8)
+    for (int j = 0; j < 8; ++j) lane[j] += x[k + j] * wval(w[k + j]);
+  float tail = 0.0f;
+  for (; k < k1; ++k) tail += x[k] * wval(w[k]);
+  float s = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7])) + tail;
+  put(y + nc[0], s, acc);
+}
+
+template <class WT>
+struct KScalar {
+  using W = WT;
+  static constexpr int R = 1, MRMAX = 1;
+  static void run(int, int, MK_ARGS(float, WT)) { mk_scalar<WT>(MK_PASS); }
+};
+
+#if MS_X86
+
+// ---- AVX2 + FMA: f32 activations; bf16 weights widened by a 16-bit shift; 8 lanes per sum --------
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+inline float hsum128(__m128 q) {
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+
+inline float hsum256(__m256 v) { return hsum128(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int R, int MR, class WT>
+void mk_avx2(MK_ARGS(float, WT)) {
+  __m256 a[MR][R];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) a[m][r] = _mm256_setzero_ps();
+  int k = k0;
+  for (; k + 8 <= k1; k += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = load8(wr[r] + k);
+    for (int m = 0; m < MR; ++m) {
+      __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
+      for (int r = 0; r < R; ++r) a[m][r] = _mm256_fmadd_ps(xv, wv[r], a[m][r]);
+    }
+  }
+  if (k < k1) {  // tail: zero-padded copies
+    const int n = k1 - k;
+    alignas(32) WT wt[8];
+    alignas(32) float xt[8];
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) {
+      std::memset(wt, 0, sizeof(wt));
+      std::memcpy(wt, wr[r] + k, n * sizeof(WT));
+      wv[r] = load8(wt);
+    }
+    for (int m = 0; m < MR; ++m) {
+      std::memset(xt, 0, sizeof(xt));
+      std::memcpy(xt, x + m * ldx + k, n * sizeof(float));
+      __m256 xv = _mm256_load_ps(xt);
+      for (int r = 0; r < R; ++r) a[m][r] = _mm256_fmadd_ps(xv, wv[r], a[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) put(y + m * ldy + nc[r], hsum256(a[m][r]), acc);
+}
+
+template <class WT>
+struct KAvx2 {
+  using W = WT;
+  static constexpr int R = 4, MRMAX = 2;
+  static void run(int r, int mr, MK_ARGS(float, WT)) {
+    if (r == R) {
+      if (mr == 2) mk_avx2<R, 2, WT>(MK_PASS); else mk_avx2<R, 1, WT>(MK_PASS);
+    } else {
+      if (mr == 2) mk_avx2<1, 2, WT>(MK_PASS); else mk_avx2<1, 1, WT>(MK_PASS);
+    }
+  }
+};
+
+#pragma GCC pop_options
+
+// ---- AVX-512 (+BF16): bf16 weights with VDPBF16PS, f32 weights with FMA ------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+inline float hsum128x(__m128 q) {
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+inline float hsum256x(__m256 v) { return hsum128x(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
+inline float hsum512(__m512 v) {
+  return hsum256x(_mm512_castps512_ps256(_mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4e))));
+}
+
+// Element traits: a 64-byte vector holds kE elements; `dot` accumulates x * w into 16 f32 lanes.
+struct E512Bf16 {
+  using E = uint16_t;
+  static constexpr int kE = 32;
+  static __m512 dot(__m512 a, __m512i x, __m512i w) { return _mm512_dpbf16_ps(a, (__m512bh)x, (__m512bh)w); }
+  static __m512i load(const E* p) { return _mm512_loadu_si512(static_cast<const void*>(p)); }
+  static __m512i load_n(const E* p, int n) {  // first n (< 32) elements, rest zero
+    return _mm512_maskz_loadu_epi16(__mmask32((uint64_t(1) << n) - 1), p);
+  }
+  static __m512i bcast128_n(const E* p, int n) {  // n <= 8 elements broadcast to all four lanes
+    __m128i q = n >= 8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                       : _mm_maskz_loadu_epi16(__mmask8((1u << n) - 1), p);
+    return _mm512_broadcast_i32x4(q);
+  }
+};
+
+struct E512F32 {
+  using E = float;
+  static constexpr int kE = 16;
+  static __m512 dot(__m512 a, __m512i x, __m512i w) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(w), a);
+  }
+  static __m512i load(const E* p) { return _mm512_castps_si512(_mm512_loadu_ps(p)); }
+  static __m512i load_n(const E* p, int n) {
+    return _mm512_castps_si512(_mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p));
+  }
+  static __m512i bcast128_n(const E* p, int n) {
+    __m128 q = n >= 4 ? _mm_loadu_ps(p) : _mm_maskz_loadu_ps(__mmask8((1u << n) - 1), p);
+    return _mm512_castps_si512(_mm512_broadcast_f32x4(q));
+  }
+};
+
+// One activation row (plain), R weight rows.
+template <class T, int R>
+void mk512_sep(MK_ARGS(typename T::E, typename T::E)) {
+  (void)ldx;
+  (void)ldy;
+  constexpr int kE = T::kE;
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  int k = k0;
+  for (; k + kE <= k1; k += kE) {
+    __m512i xv = T::load(x + k);
+    for (int r = 0; r < R; ++r) a[r] = T::dot(a[r], xv, T::load(wr[r] + k));
+  }
+  if (k < k1) {
+    const int n = k1 - k;
+    __m512i xv = T::load_n(x + k, n);
+    for (int r = 0; r < R; ++r) a[r] = T::dot(a[r], xv, T::load_n(wr[r] + k, n));
+  }
+  for (int r = 0; r < R; ++r) put(y + nc[r], hsum512(a[r]), acc);
+}
+
+// Groups of four activation rows packed in 128-bit lanes (x: kQuad layout from the first group, absolute
+// k; NG groups, `gstride` apart), R weight rows; `rows` (1 .. 4 * NG) rows are stored, the rest is padding.
+// Weight chunks are broadcast once and used for every group. K may come in chunks: the accumulators start
+// from zero on the first chunk, else from `vacc`, and go back to `vacc` (NG * R vectors) unless this is
+// the last chunk, which reduces them into y. The sums are thus the same however K is chunked.
+// PF: the weights come from memory (the first group pair of a chunk): prefetch them kPrefetch bytes ahead
+// into L2, which lets more lines be in flight than the out-of-order window alone allows at 4 dots a line.
+constexpr int kPrefetch = 3072;
+
+template <class T, int R, int NG, bool PF>
+void mk512_quad(const typename T::E* x, int rows, int64_t gstride, const typename T::E* const* wr, int k0, int k1,
+                float* y, size_t ldy, const int* nc, float* vacc, bool first, bool last) {
+  constexpr int kE = T::kE, kG = kE / 4;
+  __m512 a[NG][R];
+  for (int q = 0; q < NG; ++q)
+    for (int r = 0; r < R; ++r) a[q][r] = first ? _mm512_setzero_ps() : _mm512_load_ps(vacc + (q * R + r) * 16);
+  int k = k0;
+  for (; k + kE <= k1; k += kE) {
+    if (PF)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + k) + kPrefetch, _MM_HINT_T1);
+    for (int j = 0; j < 4; ++j) {
+      __m512i xv[NG];
+      for (int q = 0; q < NG; ++q) xv[q] = T::load(x + q * gstride + 4 * k + j * kE);
+      for (int r = 0; r < R; ++r) {
+        const __m512i wv = T::bcast128_n(wr[r] + k + j * kG, kG);
+        for (int q = 0; q < NG; ++q) a[q][r] = T::dot(a[q][r], xv[q], wv);
+      }
+    }
+  }
+  if (k < k1) {
+    const int n = k1 - k;
+    for (int j = 0; j < 4 && n > j * kG; ++j) {
+      const int nj = std::min(kG, n - j * kG);
+      __m512i xv[NG];
+      for (int q = 0; q < NG; ++q) xv[q] = T::load(x + q * gstride + 4 * k + j * kE);
+      for (int r = 0; r < R; ++r) {
+        const __m512i wv = T::bcast128_n(wr[r] + k + j * kG, nj);
+        for (int q = 0; q < NG; ++q) a[q][r] = T::dot(a[q][r], xv[q], wv);
+      }
+    }
+  }
+  if (!last) {
+    for (int q = 0; q < NG; ++q)
+      for (int r = 0; r < R; ++r) _mm512_store_ps(vacc + (q * R + r) * 16, a[q][r]);
+    return;
+  }
+  for (int q = 0; q < NG; ++q)
+    for (int r = 0; r < R; ++r) {
+      const float s[4] = {hsum128x(_mm512_extractf32x4_ps(a[q][r], 0)), hsum128x(_mm512_extractf32x4_ps(a[q][r], 1)),
+                          hsum128x(_mm512_extractf32x4_ps(a[q][r], 2)), hsum128x(_mm512_extractf32x4_ps(a[q][r], 3))};
+      for (int m = 0; m < 4 && 4 * q + m < rows; ++m) y[(4 * q + m) * ldy + nc[r]] = s[m];
+    }
+}
+
+// Rows (weight streams) per micro-kernel call, by activation layout. More streams keep more lines in
+// flight, but rows whose size is a multiple of 4 KiB put every stream in the same L1 set at each step
+// (8 ways): 6 quad streams measured best over the real widths (8 loses up to 30% at 2048 x 1408).
+constexpr int kRSep = 4, kRQuad = 6;
+
+template <class T>
+struct K512 {
+  using E = typename T::E;
+  static void sep(int r, MK_ARGS(E, E)) {
+    if (r == kRSep) mk512_sep<T, kRSep>(MK_PASS); else mk512_sep<T, 1>(MK_PASS);
+  }
+  // ng quad groups (1 or 2) against r weight rows; see mk512_quad.
+  template <bool PF>
+  static void quad_pf(int ng, int r, const E* x, int rows, int64_t gstride, const E* const* wr, int k0, int k1,
+                      float* y, size_t ldy, const int* nc, float* vacc, bool first, bool last) {
+    if (ng == 2) {
+      if (r == kRQuad) mk512_quad<T, kRQuad, 2, PF>(x, rows, gstride, wr, k0, k1, y, ldy, nc, vacc, first, last);
+      else mk512_quad<T, 1, 2, PF>(x, rows, gstride, wr, k0, k1, y, ldy, nc, vacc, first, last);
+    } else {
+      if (r == kRQuad) mk512_quad<T, kRQuad, 1, PF>(x, rows, gstride, wr, k0, k1, y, ldy, nc, vacc, first, last);
+      else mk512_quad<T, 1, 1, PF>(x, rows, gstride, wr, k0, k1, y, ldy, nc, vacc, first, last);
+    }
+  }
+  static void quad(bool pf, int ng, int r, const E* x, int rows, int64_t gstride, const E* const* wr, int k0, int k1,
+                   float* y, size_t ldy, const int* nc, float* vacc, bool first, bool last) {
+    if (pf) quad_pf<true>(ng, r, x, rows, gstride, wr, k0, k1, y, ldy, nc, vacc, first, last);
+    else quad_pf<false>(ng, r, x, rows, gstride, wr, k0, k1, y, ldy, nc, vacc, first, last);
+  }
+};
+
+// Streaming read (bandwidth reference): sums 64-bit words with four independent accumulators.
+uint64_t read_avx512(const uint8_t* p, size_t n) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  size_t i = 0;
+  for (; i + 256 <= n; i += 256) {
+    a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(p + i));
+    a1 = _mm512_add_epi64(a1, _mm512_loadu_si512(p + i + 64));
+    a2 = _mm512_add_epi64(a2, _mm512_loadu_si512(p + i + 128));
+    a3 = _mm512_add_epi64(a3, _mm512_loadu_si512(p + i + 192));
+  }
+  alignas(64) uint64_t t[8];
+  _mm512_store_si512(t, _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+  uint64_t s = 0;
+  for (int j = 0; j < 8; ++j) s += t[j];
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2")
+uint64_t read_avx2(const uint8_t* p, size_t n) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  size_t i = 0;
+  for (; i + 128 <= n; i += 128) {
+    a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+    a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+    a2 = _mm256_add_epi64(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+    a3 = _mm256_add_epi64(a3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+  }
+  alignas(32) uint64_t t[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(t),
+                     _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)));
+  uint64_t s = t[0] + t[1] + t[2] + t[3];
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+#pragma GCC pop_options
+
+#endif  // MS_X86
+
+uint64_t read_scalar(const uint8_t* p, size_t n) {
+  uint64_t s[4] = {0, 0, 0, 0};
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    uint64_t v[4];
+    std::memcpy(v, p + i, 32);
+    for (int j = 0; j < 4; ++j) s[j] += v[j];
+  }
+  uint64_t t = s[0] + s[1] + s[2] + s[3];
+  for (; i < n; ++i) t += p[i];
+  return t;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Drivers: y[m, n] for n in [n0, n1) and every activation row m, from weight rows [n0, n1).
+// The rows are cut into R equal runs and a micro-kernel takes one row from each run: R long
+// sequential streams.
+// ------------------------------------------------------------------------------------------------
+
+// Calls block(r, nc) for the blocks of [n0, n1): R rows from R runs, then the remainder one by one.
+template <int R, class Block>
+void for_blocks(int64_t n0, int64_t n1, Block&& block) {
+  const int64_t L = (n1 - n0) / R;
+  for (int64_t i = 0; i < L; ++i) {
+    int nc[R];
+    for (int j = 0; j < R; ++j) nc[j] = int(n0 + j * L + i);
+    block(R, nc);
+  }
+  for (int64_t n = n0 + R * L; n < n1; ++n) {
+    int nc[1] = {int(n)};
+    block(1, nc);
+  }
+}
+
+inline void zero_cols(int64_t M, int64_t n0, int64_t n1, float* y, size_t ldy) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) y[m * ldy + n] = 0.0f;
+}
+
+// Plain f32 activations (AVX2 and scalar paths). For more rows than one micro-kernel call takes, K is
+// walked in chunks (each chunk's sums added to y) and every row group reuses the chunk from cache.
+template <class KT>
+void drive_plain(const float* x, size_t ldx, int64_t M, int64_t K, const typename KT::W* w, size_t ldw,
+                 int64_t n0, int64_t n1, float* y, size_t ldy) {
+  constexpr int R = KT::R, MRMAX = KT::MRMAX;
+  const int64_t kc = M > MRMAX ? kKC : K;  // K in chunks only when several calls share a weight block
+  for (int64_t mb = 0; mb < M; mb += kMB) {
+    const int64_t me = std::min(M, mb + kMB);
+    for_blocks<R>(n0, n1, [&](int r, const int* nc) {
+      const typename KT::W* wr[R];
+      for (int j = 0; j < r; ++j) wr[j] = w + size_t(nc[j]) * ldw;
+      for (int64_t k0 = 0; k0 < K; k0 += kc) {
+        const int k1 = int(std::min<int64_t>(K, k0 + kc));
+        for (int64_t m = mb; m < me; m += MRMAX) {
+          const int mr = int(std::min<int64_t>(MRMAX, me - m));
+          KT::run(r, mr, x + m * ldx, ldx, wr, int(k0), k1, y + m * ldy, ldy, nc, k0 > 0);
+        }
+      }
+    });
+  }
+}
+
+#if MS_X86
+// AVX-512: the activation is kPlain (M == 1) or kQuad (M >= 2).
+template <class T>
+void drive512(const Act& a, int64_t M, int64_t K, const typename T::E* w, size_t ldw, int64_t n0, int64_t n1,
+              float* y, size_t ldy) {
+  using E = typename T::E;
+  const E* x = static_cast<const E*>(a.x);
+  auto rows_of = [&](int r, const int* nc, const E** wr) {
+    for (int j = 0; j < r; ++j) wr[j] = w + size_t(nc[j]) * ldw;
+  };
+  if (a.layout == kPlain) {  // one activation row: one pass over K
+    for_blocks<kRSep>(n0, n1, [&](int r, const int* nc) {
+      const E* wr[kRSep];
+      rows_of(r, nc, wr);
+      K512<T>::sep(r, x, a.ld, wr, 0, int(K), y, ldy, nc, false);
+    });
+  } else {
+    // groups of 4 rows, two per call; over 2 groups, K in chunks so the block of weight rows and the
+    // activation chunk stay in cache while every group pair uses them (accumulators kept in vacc)
+    const int64_t groups = (M + 3) / 4;
+    const int64_t kc = groups > 2 ? kKC : K;
+    alignas(64) float vacc[(kMB / 8) * 2 * kRQuad * 16];
+    for (int64_t gb = 0; gb < groups; gb += kMB / 4) {
+      const int64_t ge = std::min(groups, gb + kMB / 4);
+      for_blocks<kRQuad>(n0, n1, [&](int r, const int* nc) {
+        const E* wr[kRQuad];
+        rows_of(r, nc, wr);
+        for (int64_t k0 = 0; k0 < K; k0 += kc) {
+          const int64_t k1 = std::min(K, k0 + kc);
+          for (int64_t g = gb; g < ge; g += 2) {
+            const int ng = int(std::min<int64_t>(2, ge - g));
+            const int rows = int(std::min<int64_t>(4 * ng, M - 4 * g));
+            K512<T>::quad(g == gb, ng, r, x + g * a.gstride, rows, a.gstride, wr, int(k0), int(k1),
+                          y + 4 * g * ldy, ldy, nc, vacc + (g - gb) / 2 * (2 * kRQuad * 16), k0 == 0, k1 == K);
+          }
+        }
+      });
+    }
+  }
+}
+#endif
+
+void gemm_range(int isa, int wt, const Act& a, int64_t M, int64_t K, const void* w, size_t ldw, int64_t n0,
+                int64_t n1, float* y, size_t ldy) {
+  if (n1 <= n0 || M <= 0) return;
+  if (K == 0) return zero_cols(M, n0, n1, y, ldy);
+#if MS_X86
+  if (isa == kAvx512Bf16) {
+    if (wt == kWBf16)
+      drive512<E512Bf16>(a, M, K, static_cast<const uint16_t*>(w), ldw, n0, n1, y, ldy);
+    else
+      drive512<E512F32>(a, M, K, static_cast<const float*>(w), ldw, n0, n1, y, ldy);
+    return;
+  }
+  if (isa == kAvx2) {
+    const float* x = static_cast<const float*>(a.x);
+    if (wt == kWBf16)
+      drive_plain<KAvx2<uint16_t>>(x, a.ld, M, K, static_cast<const uint16_t*>(w), ldw, n0, n1, y, ldy);
+    else
+      drive_plain<KAvx2<float>>(x, a.ld, M, K, static_cast<const float*>(w), ldw, n0, n1, y, ldy);
+    return;
+  }
+#endif
+  (void)isa;
+  const float* x = static_cast<const float*>(a.x);
+  if (wt == kWBf16)
+    drive_plain<KScalar<uint16_t>>(x, a.ld, M, K, static_cast<const uint16_t*>(w), ldw, n0, n1, y, ldy);
+  else
+    drive_plain<KScalar<float>>(x, a.ld, M, K, static_cast<const float*>(w), ldw, n0, n1, y, ldy);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Scratch of the calling thread (workers write into the caller's buffers).
+// ------------------------------------------------------------------------------------------------
+
+struct Scratch {
+  std::vector<float> xa, ha;  // prepared activations (x; h of an expert), as raw storage
+  std::vector<float> g, u, h, y;
+  std::vector<float> ep;       // a layer call's weighted expert outputs (expert-parallel plan)
+  std::vector<int64_t> offs;   // FFI: offsets widened to int64
+};
+thread_local Scratch t_scratch;
+
+template <class T>
+T* grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+void* grow_bytes(std::vector<float>& v, size_t bytes) { return grow(v, (bytes + 3) / 4 + 16); }
+
+inline float to_f32(uint16_t v) { return bf16_to_f32(v); }
+inline float to_f32(float v) { return v; }
+
+// Prepares M rows of K elements for the ISA path: row m is src + row(m) * ld, row(m) = rows ? rows[m] : m;
+// SRC is uint16_t (bf16 bits) or float, the weights' type.
+template <class SRC>
+Act prepare(int isa, int wt, const SRC* src, size_t ld, const int32_t* rows, int64_t M, int64_t K,
+            std::vector<float>& buf) {
+  Act a;
+  auto row = [&](int64_t m) { return src + (rows ? int64_t(rows[m]) : m) * int64_t(ld); };
+  if (isa != kAvx512Bf16) {  // f32 rows
+    if (std::is_same<SRC, float>::value && !rows) {
+      a.x = src;
+      a.ld = ld;
+      return a;
+    }
+    float* d = static_cast<float*>(grow_bytes(buf, size_t(M * K) * 4));
+    for (int64_t m = 0; m < M; ++m) {
+      const SRC* s = row(m);
+      for (int64_t k = 0; k < K; ++k) d[m * K + k] = to_f32(s[k]);
+    }
+    a.x = d;
+    a.ld = size_t(K);
+    return a;
+  }
+  (void)wt;  // AVX-512: SRC is the weights' element type
+  constexpr int64_t kE = 64 / int64_t(sizeof(SRC));
+  const int64_t Kp = (K + kE - 1) / kE * kE;
+  if (M == 1) {
+    if (!rows) {
+      a.x = src;
+      a.ld = ld;
+      return a;
+    }
+    SRC* d = static_cast<SRC*>(grow_bytes(buf, size_t(K) * sizeof(SRC)));
+    std::memcpy(d, row(0), size_t(K) * sizeof(SRC));
+    a.x = d;
+    a.ld = size_t(K);
+    return a;
+  }
+  constexpr int64_t g = kE / 4;
+  const int64_t groups = (M + 3) / 4;
+  SRC* d = static_cast<SRC*>(grow_bytes(buf, size_t(groups * 4 * Kp) * sizeof(SRC)));
+  std::memset(d, 0, size_t(groups * 4 * Kp) * sizeof(SRC));
+  for (int64_t m = 0; m < M; ++m) {
+    const SRC* s = row(m);
+    SRC* q = d + (m / 4) * 4 * Kp + (m % 4) * g;
+    for (int64_t k0 = 0; k0 < K; k0 += g) std::memcpy(q + k0 * 4, s + k0, size_t(std::min(g, K - k0)) * sizeof(SRC));
+  }
+  a.x = d;
+  a.layout = kQuad;
+  a.gstride = 4 * Kp;
+  return a;
+}
+
+// Prepares x (bf16 bits for bf16 weights, f32 for f32 weights; rows of `ld` elements).
+Act prepare_x(int isa, int wt, const void* x, size_t ld, const int32_t* rows, int64_t M, int64_t K,
+              std::vector<float>& buf) {
+  if (wt == kWBf16) return prepare(isa, wt, static_cast<const uint16_t*>(x), ld, rows, M, K, buf);
+  return prepare(isa, wt, static_cast<const float*>(x), ld, rows, M, K, buf);
+}
+
+// y f32 [M, N] (row stride ldy) = x W^T over `threads` threads; then epi(n0, n1) on each part's columns.
+template <class Epi>
+void gemm(int isa, int wt, const Act& a, int64_t M, int64_t K, const void* w, int64_t N, float* y, size_t ldy,
+          int threads, Epi&& epi) {
+  const double wbytes = double(N) * double(K) * (wt == kWBf16 ? 2 : 4);
+  const int th = threads_for(threads, wbytes, double(M) * double(N) * double(K));
+  const int nparts = parts_for(N, th);
+  auto part = [&](int i) {
+    const int64_t n0 = part_begin(N, nparts, i), n1 = part_begin(N, nparts, i + 1);
+    gemm_range(isa, wt, a, M, K, w, size_t(K), n0, n1, y, ldy);
+    epi(n0, n1);
+  };
+  parallel(nparts, th, part);
+}
+
+// One SwiGLU expert on M prepared rows `a` of H elements: y f32 [M, H] (row stride H) =
+// (silu(x gate^T) * (x up^T)) down^T, with the bf16 roundings described at the top for bf16
+// weights. Phase 2 calls sink(n0, n1) per part after writing y[:, n0:n1].
+template <class Sink>
+void swiglu_expert(int isa, int wt, const Act& a, int64_t M, int64_t H, int64_t F, const void* gate, const void* up,
+                   const void* down, float* y, int threads, Sink&& sink) {
+  if (M <= 0 || H <= 0) return;
+  Scratch& s = t_scratch;
+  const bool bf = wt == kWBf16;
+  const bool hbits = act_is_bf16(isa, wt);  // h kept as bf16 bits (else f32)
+  const double ws = bf ? 2 : 4;
+  float* G = grow(s.g, size_t(M * F));
+  float* U = grow(s.u, size_t(M * F));
+  void* Hraw = grow(s.h, size_t(M * F));
+  uint16_t* Hb = static_cast<uint16_t*>(Hraw);
+  float* Hf = static_cast<float*>(Hraw);
+  {  // phase 1: gate and up rows [f0, f1), then h for those columns
+    const int th = threads_for(threads, 2 * double(F) * double(H) * ws, 2 * double(M) * double(F) * double(H));
+    const int nparts = parts_for(F, th);
+    auto part = [&](int i) {
+      const int64_t f0 = part_begin(F, nparts, i), f1 = part_begin(F, nparts, i + 1);
+      gemm_range(isa, wt, a, M, H, gate, size_t(H), f0, f1, G, size_t(F));
+      gemm_range(isa, wt, a, M, H, up, size_t(H), f0, f1, U, size_t(F));
+      for (int64_t m = 0; m < M; ++m) {
+        const float* g = G + m * F;
+        const float* u = U + m * F;
+        if (bf) {
+          for (int64_t f = f0; f < f1; ++f) {
+            const uint16_t h = f32_to_bf16(silu(round_bf16(g[f])) * round_bf16(u[f]));
+            if (hbits) Hb[m * F + f] = h; else Hf[m * F + f] = bf16_to_f32(h);
+          }
+        } else {
+          for (int64_t f = f0; f < f1; ++f) Hf[m * F + f] = silu(g[f]) * u[f];
+        }
+      }
+    };
+    parallel(nparts, th, part);
+  }
+  // phase 2: down rows [n0, n1)
+  const Act ha = hbits ? prepare(isa, wt, Hb, size_t(F), nullptr, M, F, s.ha)
+                       : prepare(isa, wt, static_cast<const float*>(Hf), size_t(F), nullptr, M, F, s.ha);
+  gemm(isa, wt, ha, M, F, down, H, y, size_t(H), threads, [&](int64_t n0, int64_t n1) { sink(n0, n1); });
+}
+
+// ------------------------------------------------------------------------------------------------
+// A layer's experts in one call (ms_experts and the moescope_experts FFI handler).
+//
+// Two plans, the same numbers. Every expert's output rows are computed the same way whatever the
+// plan or the thread count (the split of rows over threads never changes a sum), and every pair's
+// weighted output w * y (one f32 product) is added into its token's row of `out` expert after expert,
+// pair after pair -- so the result is bit for bit the same under either plan and any thread count.
+//   * Row split: experts one after another, each expert's output rows (gate/up, then down) split
+//     over the threads; pairs added into `out` as each part finishes. Right for large experts
+//     (Mixtral's 336 MiB: each thread streams a long run of rows) and for large M (compute bound).
+//   * Expert parallel: threads take whole experts (largest cost first, from a shared counter), each
+//     running its expert on one thread into a scratch block [M_e, H] of weighted outputs; a last
+//     pass adds the blocks into `out` in expert order. For several small experts at decode sizes
+//     (Qwen3's 9 MiB, DeepSeek-V2-Lite's 16.5 MiB): no barrier between an expert's two phases and
+//     no short row runs per thread. An expert whose cost exceeds a thread's fair share, and the
+//     experts left over when the rest do not divide evenly among the threads, run row split (into
+//     their scratch blocks) after the parallel ones (3, 5 or 7 small experts on 2 threads: 5-15%
+//     faster than either plan alone).
+// Experts without pairs are never read.
+// ------------------------------------------------------------------------------------------------
+
+enum Strategy { kStrategyAuto = 0, kStrategyRows = 1, kStrategyExperts = 2 };
+
+// Auto plan: expert parallel when an expert's weights are at most this many bytes (MOESCOPE_NATIVE_EP_MAX_MB
+// overrides). Measured on 2 Zen 4 cores, a layer of k experts x m = 1 / 4 rows, GB/s expert parallel over
+// row split: 9 MiB +11% / +25%, 16.5 MiB +5% / +14%, 33 MiB +4% / +10%, 48 MiB +1% / +5%, 64 MiB +5% / +9%,
+// 96 MiB +5% / -1%, 192 MiB +3% / -4%, 336 MiB +2% / +6% (noise ~5%): a clear gain up to 64 MiB, none
+// beyond; the row split also lets a caller take over the parts of a late helper, which whole large
+// experts would not ...
+constexpr double kEpMaxBytesDefault = 64.0 * 1024 * 1024;
+// ... and the scratch of weighted outputs (live pairs x H x 4 bytes) stays under this much.
+constexpr double kEpScratchBytes = 32.0 * 1024 * 1024;
+// Cost of an expert in weight-read units: kEpRowCost per row on top of 1 for reading the weights
+// (about where an expert turns compute bound on one core).
+constexpr double kEpRowCost = 1.0 / 16;
+
+const double g_ep_max_bytes = [] {
+  const char* v = std::getenv("MOESCOPE_NATIVE_EP_MAX_MB");
+  if (v && *v) {
+    char* end = nullptr;
+    const double mb = std::strtod(v, &end);
+    if (end != v && mb >= 0) return mb * 1024 * 1024;
+  }
+  return kEpMaxBytesDefault;
+}();
+
+struct ExpertW {
+  const void* gate;
+  const void* up;
+  const void* down;
+};
+
+// Validated arguments (see ms_experts). weights(e) -> ExpertW is called for experts with pairs only.
+// Adds into out (the caller zeroes it first when it wants a fresh result).
+template <class Weights>
+void experts_core(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t n_experts, Weights&& weights,
+                  const int64_t* offsets, const int32_t* tokens, const float* pair_weight, float* out, int threads,
+                  int strategy, double* seconds) {
+  using clock = std::chrono::steady_clock;
+  Scratch& s = t_scratch;
+  std::vector<int64_t> used;
+  int64_t live = 0;
+  for (int64_t e = 0; e < n_experts; ++e) {
+    const int64_t M = offsets[e + 1] - offsets[e];
+    if (M > 0 && H > 0) {
+      used.push_back(e);
+      live += M;
+    } else if (seconds) {
+      seconds[e] = 0.0;
+    }
+  }
+  if (used.empty()) return;
+  const int th = resolve_threads(threads);
+  const double wbytes = 3.0 * double(F) * double(H) * (wt == kWBf16 ? 2 : 4);
+  auto rows_of = [&](int64_t e) { return offsets[e + 1] - offsets[e]; };
+  auto cost = [&](int64_t e) { return 1.0 + kEpRowCost * double(rows_of(e)); };
+
+  // the plan: experts run in parallel (ep) and experts run row split into scratch (rs)
+  std::vector<int64_t> ep, rs;
+  if (strategy == kStrategyExperts) {
+    ep = used;
+  } else if (strategy == kStrategyAuto && th > 1 && used.size() >= 2 && wbytes <= g_ep_max_bytes &&
+             double(live) * double(H) * 4 <= kEpScratchBytes) {
+    ep = used;
+    std::stable_sort(ep.begin(), ep.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+    double total = 0;
+    for (int64_t e : ep) total += cost(e);
+    // an expert worth more than a thread's share of the rest runs row split
+    size_t first = 0;
+    while (ep.size() - first >= 2 && cost(ep[first]) * th > total) total -= cost(ep[first++]);
+    rs.assign(ep.begin(), ep.begin() + first);
+    ep.erase(ep.begin(), ep.begin() + first);
+    // the experts past the last whole round of `th` run row split (the cheapest ones)
+    const size_t whole = ep.size() / size_t(th) * size_t(th);
+    rs.insert(rs.end(), ep.begin() + whole, ep.end());
+    ep.resize(whole);
+    if (ep.size() < 2) {  // nothing left to run in parallel: plain row split
+      ep.clear();
+      rs.clear();
+    }
+    std::sort(rs.begin(), rs.end());
+  }
+
+  if (ep.empty() && rs.empty()) {  // row split, pairs added into out as each part finishes
+    for (int64_t e : used) {
+      const auto start = clock::now();
+      const int64_t lo = offsets[e], M = rows_of(e);
+      const int32_t* tok = tokens + lo;
+      const float* pw = pair_weight + lo;
+      const ExpertW w = weights(e);
+      const Act a = prepare_x(isa, wt, x, size_t(H), tok, M, H, s.xa);
+      float* Y = grow(s.y, size_t(M * H));
+      swiglu_expert(isa, wt, a, M, H, F, w.gate, w.up, w.down, Y, threads, [&](int64_t n0, int64_t n1) {
+        for (int64_t i = 0; i < M; ++i) {
+          float* o = out + int64_t(tok[i]) * H;
+          const float* r = Y + i * H;
+          const float wgt = pw[i];
+          for (int64_t n = n0; n < n1; ++n) o[n] += wgt * r[n];
+        }
+      });
+      if (seconds) seconds[e] = std::chrono::duration<double>(clock::now() - start).count();
+    }
+    return;
+  }
+
+  // scratch block of each used expert (in expert order)
+  std::vector<int64_t> slot(size_t(n_experts), 0);
+  {
+    int64_t at = 0;
+    for (int64_t e : used) {
+      slot[size_t(e)] = at;
+      at += rows_of(e) * H;
+    }
+  }
+  float* S = grow(s.ep, size_t(live * H));
+  // expert e on `nthreads` threads into its block: y, then y *= pair weight (one rounding, as w * y)
+  auto run = [&](int64_t e, int nthreads) {
+    const auto start = clock::now();
+    const int64_t lo = offsets[e], M = rows_of(e);
+    const float* pw = pair_weight + lo;
+    const ExpertW w = weights(e);
+    float* Y = S + slot[size_t(e)];
+    const Act a = prepare_x(isa, wt, x, size_t(H), tokens + lo, M, H, t_scratch.xa);  // this thread's scratch
+    swiglu_expert(isa, wt, a, M, H, F, w.gate, w.up, w.down, Y, nthreads, [&](int64_t n0, int64_t n1) {
+      for (int64_t i = 0; i < M; ++i) {
+        float* r = Y + i * H;
+        const float wgt = pw[i];
+        for (int64_t n = n0; n < n1; ++n) r[n] = wgt * r[n];
+      }
+    });
+    if (seconds) seconds[e] = std::chrono::duration<double>(clock::now() - start).count();
+  };
+  auto ep_part = [&](int i) { run(ep[size_t(i)], 1); };
+  parallel(int(ep.size()), th, ep_part);
+  for (int64_t e : rs) run(e, threads);
+  // out[token] += block rows, expert after expert; columns split over threads when large
+  const int fth = threads_for(threads, double(live) * double(H) * 4, 0.0);
+  const int nparts = parts_for(H, fth);
+  auto add = [&](int i) {
+    const int64_t n0 = part_begin(H, nparts, i), n1 = part_begin(H, nparts, i + 1);
+    for (int64_t e : used) {
+      const int64_t lo = offsets[e], M = rows_of(e);
+      const float* Y = S + slot[size_t(e)];
+      for (int64_t j = 0; j < M; ++j) {
+        float* o = out + int64_t(tokens[lo + j]) * H;
+        const float* r = Y + j * H;
+        for (int64_t n = n0; n < n1; ++n) o[n] += r[n];
+      }
+    }
+  };
+  parallel(nparts, fth, add);
+}
+
+// Copies rows of `row_bytes` bytes: out[i] = table[clamp(index[i])], where a negative index counts from
+// the end (index + V, as numpy / jnp indexing) and anything still outside [0, V) is clamped to it.
+void take_rows(const char* table, int64_t V, size_t row_bytes, const int32_t* index, int64_t N, char* out) {
+  if (N <= 0 || row_bytes == 0) return;
+  if (V <= 0) {
+    std::memset(out, 0, size_t(N) * row_bytes);
+    return;
+  }
+  auto copy = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t v = index[i];
+      if (v < 0) v += V;
+      v = std::min<int64_t>(std::max<int64_t>(v, 0), V - 1);
+      std::memcpy(out + size_t(i) * row_bytes, table + size_t(v) * row_bytes, row_bytes);
+    }
+  };
+  const double bytes = double(N) * double(row_bytes);
+  const int th = bytes >= double(kTakeParallelBytes) ? resolve_threads(0) : 1;
+  const int nparts = th > 1 ? int(std::min<int64_t>(N, int64_t(th) * 4)) : 1;
+  auto part = [&](int i) { copy(part_begin(N, nparts, i), part_begin(N, nparts, i + 1)); };
+  parallel(nparts, th, part);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// C ABI (ctypes). Functions returning int: 0 on success, -1 on a bad argument (ms_last_error()).
+// ------------------------------------------------------------------------------------------------
+
+extern "C" {
+
+const char* ms_isa() { return isa_name(g_isa.load()); }
+const char* ms_best_isa() { return isa_name(g_best_isa); }
+const char* ms_last_error() { return t_error.c_str(); }
+
+// Forces an ISA path ("avx512bf16", "avx2", "scalar"; "" or null: the best one). -1 if this CPU lacks it.
+int ms_set_isa(const char* name) {
+  const int want = (name == nullptr || name[0] == 0) ? g_best_isa : isa_from_name(name);
+  if (want < 0) return fail(std::string("unknown ISA '") + name + "' (avx512bf16, avx2, scalar)");
+  if (want > g_best_isa) return fail(std::string("this CPU does not support ") + name);
+  g_isa.store(want);
+  return 0;
+}
+
+// Default thread count of calls that pass threads <= 0 (the FFI handlers). n <= 0: CPUs in the affinity mask.
+void ms_set_threads(int n) { g_threads.store(n > 0 ? std::min(n, 256) : cpus_available()); }
+int ms_get_threads() { return g_threads.load(); }
+
+// y f32 [M, N] = x [M, K] W[N, K]^T; x bf16 (uint16 bits) if wdtype == 0 (bf16 weights), else f32.
+int ms_linear(const void* x, int64_t M, int64_t K, const void* w, int64_t N, float* y, int wdtype, int threads) {
+  if (M < 0 || K < 0 || N < 0) return fail("ms_linear: negative size");
+  if (wdtype != kWBf16 && wdtype != kWF32) return fail("ms_linear: wdtype must be 0 (bf16) or 1 (f32)");
+  if (M == 0 || N == 0) return 0;
+  const int isa = g_isa.load();
+  Act a = prepare_x(isa, wdtype, x, size_t(K), nullptr, M, K, t_scratch.xa);
+  gemm(isa, wdtype, a, M, K, w, N, y, size_t(N), threads, [](int64_t, int64_t) {});
+  return 0;
+}
+
+// All the CPU experts of one layer in one call.
+//   x [T, H]: bf16 bits for bf16 weights (wdtype 0), f32 for f32 weights (wdtype 1).
+//   gates[e], ups[e] [F, H] and downs[e] [H, F]: expert e's weights, e < n_experts (read only for
+//   experts with pairs; the pointers of the others are never followed).
+//   Pairs offsets[e] .. offsets[e+1] (<= n_pairs) belong to expert e; pair p takes row tokens[p] of x
+//   and adds pair_weight[p] * expert(x[tokens[p]]) to out[tokens[p]] (out f32 [T, H], in place).
+//   seconds (nullable) [n_experts]: each expert's wall time (0 for an expert without pairs).
+//   strategy: 0 auto, 1 row split, 2 expert parallel (see experts_core; the same result bit for bit).
+// Experts are added in order, pairs in order: out is the same for any thread count and strategy.
+int ms_experts(const void* x, int64_t T, int64_t H, int64_t F, int wdtype, int64_t n_experts,
+               const void* const* gates, const void* const* ups, const void* const* downs, const int64_t* offsets,
+               int64_t n_pairs, const int32_t* tokens, const float* pair_weight, float* out, int threads,
+               double* seconds, int strategy) {
+  if (T < 0 || H < 0 || F < 0 || n_experts < 0 || n_pairs < 0) return fail("ms_experts: negative size");
+  if (wdtype != kWBf16 && wdtype != kWF32) return fail("ms_experts: wdtype must be 0 (bf16) or 1 (f32)");
+  if (strategy < kStrategyAuto || strategy > kStrategyExperts)
+    return fail("ms_experts: strategy must be 0 (auto), 1 (rows) or 2 (experts)");
+  for (int64_t e = 0; e < n_experts; ++e) {
+    if (offsets[e] < 0 || offsets[e + 1] < offsets[e] || offsets[e + 1] > n_pairs)
+      return fail("ms_experts: offsets must be >= 0, not decrease, and stay <= n_pairs = " +
+                  std::to_string(n_pairs) + " (expert " + std::to_string(e) + ")");
+    for (int64_t p = offsets[e]; p < offsets[e + 1]; ++p)
+      if (tokens[p] < 0 || tokens[p] >= T)
+        return fail("ms_experts: token " + std::to_string(tokens[p]) + " of pair " + std::to_string(p) +
+                    " is outside [0, " + std::to_string(T) + ")");
+  }
+  experts_core(g_isa.load(), wdtype, x, H, F, n_experts,
+               [&](int64_t e) { return ExpertW{gates[e], ups[e], downs[e]}; }, offsets, tokens, pair_weight, out,
+               threads, strategy, seconds);
+  return 0;
+}
+
+// Reads `bytes` from p on `threads` threads (memory read-rate reference); returns a checksum.
+double ms_read(const void* p, int64_t bytes, int threads) {
+  if (bytes <= 0) return 0.0;
+  const int th = resolve_threads(threads);
+  const int isa = g_isa.load();
+  const uint8_t* base = static_cast<const uint8_t*>(p);
+  const int nparts = th;
+  std::vector<uint64_t> sums(size_t(nparts), 0);
+  auto part = [&](int i) {
+    const int64_t a = (bytes * i / nparts) & ~int64_t(63);
+    const int64_t b = i + 1 == nparts ? bytes : (bytes * (i + 1) / nparts) & ~int64_t(63);
+    const uint8_t* q = base + a;
+    const size_t n = size_t(b - a);
+#if MS_X86
+    if (isa == kAvx512Bf16) { sums[i] = read_avx512(q, n); return; }
+    if (isa == kAvx2) { sums[i] = read_avx2(q, n); return; }
+#endif
+    (void)isa;
+    sums[i] = read_scalar(q, n);
+  };
+  parallel(nparts, th, part);
+  uint64_t t = 0;
+  for (uint64_t v : sums) t += v;
+  return double(t);
+}
+
+}  // extern "C"
+
+// ------------------------------------------------------------------------------------------------
+// XLA FFI handlers (platform "cpu"). Rank-2 buffers; the Python wrappers reshape leading dims.
+// ------------------------------------------------------------------------------------------------
+
+#if defined(MOESCOPE_HAVE_FFI)
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// XLA's intra-op thread pool, lent to the kernels for the duration of a handler (see Executor);
+// MOESCOPE_NATIVE_XLA_POOL=0 keeps the kernels on their own pool.
+const bool g_borrow_xla_pool = [] {
+  const char* v = std::getenv("MOESCOPE_NATIVE_XLA_POOL");
+  return !(v && std::string(v) == "0");
+}();
+
+struct XlaPool final : Executor {
+  explicit XlaPool(ffi::ThreadPool& p) : pool(p), n(g_borrow_xla_pool ? int(p.num_threads()) : 0) {}
+  int threads() const override { return n; }
+  void schedule(std::function<void()> task) override { pool.Schedule(std::move(task)); }
+  ffi::ThreadPool& pool;
+  int n;
+};
+
+struct LendPool {
+  XlaPool pool;
+  Executor* prev;
+  explicit LendPool(ffi::ThreadPool& p) : pool(p), prev(t_executor) { t_executor = &pool; }
+  ~LendPool() { t_executor = prev; }
+  LendPool(const LendPool&) = delete;
+  LendPool& operator=(const LendPool&) = delete;
+};
+
+std::string dims_str(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+template <ffi::DataType DT, ffi::DataType OUT>
+ffi::Error linear_impl(ffi::Buffer<DT, 2> x, ffi::Buffer<DT, 2> w, ffi::ResultBuffer<OUT, 2> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  if (wd[1] != K || yd[0] != M || yd[1] != N)
+    return ffi::Error::InvalidArgument("moescope_linear: x " + dims_str(xd) + ", w " + dims_str(wd) + ", y " +
+                                       dims_str(yd) + ": expected x [M, K], w [N, K], y [M, N]");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  constexpr int wt = DT == ffi::DataType::BF16 ? kWBf16 : kWF32;
+  const int isa = g_isa.load();
+  Scratch& s = t_scratch;
+  const Act a = prepare_x(isa, wt, x.untyped_data(), size_t(K), nullptr, M, K, s.xa);
+  if constexpr (OUT == ffi::DataType::F32) {
+    float* out = static_cast<float*>(y->untyped_data());
+    gemm(isa, wt, a, M, K, w.untyped_data(), N, out, size_t(N), 0, [](int64_t, int64_t) {});
+  } else {
+    float* tmp = grow(s.y, size_t(M * N));
+    uint16_t* out = static_cast<uint16_t*>(y->untyped_data());
+    gemm(isa, wt, a, M, K, w.untyped_data(), N, tmp, size_t(N), 0, [&](int64_t n0, int64_t n1) {
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) out[m * N + n] = f32_to_bf16(tmp[m * N + n]);
+    });
+  }
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType DT>
+ffi::Error swiglu_impl(ffi::Buffer<DT, 2> x, ffi::Buffer<DT, 2> gate_up, ffi::Buffer<DT, 2> down,
+                       ffi::ResultBuffer<ffi::DataType::F32, 2> y) {
+  auto xd = x.dimensions(), gd = gate_up.dimensions(), dd = down.dimensions(), yd = y->dimensions();
+  const int64_t M = xd[0], H = xd[1], F = gd[0] / 2;
+  if (gd[0] % 2 != 0 || gd[1] != H || dd[0] != H || dd[1] != F || yd[0] != M || yd[1] != H)
+    return ffi::Error::InvalidArgument("moescope_swiglu: x " + dims_str(xd) + ", gate_up " + dims_str(gd) +
+                                       ", down " + dims_str(dd) + ", y " + dims_str(yd) +
+                                       ": expected x [M, H], gate_up [2F, H], down [H, F], y [M, H]");
+  if (M == 0 || H == 0) return ffi::Error::Success();
+  float* out = static_cast<float*>(y->untyped_data());
+  if (F == 0) {
+    std::fill(out, out + M * H, 0.0f);
+    return ffi::Error::Success();
+  }
+  constexpr int wt = DT == ffi::DataType::BF16 ? kWBf16 : kWF32;
+  const int isa = g_isa.load();
+  Scratch& s = t_scratch;
+  const Act a = prepare_x(isa, wt, x.untyped_data(), size_t(H), nullptr, M, H, s.xa);
+  const size_t ws = wt == kWBf16 ? 2 : 4;
+  const char* gu = static_cast<const char*>(gate_up.untyped_data());
+  swiglu_expert(isa, wt, a, M, H, F, gu, gu + size_t(F * H) * ws, down.untyped_data(), out, 0,
+                [](int64_t, int64_t) {});
+  return ffi::Error::Success();
+}
+
+// table [V, ...] (any dtype of 1, 2, 4 or 8 bytes), index int32 [N] -> [N, ...]: rows copied (take_rows).
+ffi::Error take_rows_impl(ffi::AnyBuffer table, ffi::Buffer<ffi::DataType::S32, 1> index,
+                          ffi::Result<ffi::AnyBuffer> out) {
+  auto td = table.dimensions(), od = out->dimensions();
+  const int64_t N = index.dimensions()[0];
+  const ffi::DataType dt = table.element_type();
+  const size_t width = ffi::ByteWidth(dt);
+  bool ok = td.size() >= 1 && od.size() == td.size() && od[0] == N && out->element_type() == dt &&
+            (width == 1 || width == 2 || width == 4 || width == 8);
+  for (size_t i = 1; ok && i < td.size(); ++i) ok = od[i] == td[i];
+  switch (dt) {  // sub-byte types may be stored packed: not rows of whole bytes
+    case ffi::DataType::S1: case ffi::DataType::S2: case ffi::DataType::S4: case ffi::DataType::U1:
+    case ffi::DataType::U2: case ffi::DataType::U4: case ffi::DataType::F4E2M1FN: ok = false; break;
+    default: break;
+  }
+  if (!ok)
+    return ffi::Error::InvalidArgument("moescope_take_rows: table " + dims_str(td) + ", index [" +
+                                       std::to_string(N) + "], out " + dims_str(od) +
+                                       ": expected table [V, ...] of 1-, 2-, 4- or 8-byte elements and out "
+                                       "[N, ...] of the same dtype");
+  size_t row = width;
+  for (size_t i = 1; i < td.size(); ++i) row *= size_t(td[i]);
+  take_rows(static_cast<const char*>(table.untyped_data()), td[0], row, index.typed_data(), N,
+            static_cast<char*>(out->untyped_data()));
+  return ffi::Error::Success();
+}
+
+// A layer's routed experts (see ms_experts and experts_core). weights: E gate_up [2F, H] then E down [H, F],
+// or one gate_up [E, 2F, H] and one down [E, H, F]; out f32 [T, H] = the weighted sum over live pairs.
+template <ffi::DataType DT>
+ffi::Error experts_impl(ffi::Buffer<DT, 2> x, ffi::Buffer<ffi::DataType::S32, 1> tokens,
+                        ffi::Buffer<ffi::DataType::F32, 1> pair_weight, ffi::Buffer<ffi::DataType::S32, 1> offsets,
+                        ffi::RemainingArgs weights, ffi::ResultBuffer<ffi::DataType::F32, 2> y, int32_t strategy) {
+  auto xd = x.dimensions(), yd = y->dimensions();
+  const int64_t T = xd[0], H = xd[1], P = tokens.dimensions()[0];
+  const int64_t E = offsets.dimensions()[0] - 1;
+  auto bad = [](const std::string& m) { return ffi::Error::InvalidArgument("moescope_experts: " + m); };
+  if (yd[0] != T || yd[1] != H)
+    return bad("x " + dims_str(xd) + ", out " + dims_str(yd) + ": expected the same [T, H]");
+  if (pair_weight.dimensions()[0] != P)
+    return bad("tokens [" + std::to_string(P) + "] and pair_weight " + dims_str(pair_weight.dimensions()) +
+               ": expected the same length");
+  if (E < 0) return bad("offsets must have E + 1 >= 1 elements");
+  if (strategy < kStrategyAuto || strategy > kStrategyExperts) return bad("strategy must be 0, 1 or 2");
+  const size_t nw = weights.size();
+  const bool stacked = nw == 2 && weights.get<ffi::AnyBuffer>(0).value().dimensions().size() == 3;
+  if (!stacked && nw != size_t(2 * E))
+    return bad(std::to_string(nw) + " weight operands for " + std::to_string(E) +
+               " experts: expected E gate_up then E down, or one stacked gate_up and one stacked down");
+  // every weight: dtype of x, gate_up [2F, H] and down [H, F] (F from the first)
+  int64_t F = -1;
+  for (size_t i = 0; i < nw; ++i) {
+    auto b = weights.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return bad("weight operand " + std::to_string(i) + " could not be decoded");
+    const ffi::AnyBuffer w = b.value();
+    auto d = w.dimensions();
+    const bool down = stacked ? i == 1 : int64_t(i) >= E;
+    const size_t rank = stacked ? 3 : 2;
+    const std::string what = std::string(down ? "down" : "gate_up") + " operand " + std::to_string(i) + " " +
+                             dims_str(d);
+    if (w.element_type() != DT) return bad(what + ": dtype differs from x");
+    if (d.size() != rank || (stacked && d[0] != E)) return bad(what + ": wrong rank or expert count");
+    const int64_t r0 = d[rank - 2], r1 = d[rank - 1];
+    if (!down) {
+      if (r0 % 2 != 0 || r1 != H || (F >= 0 && r0 / 2 != F)) return bad(what + ": expected [2F, H]");
+      F = r0 / 2;
+    } else if (r0 != H || (F >= 0 && r1 != F)) {
+      return bad(what + ": expected [H, F]");
+    } else {
+      F = r1;
+    }
+  }
+  // routing: 0 <= offsets[0] <= ... <= offsets[E] <= P, live pairs' tokens in [0, T)
+  const int32_t* off32 = offsets.typed_data();
+  const int32_t* tok = tokens.typed_data();
+  for (int64_t e = 0; e <= E; ++e)
+    if (off32[e] < 0 || off32[e] > P || (e > 0 && off32[e] < off32[e - 1]))
+      return bad("offsets must be >= 0, not decrease and stay <= P = " + std::to_string(P) + " (offsets[" +
+                 std::to_string(e) + "] = " + std::to_string(off32[e]) + ")");
+  if (E > 0)
+    for (int64_t p = off32[0]; p < off32[E]; ++p)
+      if (tok[p] < 0 || tok[p] >= T)
+        return bad("token " + std::to_string(tok[p]) + " of live pair " + std::to_string(p) + " is outside [0, " +
+                   std::to_string(T) + ")");
+  float* out = static_cast<float*>(y->untyped_data());
+  if (T * H > 0) std::memset(out, 0, size_t(T * H) * sizeof(float));
+  if (E == 0 || T == 0 || H == 0) return ffi::Error::Success();
+  Scratch& s = t_scratch;
+  int64_t* offs = grow(s.offs, size_t(E + 1));
+  for (int64_t e = 0; e <= E; ++e) offs[e] = off32[e];
+  constexpr int wt = DT == ffi::DataType::BF16 ? kWBf16 : kWF32;
+  const size_t ws = wt == kWBf16 ? 2 : 4;
+  const size_t gu_bytes = size_t(2 * F * H) * ws, dn_bytes = size_t(H * F) * ws;
+  auto expert = [&](int64_t e) {
+    const char* gu;
+    const char* dn;
+    if (stacked) {
+      gu = static_cast<const char*>(weights.get<ffi::AnyBuffer>(0).value().untyped_data()) + size_t(e) * gu_bytes;
+      dn = static_cast<const char*>(weights.get<ffi::AnyBuffer>(1).value().untyped_data()) + size_t(e) * dn_bytes;
+    } else {
+      gu = static_cast<const char*>(weights.get<ffi::AnyBuffer>(size_t(e)).value().untyped_data());
+      dn = static_cast<const char*>(weights.get<ffi::AnyBuffer>(size_t(E + e)).value().untyped_data());
+    }
+    return ExpertW{gu, gu + gu_bytes / 2, dn};
+  };
+  experts_core(g_isa.load(), wt, x.untyped_data(), H, F, E, expert, offs, tok, pair_weight.typed_data(), out, 0,
+               strategy, nullptr);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+using BufBf16 = ffi::Buffer<ffi::DataType::BF16, 2>;
+using BufF32 = ffi::Buffer<ffi::DataType::F32, 2>;
+using RetBf16 = ffi::ResultBuffer<ffi::DataType::BF16, 2>;
+using RetF32 = ffi::ResultBuffer<ffi::DataType::F32, 2>;
+
+using Pool_ = ffi::ThreadPool;
+
+static ffi::Error linear_bf16(BufBf16 x, BufBf16 w, RetBf16 y, Pool_ p) {
+  LendPool lend(p);
+  return linear_impl(x, w, y);
+}
+static ffi::Error linear_f32(BufF32 x, BufF32 w, RetF32 y, Pool_ p) {
+  LendPool lend(p);
+  return linear_impl(x, w, y);
+}
+static ffi::Error swiglu_bf16(BufBf16 x, BufBf16 gu, BufBf16 d, RetF32 y, Pool_ p) {
+  LendPool lend(p);
+  return swiglu_impl(x, gu, d, y);
+}
+static ffi::Error swiglu_f32(BufF32 x, BufF32 gu, BufF32 d, RetF32 y, Pool_ p) {
+  LendPool lend(p);
+  return swiglu_impl(x, gu, d, y);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_linear_bf16, linear_bf16,
+                              ffi::Ffi::Bind().Arg<BufBf16>().Arg<BufBf16>().Ret<BufBf16>().Ctx<Pool_>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_linear_f32, linear_f32,
+                              ffi::Ffi::Bind().Arg<BufF32>().Arg<BufF32>().Ret<BufF32>().Ctx<Pool_>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_swiglu_bf16, swiglu_bf16,
+                              ffi::Ffi::Bind().Arg<BufBf16>().Arg<BufBf16>().Arg<BufBf16>().Ret<BufF32>().Ctx<Pool_>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_swiglu_f32, swiglu_f32,
+                              ffi::Ffi::Bind().Arg<BufF32>().Arg<BufF32>().Arg<BufF32>().Ret<BufF32>().Ctx<Pool_>());
+
+using BufS32 = ffi::Buffer<ffi::DataType::S32, 1>;
+using BufW = ffi::Buffer<ffi::DataType::F32, 1>;
+
+static ffi::Error experts_bf16(BufBf16 x, BufS32 t, BufW pw, BufS32 o, ffi::RemainingArgs w, RetF32 y, int32_t st,
+                               Pool_ p) {
+  LendPool lend(p);
+  return experts_impl(x, t, pw, o, w, y, st);
+}
+static ffi::Error experts_f32(BufF32 x, BufS32 t, BufW pw, BufS32 o, ffi::RemainingArgs w, RetF32 y, int32_t st,
+                              Pool_ p) {
+  LendPool lend(p);
+  return experts_impl(x, t, pw, o, w, y, st);
+}
+static ffi::Error take_rows_ffi(ffi::AnyBuffer table, BufS32 index, ffi::Result<ffi::AnyBuffer> out, Pool_ p) {
+  LendPool lend(p);
+  return take_rows_impl(table, index, out);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_take_rows, take_rows_ffi,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<BufS32>().Ret<ffi::AnyBuffer>().Ctx<Pool_>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_experts_bf16, experts_bf16,
+                              ffi::Ffi::Bind()
+                                  .Arg<BufBf16>()
+                                  .Arg<BufS32>()
+                                  .Arg<BufW>()
+                                  .Arg<BufS32>()
+                                  .RemainingArgs()
+                                  .Ret<BufF32>()
+                                  .Attr<int32_t>("strategy")
+                                  .Ctx<Pool_>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_experts_f32, experts_f32,
+                              ffi::Ffi::Bind()
+                                  .Arg<BufF32>()
+                                  .Arg<BufS32>()
+                                  .Arg<BufW>()
+                                  .Arg<BufS32>()
+                                  .RemainingArgs()
+                                  .Ret<BufF32>()
+                                  .Attr<int32_t>("strategy")
+                                  .Ctx<Pool_>());
+
+extern "C" int ms_has_ffi() { return 1; }
+#else
+extern "C" int ms_has_ffi() { return 0; }
+#endif
