@@ -40,7 +40,7 @@ class Deviation:
 
 
 def offloaded_forced_logits(executor: OffloadExecutor, prompts: Sequence[Sequence[int]], forced: np.ndarray,
-                            pad_token_id: int) -> np.ndarray:
+                            pad_token_id: Optional[int]) -> np.ndarray:
     """Teacher-forced logits float32 [B, N, V] of an offloaded run on forced int [B, N] (see `Generator.forced_logits`)."""
     forced = np.asarray(forced, np.int32)
     out = executor.generate(prompts, forced.shape[1], pad_token_id=pad_token_id, keep_logits=True, forced=forced)

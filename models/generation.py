@@ -62,9 +62,17 @@ def bucket(n: int, multiple: int = 64) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
-def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """tokens int32 [B, length] and valid bool [B, length], prompts right-aligned."""
-    tokens = np.full((len(prompts), length), pad_id, np.int32)
+def pad_id(pad_token_id: Optional[int], eos_token_id: Optional[int] = None) -> int:
+    """The id that fills left padding: the model's pad token, else its eos token, else 0 (padded positions
+    are masked, so any id works; these keep the tokens the model would see in HF)."""
+    if pad_token_id is not None:
+        return int(pad_token_id)
+    return int(eos_token_id) if eos_token_id is not None else 0
+
+
+def left_pad(prompts: Sequence[Sequence[int]], length: int, fill: int) -> tuple[np.ndarray, np.ndarray]:
+    """tokens int32 [B, length] and valid bool [B, length], prompts right-aligned after `fill` ids."""
+    tokens = np.full((len(prompts), length), fill, np.int32)
     valid = np.zeros((len(prompts), length), bool)
     for i, p in enumerate(prompts):
         if len(p):
@@ -201,14 +209,15 @@ class Generator:
         return jnp.concatenate([first[None], rest], axis=0).transpose(1, 0, 2)
 
     # ---- public -----------------------------------------------------------------------------------
-    def forced_logits(self, prompts: Sequence[Sequence[int]], forced: np.ndarray, pad_token_id: int = 0) -> np.ndarray:
+    def forced_logits(self, prompts: Sequence[Sequence[int]], forced: np.ndarray,
+                      pad_token_id: Optional[int] = None) -> np.ndarray:
         """Teacher-forced logits float32 [B, N, V] for forced int [B, N]: after the prompt, then after each of
         forced[:, :N-1] fed in turn (decode steps, as generation runs them)."""
         prompts = [list(map(int, p)) for p in prompts]
         forced = np.asarray(forced, np.int32)
         self._check(prompts, forced.shape[1])
         P = bucket(max(len(p) for p in prompts), self.prompt_bucket)
-        tokens, valid = left_pad(prompts, P, pad_token_id)
+        tokens, valid = left_pad(prompts, P, pad_id(pad_token_id))
         cache = init_cache(self._model(self.state), len(prompts), bucket(P + forced.shape[1], self.cache_bucket),
                            self.cache_dtype)
         return np.asarray(self._forced(self.state, cache, jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(forced)))
@@ -219,7 +228,7 @@ class Generator:
         """Generate up to `max_new_tokens` per prompt (stopping a row at `eos_token_id` when given)."""
         prompts = [list(map(int, p)) for p in prompts]
         self._check(prompts, max_new_tokens)
-        pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+        pad = pad_id(pad_token_id, eos_token_id)
         eos = -1 if eos_token_id is None else int(eos_token_id)
         P = bucket(max(len(p) for p in prompts), self.prompt_bucket)
         capacity = bucket(P + max_new_tokens, self.cache_bucket)

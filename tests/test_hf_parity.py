@@ -55,7 +55,7 @@ def test_greedy_generation_matches_transformers(family_ckpt) -> None:
     cfg, model = load_hf(folder)
     rs = np.random.RandomState(1)
     prompts = [rs.randint(3, cfg.vocab_size, n).tolist() for n in (5, 9, 13)]
-    tokens, valid = left_pad(prompts, 13, pad_id=0)
+    tokens, valid = left_pad(prompts, 13, fill=0)
     with torch.no_grad():
         ref = hf.generate(input_ids=torch.tensor(tokens, dtype=torch.long),
                           attention_mask=torch.tensor(valid, dtype=torch.long), do_sample=False,

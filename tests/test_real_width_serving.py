@@ -163,7 +163,28 @@ def test_quantized_tensors_and_missing_shards_are_named(tmp_path: Path) -> None:
         open_checkpoint(folder)
 
 
-@pytest.mark.parametrize("layers", [2, 60])
+def test_defaults_derive_from_a_deep_models_depth_and_size() -> None:
+    """What the main job derives for a DeepSeek-V3-sized model (60 MoE layers of 256 experts of 42 MiB, 640 GiB of
+    experts): distances up to 3 layers ahead and a budget capped by the device, not a quarter of the experts."""
+    import dataclasses
+
+    from conf import compose, to_frozen
+    from conf.schemas.run import OffloadConfig
+    from engine.calibrate import device_memory_gib
+    from engine.run import cache_slots, default_distances
+    from models.config import ModelConfig
+
+    arch = to_frozen(compose("generate", ["model=tiny_mixtral"]).model.arch, ModelConfig)
+    deep = dataclasses.replace(arch, num_hidden_layers=60, num_experts=256, num_experts_per_tok=8)
+    assert default_distances(len(deep.moe_layers)) == [1, 2, 3] and default_distances(2) == [1]
+    expert = 3 * 7168 * 2048 * 2
+    dense = 30 * 2**30
+    slots = cache_slots(deep, OffloadConfig(), expert, dense_bytes=dense)
+    room = max(device_memory_gib() * 2**30 - dense, 0) / 2
+    assert slots * expert <= room and slots < 0.25 * 60 * 256
+
+
+@pytest.mark.parametrize("layers", [2, pytest.param(60, marks=pytest.mark.slow)])
 def test_the_main_job_fits_a_shallow_and_a_deep_model_with_no_override(tmp_path: Path, layers: int) -> None:
     """Forecast distances, the expert budget and the in-memory comparison derive from the model: a 2-layer and
     a 60-layer checkpoint (bf16, tiny widths) run with the checkpoint as the only model setting."""

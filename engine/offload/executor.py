@@ -39,7 +39,7 @@ from engine.sim.metrics import RunMetrics
 from engine.sim.pipeline import Event
 from engine.sim.predictions import LazyForecasts
 from models.config import ModelConfig
-from models.generation import bucket, left_pad
+from models.generation import bucket, left_pad, pad_id
 from models.transformer import MoETransformer, init_cache
 from predictors.base import LayerContext, Predictor
 from schedulers.base import LayerPlan, LayerState, OffloadScheduler, Phase, Transfer
@@ -485,7 +485,7 @@ class OffloadExecutor:
         if longest + max_new_tokens > self.cfg.max_position_embeddings:
             raise ValueError(f"generate: {longest} prompt tokens + {max_new_tokens} new exceed max_position_embeddings="
                              f"{self.cfg.max_position_embeddings}")
-        pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+        pad = pad_id(pad_token_id, eos_token_id)
         eos = -1 if eos_token_id is None else eos_token_id
         B, P, capacity = padded_shapes(prompts, max_new_tokens)
         tokens, valid = left_pad(prompts, P, pad)

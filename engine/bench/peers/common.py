@@ -7,8 +7,11 @@ mapped file pages it touched (mmapped checkpoints); VmHWM is the kernel's own pe
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -67,3 +70,30 @@ class MemWatch:
         return {"peak_anon_bytes": self.peak["RssAnon"], "peak_file_bytes": self.peak["RssFile"],
                 "peak_rss_bytes": self.peak["VmRSS"], "vm_hwm_bytes": self.peak["VmHWM"],
                 "baseline_anon_bytes": self.baseline.get("RssAnon", 0)}
+
+
+def time_batch(system: str, generate: Callable[[np.ndarray, int], dict[str, Any]], prompts: np.ndarray, new: int,
+               repeats: int) -> dict[str, Any]:
+    """Decode speed of one batch: a warm-up, then `repeats` timed runs of `generate(prompts, new)` (which returns
+    per-step seconds `step_s`, `prefill_s` and `tokens`); the best run is reported, the median beside it."""
+    generate(prompts, 2)  # warm-up
+    runs = [generate(prompts, new) for _ in range(repeats)]
+    rates = [len(prompts) * new / sum(r["step_s"]) for r in runs]
+    run = runs[int(np.argmax(rates))]
+    dt = sum(run["step_s"])
+    print(f"{system} batch {len(prompts)}: {max(rates):.2f} tok/s decode, best of {repeats} "
+          f"(median {np.median(rates):.2f}; {1e3 * dt / new:.0f} ms/step), prefill {run['prefill_s']:.2f} s",
+          flush=True)
+    return {"decode_tok_s": max(rates), "decode_tok_s_median": float(np.median(rates)), "decode_tok_s_runs": rates,
+            "decode_s": dt, "prefill_s": run["prefill_s"], "step_ms_median": 1e3 * float(np.median(run["step_s"])),
+            "first_tokens": run["tokens"][0][:8]}
+
+
+def finish(result: dict[str, Any], watch: MemWatch, out: Optional[str]) -> int:
+    """Adds the memory peaks, writes the result to `out` (when given) and prints it."""
+    result.update(watch.stop())
+    text = json.dumps(result, indent=2)
+    if out:
+        Path(out).write_text(text + "\n")
+    print(text)
+    return 0

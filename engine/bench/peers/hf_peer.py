@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine.bench.peers.common import MemWatch, prompt_ids
+from engine.bench.peers.common import MemWatch, finish, prompt_ids, time_batch
 
 
 
@@ -94,25 +94,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               "prompt_len": a.prompt, "new_tokens": a.new, "repeats": a.repeats, "batches": {}}
     vocab = model.config.vocab_size
     for B in a.batch:
-        prompts = prompt_ids(B, a.prompt, vocab)
-        greedy(model, prompts, 2)  # warm-up
-        runs = [greedy(model, prompts, a.new) for _ in range(a.repeats)]
-        rates = [B * a.new / sum(r["step_s"]) for r in runs]
-        run = runs[int(np.argmax(rates))]
-        dt = sum(run["step_s"])
-        result["batches"][str(B)] = {"decode_tok_s": max(rates), "decode_tok_s_median": float(np.median(rates)),
-                                     "decode_tok_s_runs": rates, "decode_s": dt, "prefill_s": run["prefill_s"],
-                                     "step_ms_median": 1e3 * float(np.median(run["step_s"])),
-                                     "first_tokens": run["tokens"][0][:8]}
-        print(f"transformers batch {B}: {max(rates):.2f} tok/s decode, best of {a.repeats} "
-              f"(median {np.median(rates):.2f}; {1e3 * dt / a.new:.0f} ms/step), prefill {run['prefill_s']:.2f} s",
-              flush=True)
-    result.update(watch.stop())
-    text = json.dumps(result, indent=2)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    print(text)
-    return 0
+        result["batches"][str(B)] = time_batch("transformers", lambda p, n: greedy(model, p, n),
+                                               prompt_ids(B, a.prompt, vocab), a.new, a.repeats)
+    return finish(result, watch, a.out)
 
 
 if __name__ == "__main__":

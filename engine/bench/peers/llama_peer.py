@@ -31,7 +31,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine.bench.peers.common import MemWatch, prompt_ids
+from engine.bench.peers.common import MemWatch, finish, prompt_ids, time_batch
 
 
 
@@ -155,25 +155,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               "repeats": a.repeats, "batches": {}}
     for B in a.batch:
         llm.context(B, a.prompt + a.new + 16, B * a.prompt)
-        prompts = prompt_ids(B, a.prompt, llm.n_vocab)
-        llm.generate(prompts, 2)  # warm-up
-        runs = [llm.generate(prompts, a.new) for _ in range(a.repeats)]
-        rates = [B * a.new / sum(r["step_s"]) for r in runs]
-        run = runs[int(np.argmax(rates))]
-        dt = sum(run["step_s"])
-        result["batches"][str(B)] = {"decode_tok_s": max(rates), "decode_tok_s_median": float(np.median(rates)),
-                                     "decode_tok_s_runs": rates, "decode_s": dt, "prefill_s": run["prefill_s"],
-                                     "step_ms_median": 1e3 * float(np.median(run["step_s"])),
-                                     "first_tokens": run["tokens"][0][:8]}
-        print(f"llama.cpp batch {B}: {max(rates):.2f} tok/s decode, best of {a.repeats} "
-              f"(median {np.median(rates):.2f}; {1e3 * dt / a.new:.0f} ms/step), prefill {run['prefill_s']:.2f} s",
-              flush=True)
-    result.update(watch.stop())
-    text = json.dumps(result, indent=2)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    print(text)
-    return 0
+        result["batches"][str(B)] = time_batch("llama.cpp", llm.generate, prompt_ids(B, a.prompt, llm.n_vocab), a.new,
+                                               a.repeats)
+    return finish(result, watch, a.out)
 
 
 if __name__ == "__main__":
