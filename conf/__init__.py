@@ -11,6 +11,9 @@ import dataclasses
 import enum
 import functools
 import logging
+import os
+import secrets
+import sys
 import typing
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
@@ -120,13 +123,48 @@ def resolve_path(path: str | Path) -> Path:
     return Path(text).expanduser()
 
 
+# what a user can cause and fix (a config value, a file): one line, no traceback (HYDRA_FULL_ERROR=1 shows it)
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                                                 PermissionError, MemoryError, KeyError)
+
+
+def run_tag() -> str:
+    """This process's suffix of run-folder names: its pid and two random bytes, drawn once, so runs started in
+    the same second (also on other hosts sharing the folder) never share a folder."""
+    global _RUN_TAG
+    if _RUN_TAG is None:
+        _RUN_TAG = f"{os.getpid()}-{secrets.token_hex(2)}"
+    return _RUN_TAG
+
+
+_RUN_TAG: Optional[str] = None
+
+
+def register_resolvers() -> None:
+    """OmegaConf resolvers the YAML uses (`${run_tag:}` in runs_layout.yaml)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("run_tag"):
+        OmegaConf.register_new_resolver("run_tag", run_tag)
+
+
+def report_user_error(task: str, exc: BaseException) -> None:
+    """One line on stderr naming the task and what is wrong; the run folder keeps what was already written."""
+    text = str(exc).strip().splitlines() or [type(exc).__name__]
+    if isinstance(exc, KeyError) and len(exc.args) == 1:
+        text = [f"missing key {exc.args[0]!r}"]
+    print(f"moescope {task}: error: {text[0]}", file=sys.stderr, flush=True)
+
+
 def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[], Any]]:
-    """`hydra.main` over this package's config tree, version_base 1.3, schemas registered."""
+    """`hydra.main` over this package's config tree, version_base 1.3, schemas registered; a user error ends
+    the process with one line and exit status 2 (the full traceback with HYDRA_FULL_ERROR=1)."""
     import hydra
 
     from conf import schemas
 
     schemas.register_all()
+    register_resolvers()
 
     def wrap(task: Callable[[Any], Any]) -> Callable[[], Any]:
         @functools.wraps(task)
@@ -134,7 +172,13 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
             # Hydra logs at INFO; jax's backend probing (no TPU/GPU here) is noise at that level.
             logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
             logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
-            return task(cfg)
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                return task(cfg)
+            try:
+                return task(cfg)
+            except USER_ERRORS as exc:
+                report_user_error(config_name, exc)
+                raise SystemExit(2) from None
 
         main = hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(quiet_task)
 
@@ -155,5 +199,6 @@ def compose(config_name: str, overrides: Optional[list[str]] = None) -> Any:
     from conf import schemas
 
     schemas.register_all()
+    register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides or []), return_hydra_config=False)

@@ -26,7 +26,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from conf import hydra_main, to_frozen
-from conf.schemas.hardware import HardwareProfile
+from conf.schemas.hardware import composed_profile
 from conf.schemas.run import OffloadConfig, RunConfig
 from engine.calibrate import device_memory_gib
 from engine.fidelity import fidelity_report, float32_copy, offloaded_forced_logits
@@ -41,7 +41,8 @@ from engine.workloads import PromptSampler, build_workload
 from models.config import ModelConfig
 from models.generation import Generator
 from models.hf import OpenCheckpoint
-from models.loading import load_model, load_tokenizer, model_dtype, open_model_checkpoint, resolve_model_config
+from models.loading import (check_weights, load_model, load_tokenizer, model_dtype, open_model_checkpoint,
+                            resolve_model_config)
 from models.memory import GIB, PeakMemory, check_fits, host_memory, memory_report
 from models.transformer import param_bytes, without_experts
 from predictors import load_predictor
@@ -126,6 +127,7 @@ def load_offload_model(node: Any, rc: RunConfig, seed: int) -> LoadedModel:
         return LoadedModel(cfg, full, ExpertStore.from_model(full), None, full if compare else None, dtype, None,
                            time.perf_counter() - start)
     check_offload_fits(opened, dtype)
+    check_weights(node.model, opened)
     if compare:
         full = load_model(node.model, dtype=dtype, opened=opened)[1]
         model = without_experts(full)
@@ -250,7 +252,7 @@ def serve_offloaded(node: DictConfig, rc: RunConfig, loaded: LoadedModel, tm: Te
         raise ValueError("engine.run serves prompt workloads (workload=sharegpt, sharegpt_512, code)")
     profile = list(sampler.batches(rc.profile_batches)) if rc.profile_batches else []
     batches = list(sampler.batches(rc.workload.num_batches))
-    hw = to_frozen(node.hardware, HardwareProfile)
+    hw, hw_defaults = composed_profile(node.hardware)
     cost = CostModel(cfg, hw, str(node.model.name), bytes_per_param=store.dtype.itemsize)
     slots = cache_slots(cfg, rc.offload, store.expert_bytes, dense_bytes=param_bytes(model))
     settings = to_frozen(node.scheduler, SchedulerSettings)
@@ -297,7 +299,7 @@ def serve_offloaded(node: DictConfig, rc: RunConfig, loaded: LoadedModel, tm: Te
     step_ms = 1e3 * float(np.mean(decode_steps)) if decode_steps else None
     results: dict[str, Any] = {
         "model": node.model.name, "scheduler": settings.label, "predictor": rc.predictor.name,
-        "predictor_distances": sorted(predictors), "hardware_profile": hw.name,
+        "predictor_distances": sorted(predictors), "hardware_profile": hw.name, "hardware_defaults": hw_defaults,
         "batch_size": rc.workload.batch_size, "batches": len(batches),
         "cache_slots": slots, "experts_total": L * E, "expert_mib": store.expert_bytes / 2**20,
         "throughput_tok_s": generated / wall, "decode_latency_ms": step_ms,
@@ -306,12 +308,50 @@ def serve_offloaded(node: DictConfig, rc: RunConfig, loaded: LoadedModel, tm: Te
         **{MOE_LAYER_KEYS.get(k, k): v for k, v in metrics.items() if k not in ("throughput_tok_s", "tokens_generated")},
         "timer": timer, "cost_model_after": cost.summary(),
     }
-    events = outs[-1].events
-    if events:
-        first_pass = min(e.pass_index for e in events)
-        tm.save_figure(plot_timeline(events, first_pass, title=f"{settings.label} on {node.model.name}: a decode pass "
-                                     f"(budget {slots} of {L * E} experts)"), "timeline.png")
+    results["timeline"] = draw_timelines(tm, outs[-1], f"{settings.label} on {node.model.name}, budget {slots} of "
+                                         f"{L * E} experts, batch {rc.workload.batch_size}")
     return results, executor, outs, batches
+
+
+def representative_step(out: OffloadOutput) -> Optional[int]:
+    """The decode step to draw: of the recorded steps after the first (it may still compile or fill the cache),
+    the one whose wall time is the median; None when no such step has per-layer events (a fused device loop)."""
+    layered = {e.pass_index for e in out.events if e.kind != "fused decode"}
+    steps = [k for k in range(2, len(out.step_s) + 1) if out.prefill_pass + k in layered]
+    if not steps and out.step_s and out.prefill_pass + 1 in layered:
+        steps = [1]
+    if not steps:
+        return None
+    order = sorted(steps, key=lambda k: out.step_s[k - 1])
+    return order[(len(order) - 1) // 2]
+
+
+def pass_span_ms(out: OffloadOutput, pass_index: int) -> float:
+    """First start to last end of a pass's recorded events, in ms."""
+    evs = [e for e in out.events if e.pass_index == pass_index]
+    return 1e3 * (max(e.end for e in evs) - min(e.start for e in evs))
+
+
+def draw_timelines(tm: Telemetry, out: OffloadOutput, what: str) -> dict[str, Any]:
+    """timeline.png: a representative decode pass (`representative_step`) of the last batch; timeline_prefill.png:
+    its prefill. Each title says which pass it is and how long it took next to the run's figures."""
+    drawn: dict[str, Any] = {}
+    step = representative_step(out)
+    if step is not None:
+        p = out.prefill_pass + step
+        wall = 1e3 * out.step_s[step - 1]
+        median = 1e3 * float(np.median(out.step_s))
+        drawn["decode"] = {"step": step, "wall_ms": wall, "span_ms": pass_span_ms(out, p),
+                           "median_step_ms": median}
+        tm.save_figure(plot_timeline(out.events, p, title=f"{what}: decode step {step} of {len(out.step_s)} "
+                                     f"({wall:.1f} ms; median step {median:.1f} ms), last batch"), "timeline.png")
+    else:
+        drawn["decode"] = "not drawn: the decode ran as one fused device loop (every routed expert resident)"
+    if any(e.pass_index == out.prefill_pass for e in out.events):
+        drawn["prefill"] = {"wall_ms": 1e3 * out.prefill_s, "span_ms": pass_span_ms(out, out.prefill_pass)}
+        tm.save_figure(plot_timeline(out.events, out.prefill_pass, title=f"{what}: the prefill pass "
+                                     f"({1e3 * out.prefill_s:.1f} ms), last batch"), "timeline_prefill.png")
+    return drawn
 
 
 def compare_with_in_memory(loaded: LoadedModel, batches: list, outs: list[OffloadOutput],

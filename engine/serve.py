@@ -23,7 +23,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from conf import hydra_main, to_frozen
-from conf.schemas.hardware import HardwareProfile
+from conf.schemas.hardware import composed_profile
 from conf.schemas.serve import ServeConfig, ServeMode
 from engine.telemetry import Telemetry
 
@@ -111,7 +111,7 @@ def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[st
     from predictors import load_predictor
 
     model_cfg = resolve_model_config(node.model)
-    hw = to_frozen(node.hardware, HardwareProfile)
+    hw, hw_defaults = composed_profile(node.hardware)
     sv = cfg.serverless
     G = sv.num_devices or hw.num_devices
     lat = sv.latency
@@ -135,7 +135,7 @@ def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[st
     outputs, cache = run_experiments(trace, cost_model, experiments, base, list(cfg.systems), sv.sweeps,
                                      make_predictor, sv.forecast.history_decay, progress=tm.progress)
     results: dict[str, Any] = {
-        "mode": "simulate", "model": str(cfg.model.name), "hardware": hw.name, "num_devices": G,
+        "mode": "simulate", "model": str(cfg.model.name), "hardware": hw.name, "hardware_defaults": hw_defaults, "num_devices": G,
         "workload": workload, "routing": trace.source if cfg.routing_checkpoint else cfg.routing.name,
         "steps_simulated": trace.num_steps, "iterations": float(trace.weight.sum()), "decode_stride": cfg.decode_stride,
         "tokens_routed": int(trace.routing.num_rows),

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from conf import hydra_main
+from conf.schemas.hardware import composed_profile
 
 
 def run(cfg: Any) -> dict[str, Any]:
@@ -29,7 +30,8 @@ def run(cfg: Any) -> dict[str, Any]:
         out = simulate(spec, routing, record=bool(draw), record_passes=draw)
         summary = dict(out.summary)
         results: dict[str, Any] = {
-            "model": spec.model_name, "hardware": spec.hardware.name, "scheduler": spec.scheduler.label,
+            "model": spec.model_name, "hardware": spec.hardware.name,
+            "hardware_defaults": composed_profile(cfg.hardware)[1], "scheduler": spec.scheduler.label,
             "scheduler_kind": spec.scheduler.kind.value, "routing": spec.routing.name, "batch_size": spec.batch_size,
             "prompt_len": spec.prompt_len, "gen_len": spec.gen_len, "async_io": spec.async_io,
             "hot_table": spec.scheduler.hot_table, "predictor": spec.predictor.kind if spec.scheduler.use_predictor else "none",

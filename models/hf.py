@@ -14,7 +14,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -400,6 +400,7 @@ class OpenCheckpoint:
     reader: CheckpointReader
     sources: list[TensorSource]
     fused: bool
+    finite_checked: bool = False  # see models.loading.check_weights
 
     @property
     def file_bytes(self) -> int:
@@ -409,6 +410,18 @@ class OpenCheckpoint:
         """The dtype the routed experts are stored in (the checkpoint's own dtype)."""
         src = next((s for s in self.sources if s.expert is not None), self.sources[0])
         return self.reader.dtype(src.pieces[0].name)
+
+    def check_finite(self) -> None:
+        """A CheckpointError naming the first tensor with NaN or Inf values (a checkpoint damaged in conversion or
+        training serves garbage tokens otherwise). Reads every parameter byte once, at memory speed."""
+        from models.native import count_nonfinite
+
+        names = dict.fromkeys(p.name for s in self.sources for p in s.pieces)
+        for name in names:
+            bad = count_nonfinite(self.reader.view(Piece(name, self.reader.shape(name))))
+            if bad:
+                raise CheckpointError(f"{self.folder}: tensor {name} has {bad} NaN/Inf values (model.allow_nonfinite=true "
+                                      "serves it anyway)")
 
     def param_bytes(self, dtype: Any, experts: bool = True) -> int:
         """Bytes of the model's parameters in `dtype` (routed experts left out unless `experts`)."""

@@ -45,6 +45,14 @@ def open_model_checkpoint(spec: Any) -> Optional["OpenCheckpoint"]:
     return None if ckpt is None else open_checkpoint(resolve_path(ckpt))
 
 
+def check_weights(spec: Any, checkpoint: "OpenCheckpoint") -> None:
+    """Refuse non-finite weights unless the `model` node sets `allow_nonfinite` (each checkpoint scanned once)."""
+    allow = spec.get("allow_nonfinite", False) if hasattr(spec, "get") else getattr(spec, "allow_nonfinite", False)
+    if not allow and not checkpoint.finite_checked:
+        checkpoint.check_finite()
+        checkpoint.finite_checked = True
+
+
 def model_dtype(choice: Any, checkpoint: Optional["OpenCheckpoint"]) -> Any:
     """The jnp dtype a run computes in: `auto` is the checkpoint's own (bf16 for every real MoE checkpoint,
     float32 for float32 or float16 files, which convert exactly), float32 for random weights."""
@@ -80,6 +88,7 @@ def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool =
     check_fits(ck.param_bytes(np.dtype(dtype), experts=with_experts), what,
                "serve it offloaded (python -m engine.run ... compare_in_memory=false), whose experts stay in the "
                "checkpoint's mapped files")
+    check_weights(spec, ck)
     _, model = load_hf(ck.folder, dtype=dtype, with_experts=with_experts, opened=ck)
     return cfg, model, ck.folder
 

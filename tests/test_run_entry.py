@@ -11,12 +11,17 @@ from tests.test_generate_entry import run_entry
 
 def test_main_job_serves_offloaded_with_the_in_memory_tokens(tmp_path: Path) -> None:
     proc = run_entry("engine.run", f"hydra.run.dir={tmp_path}", "workload.batch_size=2", "workload.num_batches=1",
-                     "workload.prompt_len=16", "workload.gen_len=4")
+                     "workload.prompt_len=16", "workload.gen_len=6")
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["model"] == "mixtral-tiny" and r["scheduler"] == "LayerScope" and r["predictor"] == "gate"
+    # the picture is a decode pass after the first, as long as the decode latency the results report
+    drawn = r["timeline"]["decode"]
+    assert drawn["step"] >= 2 and drawn["span_ms"] <= drawn["wall_ms"] * 1.01
+    assert 0.3 <= drawn["span_ms"] / r["decode_latency_ms"] <= 1.5, (drawn, r["decode_latency_ms"])
+    assert r["timeline"]["prefill"]["wall_ms"] == 1e3 * r["prefill_s"] and (tmp_path / "timeline_prefill.png").is_file()
     assert r["tokens_match_in_memory"] is True
-    assert r["generated_tokens"] == 2 * 4 and r["throughput_tok_s"] > 0 and r["decode_latency_ms"] > 0
+    assert r["generated_tokens"] == 2 * 6 and r["throughput_tok_s"] > 0 and r["decode_latency_ms"] > 0
     assert 0 < r["cache_slots"] < r["experts_total"] == 64  # a quarter of the experts by default
     # wall-clock headline figures and the MoE layers' own times are named apart
     assert "decode_latency_s" not in r and 0 < r["moe_layers_decode_latency_s"] * 1e3 <= r["decode_latency_ms"]

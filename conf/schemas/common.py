@@ -47,6 +47,7 @@ class ModelSpec:
     name: str = MISSING
     checkpoint: Optional[str] = None
     arch: Optional[unfrozen(ModelConfig)] = None  # type: ignore[valid-type]
+    allow_nonfinite: bool = False  # serve a checkpoint with NaN / Inf weights (refused by default, naming the tensor)
 
 
 store(ModelSpec, name="base_model", group="model")

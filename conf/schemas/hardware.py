@@ -49,8 +49,9 @@ DeepSeek 1.39 / 0.76 ms, Qwen3 0.79 / 0.44 ms on PCIe 3.0 / 4.0) within 3%.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, Optional
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Optional
 
 from omegaconf import MISSING
 
@@ -156,7 +157,11 @@ class HardwareProfile:
             if not cond:
                 raise ValueError(f"hardware {self.name}: {key}: {msg}")
 
+        need(self.name not in ("", "???"), "name", "is required (the profile id)")
         need(self.num_devices >= 1, "num_devices", f"must be >= 1, got {self.num_devices}")
+        need(self.cpu.sockets >= 1, "cpu.sockets", f"must be >= 1, got {self.cpu.sockets}")
+        for key, value in numeric_fields(self):
+            need(math.isfinite(value) and value >= 0, key, f"must be a finite number >= 0, got {value}")
         for key in ("cpu.dispatch_us", "gpu.call_overhead_us", "gpu.layer_overhead_us", "gpu.pass_overhead_us", "gpu.kernel_overhead_us",
                     "host_link.latency_us"):
             block, attr = key.split(".")
@@ -188,6 +193,101 @@ class HardwareProfile:
 
 store(unfrozen(HardwareProfile), name="base_hardware", group="hardware")
 
+# no default fits every machine: a profile must state these (the rest default as in the dataclasses above, and
+# every default a run used is reported in its results as `hardware_defaults`)
+REQUIRED_KEYS = ("name", "gpu.memory_gib", "gpu.bf16_tflops", "gpu.hbm_gbps", "cpu.cores", "cpu.peak_gflops",
+                 "cpu.memory_gbps", "host_link.peak_gbps")
+
+
+def numeric_fields(profile: HardwareProfile) -> list[tuple[str, float]]:
+    """(dotted key, value) of every number in the profile, the measured times included (None skipped)."""
+    out = []
+    for block in (profile, profile.gpu, profile.cpu, profile.host_link, profile.interconnect, *profile.measured.values()):
+        prefix = _block_prefix(profile, block)
+        for f in fields(block):
+            value = getattr(block, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out.append((prefix + f.name, float(value)))
+    return out
+
+
+def _block_prefix(profile: HardwareProfile, block: object) -> str:
+    if block is profile:
+        return ""
+    for name in ("gpu", "cpu", "host_link", "interconnect"):
+        if getattr(profile, name) is block:
+            return name + "."
+    model = next(k for k, v in profile.measured.items() if v is block)
+    return f"measured.{model}."
+
+
+def leaf_defaults() -> dict[str, object]:
+    """Every settable key of a profile (measured times aside) with its dataclass default."""
+    base = HardwareProfile(name="defaults")
+    out: dict[str, object] = {}
+    for name in ("num_devices",):
+        out[name] = getattr(base, name)
+    for block in ("gpu", "cpu", "host_link", "interconnect"):
+        for f in fields(getattr(base, block)):
+            out[f"{block}.{f.name}"] = getattr(getattr(base, block), f.name)
+    return out
+
+
+def given_keys(node: Any) -> set[str]:
+    """Dotted keys a YAML node (or dict) sets."""
+    from omegaconf import DictConfig, OmegaConf
+
+    data = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else dict(node)
+    keys: set[str] = set()
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "measured":
+            keys |= {f"{key}.{k}" for k in value}
+        else:
+            keys.add(str(key))
+    return keys
+
+
+def settle_profile(node: Any, given: Optional[set[str]], source: str) -> tuple[HardwareProfile, dict[str, object]]:
+    """The frozen, validated profile of a composed `hardware` node and the defaults it took; `given` are the keys
+    its YAML file and the command line set (None: unknown, nothing is checked or reported). Errors name `source`
+    (the file) and the key."""
+    from conf import to_frozen
+
+    defaults: dict[str, object] = {}
+    if given is not None:
+        missing = [k for k in REQUIRED_KEYS if k not in given]
+        if missing:
+            raise ValueError(f"{source}: {missing[0]} is required in a hardware profile (no default fits every "
+                             f"machine); also required: {', '.join(k for k in REQUIRED_KEYS if k != missing[0])}")
+        defaults = {k: v for k, v in leaf_defaults().items() if k not in given}
+    try:
+        return to_frozen(node, HardwareProfile), defaults
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: {exc}") from None
+
+
+def composed_profile(node: Any) -> tuple[HardwareProfile, dict[str, object]]:
+    """`settle_profile` for the `hardware` node of a Hydra app: the keys given are those of the chosen file
+    (conf/hardware/<choice>.yaml) and the `hardware.*` overrides on the command line."""
+    from pathlib import Path
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from conf import CONF_DIR
+
+    if not HydraConfig.initialized():
+        return settle_profile(node, None, f"hardware {node.get('name')}")
+    hc = HydraConfig.get()
+    choice = hc.runtime.choices.get("hardware")
+    path = Path(choice) if choice and choice.endswith((".yaml", ".yml")) else CONF_DIR / "hardware" / f"{choice}.yaml"
+    given = given_keys(OmegaConf.load(path)) if path.is_file() else set()
+    for override in hc.overrides.task:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key.startswith("hardware."):
+            given.add(key[len("hardware."):])
+    return settle_profile(node, given, f"hardware={choice} ({path})")
+
 
 def load_hardware(name: str) -> HardwareProfile:
     """The profile `conf/hardware/<name>.yaml` (or the YAML file at path `name`, such as one `engine.calibrate`
@@ -196,7 +296,7 @@ def load_hardware(name: str) -> HardwareProfile:
 
     from omegaconf import OmegaConf
 
-    from conf import CONF_DIR, to_frozen
+    from conf import CONF_DIR
 
     path = Path(name) if name.endswith((".yaml", ".yml")) else CONF_DIR / "hardware" / f"{name}.yaml"
     if not path.is_file():
@@ -205,4 +305,4 @@ def load_hardware(name: str) -> HardwareProfile:
     schema = OmegaConf.structured(unfrozen(HardwareProfile))
     node = OmegaConf.load(path)
     node.pop("defaults", None)
-    return to_frozen(OmegaConf.merge(schema, node), HardwareProfile)
+    return settle_profile(OmegaConf.merge(schema, node), given_keys(node), str(path))[0]

@@ -57,7 +57,7 @@ class OffloadSettings:
     cpu_threads: int = 1  # host threads of the CPU experts (see CpuExperts)
     retries: int = 2  # attempts after a failed transfer before it surfaces
     validate_plans: bool = True  # check every plan against the scheduler contract
-    timeline_passes: int = 2  # record lane events of the first N decode passes (timeline plot)
+    timeline_passes: int = 32  # record lane events of the prefill and the first N decode passes (timeline plots)
     # a pass with every routed expert resident, nothing on the link and a scheduler that would plan device
     # work only runs as one device call (no gate to stop at: there is nothing to decide); False: layer by layer
     fuse_resident: bool = True
@@ -72,6 +72,7 @@ class OffloadOutput:
     step_s: list[float]  # wall time of every decode pass
     metrics: RunMetrics
     events: list[Event] = field(default_factory=list)
+    prefill_pass: int = 0  # pass index of the prefill in `events`; decode step k is pass prefill_pass + k
     last_logits: Optional[np.ndarray] = None  # float32 [B, V] of the first pass (tests compare it)
     all_logits: list[np.ndarray] = field(default_factory=list)  # per pass [B, V], when requested
 
@@ -493,9 +494,11 @@ class OffloadExecutor:
         kv = init_cache(self.model, B, capacity, self.model.embed[...].dtype)
         seqs = np.arange(B) + self.seq_offset
         self.metrics = RunMetrics(num_layers=self.L)
+        self.events = []  # this call's passes only
         out = np.full((B, max_new_tokens), pad, np.int32)
         all_logits = []
         t_start = time.perf_counter()
+        self._record = self.settings.timeline_passes > 0
         with self.timer.window():  # each pass is one window of Timer samples (dropped if it compiled)
             if self._can_fuse():  # nothing to plan: the prefill as one device call
                 logits, kv = self._fused_forward(kv, tokens, positions, valid, Phase.prefill)
@@ -503,6 +506,7 @@ class OffloadExecutor:
                 logits, kv = self._forward(kv, tokens, positions, valid, Phase.prefill, seqs, longest)
             host = np.asarray(logits)
         first_logits = host
+        prefill_pass = self._pass
         prefill_s = time.perf_counter() - t_start
         self.metrics.add_pass(True, prefill_s)
         nxt = host.argmax(-1).astype(np.int32)
@@ -557,5 +561,6 @@ class OffloadExecutor:
         hit = out == eos
         lengths = np.where(hit.any(1), hit.argmax(1) + 1, max_new_tokens)
         return OffloadOutput(tokens=out, lengths=lengths, prefill_s=prefill_s, decode_s=sum(steps), step_s=steps,
-                             metrics=self.metrics, events=list(self.events), last_logits=first_logits,
+                             metrics=self.metrics, events=list(self.events), prefill_pass=prefill_pass,
+                             last_logits=first_logits,
                              all_logits=all_logits)

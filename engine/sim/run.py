@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from conf.schemas.hardware import HardwareProfile
+from conf.schemas.hardware import HardwareProfile, composed_profile
 from engine.sim.pipeline import PipelineSim, SimOptions
 from engine.sim.predictions import ForecastBook
 from engine.sim.workload import ForwardPass, batch_sequences, forward_passes, profile_loads, sequences_per_batch
@@ -206,7 +206,7 @@ def spec_from_config(cfg: Any) -> RunSpec:
     source = routing.source.value if hasattr(routing.source, "value") else str(routing.source)
     return RunSpec(
         model=resolve_model_config(cfg.model), model_name=str(cfg.model.name),
-        hardware=to_frozen(cfg.hardware, HardwareProfile), scheduler=to_frozen(cfg.scheduler, SchedulerSettings),
+        hardware=composed_profile(cfg.hardware)[0], scheduler=to_frozen(cfg.scheduler, SchedulerSettings),
         routing=RoutingSpec(source=source, name=str(routing.name), path=routing.path, model_seed=int(routing.model_seed),
                             synthetic=to_frozen(routing.synthetic, SyntheticRoutingParams)),
         batch_size=int(cfg.batch_size), prompt_len=int(cfg.prompt_len), gen_len=int(cfg.gen_len),

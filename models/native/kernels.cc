@@ -1250,6 +1250,31 @@ double ms_read(const void* p, int64_t bytes, int threads) {
   return double(t);
 }
 
+// Counts NaN / Inf values among n floats of `bits` bits (16: bf16 when `bf16`, else fp16; 32: fp32) on
+// `threads` threads: an exponent of all ones. A checkpoint scan reads every byte once.
+int64_t ms_nonfinite(const void* p, int64_t n, int bits, int bf16, int threads) {
+  if (n <= 0) return 0;
+  const int th = resolve_threads(threads);
+  std::vector<int64_t> counts(size_t(th), 0);
+  auto part = [&](int i) {
+    const int64_t a = n * i / th, b = n * (i + 1) / th;
+    int64_t c = 0;
+    if (bits == 32) {
+      const uint32_t* q = static_cast<const uint32_t*>(p);
+      for (int64_t k = a; k < b; ++k) c += (q[k] & 0x7f800000u) == 0x7f800000u;
+    } else {
+      const uint16_t mask = bf16 ? 0x7f80 : 0x7c00;
+      const uint16_t* q = static_cast<const uint16_t*>(p);
+      for (int64_t k = a; k < b; ++k) c += (q[k] & mask) == mask;
+    }
+    counts[size_t(i)] = c;
+  };
+  parallel(th, th, part);
+  int64_t t = 0;
+  for (int64_t v : counts) t += v;
+  return t;
+}
+
 }  // extern "C"
 
 // ------------------------------------------------------------------------------------------------
