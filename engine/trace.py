@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -166,6 +167,10 @@ class RoutingTrace:
             self.weights = self.weights.astype(np.float32)
         if n and (self.experts.min() < 0 or self.experts.max() >= E):
             fail("experts", f"ids must lie in [0, {E}); found [{self.experts.min()}, {self.experts.max()}]")
+        if n and not (np.isfinite(self.weights).all() and self.weights.min() >= 0):
+            bad = np.argwhere(~(self.weights >= 0))[0]
+            fail("weights", f"routing weights must be finite and >= 0; found {self.weights[tuple(bad)]} at "
+                            f"(layer {bad[0]}, row {bad[1]}, slot {bad[2]})")
         if n and np.any(np.diff(self.step) < 0):
             bad = int(np.flatnonzero(np.diff(self.step) < 0)[0]) + 1
             fail("step", f"steps must ascend; row {bad} goes back from {self.step[bad - 1]} to {self.step[bad]}")
@@ -199,16 +204,16 @@ class RoutingTrace:
             raise TraceFormatError(f"{where}: no such trace file")
         try:
             data = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, zipfile.BadZipFile) as exc:
-            raise TraceFormatError(f"{where}: not a .npz trace: {exc}") from None
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+            raise TraceFormatError(f"{where}: not a .npz trace: {exc or 'empty file'}") from None
         with data:
             names = set(data.files)
             missing = {"meta", "experts", "weights", *_ROW_ARRAYS} - names
             if missing:
                 raise TraceFormatError(f"{where}: missing arrays {sorted(missing)}")
-            meta = TraceMeta.from_json(str(data["meta"]), where)
-            fields = {name: data[name] for name in ("experts", "weights", *_ROW_ARRAYS)}
-            hidden = data["hidden"] if (with_hidden and "hidden" in names) else None
+            meta = TraceMeta.from_json(str(_member(data, "meta", where)), where)
+            fields = {name: _member(data, name, where) for name in ("experts", "weights", *_ROW_ARRAYS)}
+            hidden = _member(data, "hidden", where) if (with_hidden and "hidden" in names) else None
         trace = cls.__new__(cls)
         trace.meta, trace.hidden = meta, hidden
         for name, value in fields.items():
@@ -294,6 +299,14 @@ class TraceRecorder:
         return RoutingTrace(meta=self.meta, experts=np.concatenate(self._rows["experts"], axis=1),
                             weights=np.concatenate(self._rows["weights"], axis=1), hidden=hidden,
                             **{name: np.concatenate(self._rows[name]) for name in _ROW_ARRAYS})
+
+
+def _member(data: Any, name: str, where: str) -> np.ndarray:
+    """One array of an opened .npz, or a TraceFormatError naming the file and the array when it is damaged."""
+    try:
+        return data[name]
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise TraceFormatError(f"{where}: array '{name}' is damaged: {exc}") from None
 
 
 def load_trace(path: str | Path, with_hidden: bool = True) -> RoutingTrace:

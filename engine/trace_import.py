@@ -110,6 +110,8 @@ def _parse_record(rec: Any, fail: Any, k: Optional[int], num_experts: Optional[i
     if (not isinstance(weights, list) or len(weights) != len(experts)
             or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights)):
         fail(f"'gating_probs' must be {len(experts)} finite numbers, got {weights!r}")
+    if any(w < 0 for w in weights):
+        fail(f"'gating_probs' must be >= 0 (routing weights), got {weights!r}")
     return name, tok, layer, experts, [float(w) for w in weights]
 
 
@@ -130,11 +132,16 @@ def import_vllm_jsonl(path: str | Path, num_experts: Optional[int] = None, model
     header: dict[str, Any] = {}
     k: Optional[int] = None
     try:
-        fh = open(path, encoding="utf-8")
+        fh = open(path, "rb")  # decoded line by line, so that a non-UTF-8 line is named
     except OSError as exc:
         raise TraceFormatError(f"{where}: cannot read: {exc}") from None
     with fh:
-        for lineno, text in enumerate(fh, start=1):
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceFormatError(f"{where}:{lineno}: not UTF-8 text ({exc.reason} at byte {exc.start} of the "
+                                       "line)") from None
             if not text.strip():
                 continue
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conf.schemas.hardware import load_hardware
@@ -125,3 +126,61 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path: Path) -> Non
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "o_proj.weight has 1 NaN/Inf values" in proc.stderr.strip().splitlines()[-1]
+
+
+def _small_trace():
+    from engine.trace import RoutingTrace, TraceMeta, TraceRecorder
+
+    rec = TraceRecorder(TraceMeta(model="t", family="mixtral", num_experts=4, top_k=2, moe_layers=(0, 1)))
+    experts = [np.array([[0, 1], [2, 3]]), np.array([[1, 2], [0, 3]])]
+    weights = [np.full((2, 2), 0.5, np.float32)] * 2
+    rec.add_step(experts, weights, seq=np.arange(2), pos=np.zeros(2, np.int64), phase=0)
+    trace = rec.build()
+    assert isinstance(trace, RoutingTrace)
+    return trace
+
+
+def test_damaged_traces_are_named(tmp_path: Path) -> None:
+    import zipfile
+
+    from engine.trace import RoutingTrace, TraceFormatError
+    from engine.trace_import import import_vllm_jsonl
+
+    empty = tmp_path / "empty.npz"
+    empty.write_bytes(b"")
+    with pytest.raises(TraceFormatError, match=f"{empty}: not a .npz trace"):
+        RoutingTrace.load(empty)
+    good = _small_trace().save(tmp_path / "good.npz")
+    damaged = tmp_path / "damaged.npz"
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(damaged, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            dst.writestr(info, data[:len(data) // 2] if info.filename == "weights.npy" else data)
+    with pytest.raises(TraceFormatError, match=f"{damaged}: array 'weights' is damaged"):
+        RoutingTrace.load(damaged)
+    negative = _small_trace()
+    negative.weights[1, 0, 1] = -0.5
+    negative.save(tmp_path / "negative.npz")
+    with pytest.raises(TraceFormatError, match=r"array 'weights': routing weights must be finite and >= 0; found -0.5 "
+                                               r"at \(layer 1, row 0, slot 1\)"):
+        RoutingTrace.load(tmp_path / "negative.npz")
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"type": "meta", "num_experts": 4}\n{"request_id": "caf\xe9"}\n')
+    with pytest.raises(TraceFormatError, match=f"{latin}:2: not UTF-8 text"):
+        import_vllm_jsonl(latin)
+
+
+def test_a_batch_larger_than_the_workload_is_an_error() -> None:
+    from engine.workloads.base import TextPrompt
+    from engine.workloads.prompts import PromptSampler
+
+    class Chars:
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+
+    prompts = [TextPrompt(str(i), f"prompt number {i}") for i in range(3)]
+    with pytest.raises(ValueError, match="workload.batch_size: 4 exceeds the workload's 3 prompts"):
+        PromptSampler(prompts, Chars(), batch_size=4, prompt_len=8, gen_len=2)
+    sampler = PromptSampler(prompts, Chars(), batch_size=3, prompt_len=8, gen_len=2)
+    ids = [b.prompt_ids for b in sampler.batches(2)]  # the second batch starts a logged second epoch
+    assert all(len(set(i)) == 3 for i in ids)

@@ -11,6 +11,7 @@ and so on; the same (prompts, tokenizer, seed, sizes) always give the same batch
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -18,6 +19,8 @@ import numpy as np
 
 from conf.schemas.workload import LengthPolicy
 from engine.workloads.base import TextPrompt, Tokenizer, encode_ids
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class TokenStream:
         self._order: list[int] = []
         self._sep = () if separator_id is None else (int(separator_id),)
         self._min = max(int(min_tokens), 1)
+        self._epoch = 0
 
     def _encoded(self, i: int) -> tuple[int, ...]:
         if i not in self._cache:
@@ -77,6 +81,10 @@ class TokenStream:
         skipped: set[int] = set()
         while True:
             if not self._order:
+                if self._epoch:
+                    log.info("workload: all %d prompts drawn; epoch %d draws them again in a new order",
+                             len(self._prompts), self._epoch + 1)
+                self._epoch += 1
                 self._order = self._rng.permutation(len(self._prompts)).tolist()[::-1]
             i = self._order.pop()
             toks = self._encoded(i)
@@ -116,6 +124,9 @@ class PromptSampler:
                                  ("gen_len", gen_len, 0), ("min_prompt_tokens", min_prompt_tokens, 1)):
             if value < low:
                 raise ValueError(f"{name}: must be >= {low}, got {value}")
+        if policy is not LengthPolicy.pack and batch_size > len(prompts):
+            raise ValueError(f"workload.batch_size: {batch_size} exceeds the workload's {len(prompts)} prompts, so a "
+                             "batch would hold one prompt twice; use a smaller batch or workload.policy=pack")
         if policy is not LengthPolicy.pack and min_prompt_tokens > prompt_len:
             raise ValueError(f"min_prompt_tokens ({min_prompt_tokens}) > prompt_len ({prompt_len})")
         self.batch_size, self.prompt_len, self.gen_len, self.policy = batch_size, prompt_len, gen_len, policy
