@@ -15,6 +15,7 @@ safetensors + config.json + tokenizer, loadable by `models.load_hf` and by trans
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -42,6 +43,8 @@ from models.transformer import build_model
 
 # ---- data ---------------------------------------------------------------------------------------
 
+
+log = logging.getLogger(__name__)
 
 def encode_stream(tokenizer: Any, texts: Iterable[str], bos: int, eos: int) -> np.ndarray:
     """int32 [N]: every text as BOS + ids + EOS, concatenated."""
@@ -88,17 +91,27 @@ def checkpoint_manager(folder: Path, keep: int) -> ocp.CheckpointManager:
 
 
 def restore_latest(folder: Path, params: Any, opt_state: Any) -> tuple[int, Any, Any]:
-    """(step, params, opt_state) of the newest checkpoint under `folder` (a run dir or its checkpoints/)."""
+    """(step, params, opt_state) of the newest intact checkpoint under `folder` (a run dir or its checkpoints/).
+
+    A step that cannot be restored (a file deleted, truncated or overwritten after the save) is skipped with a
+    one-line warning naming it; the next older step is tried."""
     if (folder / "checkpoints").is_dir():
         folder = folder / "checkpoints"
     mngr = checkpoint_manager(folder, keep=1000)
-    step = mngr.latest_step()
-    if step is None:
+    steps = sorted(mngr.all_steps(), reverse=True)
+    if not steps:
         raise FileNotFoundError(f"resume: no orbax checkpoint under {folder}")
     target = {"params": params, "opt_state": opt_state}
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-    restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
-    return int(step), restored["params"], restored["opt_state"]
+    for step in steps:
+        try:
+            restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+            return int(step), restored["params"], restored["opt_state"]
+        except Exception as exc:  # orbax and tensorstore raise many types for a damaged step
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+            log.warning("resume: skipped damaged checkpoint step %d under %s (%s: %s)", step, folder,
+                        type(exc).__name__, reason)
+    raise ValueError(f"resume: no intact checkpoint under {folder} (steps {steps} all damaged)")
 
 
 # ---- the run --------------------------------------------------------------------------------------
