@@ -128,6 +128,9 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, N
                                                  PermissionError, MemoryError, KeyError)
 
 
+_RUN_TAG: Optional[str] = None
+
+
 def run_tag() -> str:
     """This process's suffix of run-folder names: its pid and two random bytes, drawn once, so runs started in
     the same second (also on other hosts sharing the folder) never share a folder."""
@@ -135,9 +138,6 @@ def run_tag() -> str:
     if _RUN_TAG is None:
         _RUN_TAG = f"{os.getpid()}-{secrets.token_hex(2)}"
     return _RUN_TAG
-
-
-_RUN_TAG: Optional[str] = None
 
 
 def register_resolvers() -> None:

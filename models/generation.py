@@ -22,8 +22,6 @@ from models.moe import DEFAULT_EXECUTOR, ExpertExecutor
 from models.transformer import EXACT_ROUNDING, Captured, KVCache, MoETransformer, forward, init_cache
 
 
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy; otherwise softmax(logits / temperature) restricted to the top-p nucleus."""

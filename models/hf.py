@@ -298,9 +298,6 @@ class CheckpointReader:
         arr = self._map(entry.file)[entry.start:entry.end].view(dtype).reshape(entry.shape)
         return arr if piece.index is None else arr[piece.index]
 
-    def stored_dtypes(self) -> set[np.dtype]:
-        return {self.dtype(name) for name in self._entries}
-
 
 def detect_fused(names: Iterable[str]) -> bool:
     """True for the transformers-v5 fused expert layout."""
@@ -400,7 +397,7 @@ class OpenCheckpoint:
     reader: CheckpointReader
     sources: list[TensorSource]
     fused: bool
-    finite_checked: bool = False  # see models.loading.check_weights
+    finite: bool = False  # every parameter scanned by `check_finite` and found finite
 
     @property
     def file_bytes(self) -> int:
@@ -413,15 +410,19 @@ class OpenCheckpoint:
 
     def check_finite(self) -> None:
         """A CheckpointError naming the first tensor with NaN or Inf values (a checkpoint damaged in conversion or
-        training serves garbage tokens otherwise). Reads every parameter byte once, at memory speed."""
+        training serves garbage tokens otherwise). Reads every parameter byte once, at memory speed; a second call
+        (the in-memory model and the expert store of one run) reads nothing."""
         from models.native import count_nonfinite
 
+        if self.finite:
+            return
         names = dict.fromkeys(p.name for s in self.sources for p in s.pieces)
         for name in names:
             bad = count_nonfinite(self.reader.view(Piece(name, self.reader.shape(name))))
             if bad:
                 raise CheckpointError(f"{self.folder}: tensor {name} has {bad} NaN/Inf values (model.allow_nonfinite=true "
                                       "serves it anyway)")
+        self.finite = True
 
     def param_bytes(self, dtype: Any, experts: bool = True) -> int:
         """Bytes of the model's parameters in `dtype` (routed experts left out unless `experts`)."""

@@ -48,9 +48,8 @@ def open_model_checkpoint(spec: Any) -> Optional["OpenCheckpoint"]:
 def check_weights(spec: Any, checkpoint: "OpenCheckpoint") -> None:
     """Refuse non-finite weights unless the `model` node sets `allow_nonfinite` (each checkpoint scanned once)."""
     allow = spec.get("allow_nonfinite", False) if hasattr(spec, "get") else getattr(spec, "allow_nonfinite", False)
-    if not allow and not checkpoint.finite_checked:
+    if not allow:
         checkpoint.check_finite()
-        checkpoint.finite_checked = True
 
 
 def model_dtype(choice: Any, checkpoint: Optional["OpenCheckpoint"]) -> Any:

@@ -199,38 +199,23 @@ REQUIRED_KEYS = ("name", "gpu.memory_gib", "gpu.bf16_tflops", "gpu.hbm_gbps", "c
                  "cpu.memory_gbps", "host_link.peak_gbps")
 
 
+def _blocks(profile: HardwareProfile) -> list[tuple[str, Any]]:
+    """(key prefix, block) of every block of numbers in a profile, the top level and measured times included."""
+    named = [("", profile)] + [(f"{name}.", getattr(profile, name)) for name in ("gpu", "cpu", "host_link", "interconnect")]
+    return named + [(f"measured.{model}.", times) for model, times in profile.measured.items()]
+
+
 def numeric_fields(profile: HardwareProfile) -> list[tuple[str, float]]:
     """(dotted key, value) of every number in the profile, the measured times included (None skipped)."""
-    out = []
-    for block in (profile, profile.gpu, profile.cpu, profile.host_link, profile.interconnect, *profile.measured.values()):
-        prefix = _block_prefix(profile, block)
-        for f in fields(block):
-            value = getattr(block, f.name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out.append((prefix + f.name, float(value)))
-    return out
-
-
-def _block_prefix(profile: HardwareProfile, block: object) -> str:
-    if block is profile:
-        return ""
-    for name in ("gpu", "cpu", "host_link", "interconnect"):
-        if getattr(profile, name) is block:
-            return name + "."
-    model = next(k for k, v in profile.measured.items() if v is block)
-    return f"measured.{model}."
+    return [(prefix + f.name, float(value)) for prefix, block in _blocks(profile) for f in fields(block)
+            if isinstance(value := getattr(block, f.name), (int, float)) and not isinstance(value, bool)]
 
 
 def leaf_defaults() -> dict[str, object]:
-    """Every settable key of a profile (measured times aside) with its dataclass default."""
-    base = HardwareProfile(name="defaults")
-    out: dict[str, object] = {}
-    for name in ("num_devices",):
-        out[name] = getattr(base, name)
-    for block in ("gpu", "cpu", "host_link", "interconnect"):
-        for f in fields(getattr(base, block)):
-            out[f"{block}.{f.name}"] = getattr(getattr(base, block), f.name)
-    return out
+    """Every settable key of a profile (name and measured times aside) with its dataclass default."""
+    base = HardwareProfile(name="defaults")  # no measured times: its blocks are the top level and the four specs
+    return {"num_devices": base.num_devices} | {prefix + f.name: getattr(block, f.name)
+                                                 for prefix, block in _blocks(base)[1:] for f in fields(block)}
 
 
 def given_keys(node: Any) -> set[str]:

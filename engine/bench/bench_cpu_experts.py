@@ -8,10 +8,13 @@ m = 1, 4, 16, 64 rows, one expert is timed through `models.native.experts_host` 
 cycling over DISTINCT experts whose weights together exceed the L3 cache several times, so every call
 reads its weights from memory as a decode step does. Next to it: torch's bf16 path (F.linear x3 + silu,
 as the engine's torch fallback computes a bf16 expert) and torch f32 on upcast weights, same m. Rates
-are weight bytes (bf16, even for the f32 run) per second; the ratio is to the memory read rate measured
-in the same run with the same thread count (the better of a native streaming read and torch's sum of a
-256 MiB tensor; both printed). This machine is shared and other work comes and goes: every native
-figure and read rate is the best over `--rounds` passes of `--repeats` calls each (torch: one pass).
+are weight bytes (bf16, even for the f32 run) per second; the ratio is to the native streaming read of a 256 MiB
+array with the same thread count, measured right before and after the figure's calls (the better of
+the two; the header also prints torch's sum of the same array). A 1-thread ratio is therefore per core:
+the machine's ceiling is the read with every core (the highest `--threads`), about twice one core's on
+a 2-core VM, and llama.cpp's decode on all cores is measured against that, not against one core. This
+machine is shared and other work comes and goes: every native figure and read rate is the best over
+`--rounds` passes of `--repeats` calls each (torch: one pass, so torch ratios lean against torch).
 
 Layer section: a whole decode layer's routed experts in ONE `experts_host` call, at each model's real
 expert count and top-k (Mixtral 2 of 8, DeepSeek-V2-Lite 6 of 64, Qwen3-30B-A3B 8 of 128; the other

@@ -13,7 +13,7 @@ memory is per system:
   moescope offloaded   python -m engine.run ... offload.budget_fraction=F (per budget and batch size)
   transformers         engine/bench/peers/hf_peer.py, bf16, torch threads = all cores (both batch sizes)
   llama.cpp            engine/bench/peers/llama_peer.py under `--llama-python`, a BF16 GGUF written by
-                       engine/bench/peers/to_gguf.py, 2 threads (both batch sizes)
+                       engine/bench/peers/to_gguf.py, every CPU as torch and XLA use (both batch sizes)
 
 and one table per family gives load time, peak anonymous memory and peak RSS over the checkpoint's
 bytes, decode tokens/s at each batch size with its ratio to transformers, and "others busy": the CPUs
@@ -51,6 +51,7 @@ from engine.bench.real_width import (COMPLETE_MARKER, PRESETS, cached_checkpoint
                                      real_width_config, write_speed)
 from engine.bench.peers.common import prompt_ids
 from models.config import Family, ModelConfig
+from models.memory import cpu_count
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2")
@@ -131,18 +132,6 @@ def run_logged(cmd: list[str], log: Path, timeout: float, env: Optional[dict] = 
     return Outcome(True, dt, others_cores=others)
 
 
-def find_key(d: Any, key: str) -> Any:
-    """`d[key]`, else the first value under `key` in nested dicts (depth first), else None."""
-    if isinstance(d, dict):
-        if d.get(key) is not None:
-            return d[key]
-        for v in d.values():
-            found = find_key(v, key)
-            if found is not None:
-                return found
-    return None
-
-
 # ---- one family ------------------------------------------------------------------------------------
 
 
@@ -191,14 +180,13 @@ class Bench:
                   "wandb.mode=disabled", f"hydra.run.dir={run_dir}"]
         n = self.a.new + 1  # the prefill's token + `new` decode steps, as the peers count
         if budget is None:
-            cmd = [sys.executable, "-m", "models.generate", *common, f"batch_size={B}",
-                   f"prompt_len={self.a.prompt}", f"max_new_tokens={n}"]
+            cmd = [sys.executable, "-m", "models.generate", *common, f"batch_size={B}",  # every token, as the peers
+                   f"prompt_len={self.a.prompt}", f"max_new_tokens={n}", "stop_at_eos=false"]
         else:
             cmd = [sys.executable, "-m", "engine.run", *common, "compare_in_memory=false",
                    f"offload.budget_fraction={budget}", f"workload.batch_size={B}",
                    f"workload.prompt_len={self.a.prompt}", f"workload.gen_len={n}", "workload.num_batches=1"]
         res = run_logged(cmd, self.out / fam / f"moescope-{label}-b{B}.log", self.a.timeout, self.env)
-        res.data = {}
         path = run_dir / "results.json"
         if res.ok:
             if not path.is_file():
@@ -216,13 +204,11 @@ class Bench:
                 print(f"    {row.system} b{B}: FAILED ({res.error})", flush=True)
                 continue
             d = res.data
-            tok = find_key(d, "decode_tok_s") or find_key(d, "decode_tokens_per_s")
-            if tok is None and find_key(d, "decode_latency_ms"):
-                tok = B * 1000.0 / float(find_key(d, "decode_latency_ms"))
+            tok = d["decode_tokens_per_s"]  # both entry points report it
             row.tok_s[B] = tok
-            if row.load_s is None and find_key(d, "load_s") is not None:
-                row.load_s = float(find_key(d, "load_s"))
-            row.merge_peak(find_key(d, "peak_anon_bytes"), find_key(d, "peak_rss_bytes"))
+            if row.load_s is None:
+                row.load_s = float(d["load_s"])
+            row.merge_peak(d.get("peak_anon_bytes"), d.get("peak_rss_bytes"))
             print(f"    {row.system} b{B}: {fmt(tok, '.2f')} tok/s, load {fmt(row.load_s, '.1f')} s "
                   f"({res.seconds:.0f} s; other processes busy {res.others_cores:.2f} CPUs)", flush=True)
         return row
@@ -433,7 +419,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layout", choices=("per_expert", "fused"), default="per_expert")
     ap.add_argument("--root", default=str(REPO / "runs" / "real_width"))
     ap.add_argument("--llama-python", default="/tmp/llamavenv/bin/python")
-    ap.add_argument("--llama-threads", type=int, default=2)
+    ap.add_argument("--llama-threads", type=int, default=cpu_count(),
+                    help="llama.cpp threads (default: every CPU this process may use, as torch and XLA take)")
     ap.add_argument("--llama-mmap", action=argparse.BooleanOptionalAction, default=True,
                     help="llama.cpp maps the GGUF (its default); --no-llama-mmap reads it into anonymous memory")
     ap.add_argument("--skip", default="", help="comma-separated: transformers, llama.cpp, check, moescope "

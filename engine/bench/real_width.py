@@ -53,7 +53,7 @@ class Preset:
 
     model: str
     num_layers: int
-    note: str = ""
+    note: str = ""  # what the preset stands for (read by people: the table names the family)
     changes: tuple[tuple[str, Any], ...] = ()  # other fields replaced (e.g. fewer experts per layer)
 
 
@@ -309,10 +309,6 @@ def write_random_checkpoint(cfg: ModelConfig, folder: str | Path, *, layout: str
 def checkpoint_bytes(folder: str | Path) -> int:
     """Bytes of the checkpoint's safetensors files."""
     return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
-
-
-def checkpoint_complete(folder: str | Path) -> bool:
-    return (Path(folder) / COMPLETE_MARKER).is_file()
 
 
 def cached_checkpoint(name: str, cfg: ModelConfig, root: str | Path, *, layout: str = "per_expert",

@@ -45,46 +45,47 @@ class CpuExperts:
         self.threads = max(int(threads), 1)
         self.native = native.available()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moescope-cpu-experts")
-        self._views: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._layers: dict[int, native.ExpertWeights] = {}  # every expert of a layer, validated once
         self.timings: list[tuple[int, float]] = []  # (tokens, seconds) per expert computed, for the Timer
 
-    def _expert(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        key = (layer, expert)
-        if key not in self._views:
-            self._views[key] = self.store.numpy_views(layer, expert)
-        return self._views[key]
+    def _layer(self, layer: int) -> native.ExpertWeights:
+        """The layer's experts packed for the native call (views of the store: nothing is read or copied)."""
+        if layer not in self._layers:
+            views = [self.store.numpy_views(layer, e) for e in range(self.store.num_experts)]
+            self._layers[layer] = native.pack_experts(*zip(*views))
+        return self._layers[layer]
 
     def compute(self, layer: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
                 cpu_experts: list[int]) -> np.ndarray:
         """float32 [T, H]: sum over the (token, slot) pairs routed to `cpu_experts` of weight * expert(x).
 
         x [T, H] (any float dtype; cast to the weights' dtype), experts int [T, k] (-1: routed nowhere),
-        weights float [T, k]."""
+        weights float [T, k]. Experts are added in ascending id, as the in-memory model adds them."""
         T, k = experts.shape
+        E = self.store.num_experts
         out = np.zeros((T, self.store.cfg.hidden_size), np.float32)
         flat = experts.reshape(-1)
-        order = np.argsort(flat, kind="stable")  # by expert, then token
-        ranked, wanted = flat[order], np.asarray(cpu_experts, np.int64)
-        lo = np.searchsorted(ranked, wanted, side="left")
-        hi = np.searchsorted(ranked, wanted, side="right")
-        used = hi > lo
-        if not used.any():
+        on_cpu = np.zeros(E + 1, bool)  # the extra entry is what -1 (routed nowhere) indexes
+        on_cpu[np.asarray(cpu_experts, np.int64)] = True
+        live = np.flatnonzero(on_cpu[flat])
+        if not live.size:
             return out
-        chosen, lo, hi = wanted[used], lo[used], hi[used]
-        # the chosen experts' pairs, contiguous per expert
-        pairs = np.concatenate([order[a:b] for a, b in zip(lo, hi)])
-        offsets = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
+        pairs = live[np.argsort(flat[live], kind="stable")]  # by expert, then token
+        counts = np.bincount(flat[pairs], minlength=E)
         tokens = (pairs // k).astype(np.int32)
         pair_w = weights.reshape(-1)[pairs].astype(np.float32)
         xs = np.ascontiguousarray(np.asarray(x).astype(self.store.dtype, copy=False))
-        views = [self._expert(layer, int(e)) for e in chosen]
-        if self.native:
-            seconds = np.zeros(len(chosen), np.float64)
-            native.experts_host(out, xs, [v[0] for v in views], [v[1] for v in views], [v[2] for v in views],
-                                offsets, tokens, pair_w, self.threads, seconds=seconds)
-            self.timings += list(zip((hi - lo).tolist(), seconds.tolist()))
+        used = np.flatnonzero(counts)
+        if self.native:  # every expert of the layer passed, the unused ones with no pairs (never read)
+            seconds = np.zeros(E, np.float64)
+            offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            native.experts_host(out, xs, self._layer(layer), None, None, offsets, tokens, pair_w, self.threads,
+                                seconds=seconds)
+            listed = [e for e in dict.fromkeys(int(e) for e in cpu_experts) if counts[e]]  # the plan's order
+            self.timings += [(int(counts[e]), float(seconds[e])) for e in listed]
         else:
-            self._torch(out, xs, views, offsets, tokens, pair_w)
+            views = [self.store.numpy_views(layer, int(e)) for e in used]
+            self._torch(out, xs, views, np.concatenate([[0], np.cumsum(counts[used])]), tokens, pair_w)
         return out
 
     def _torch(self, out: np.ndarray, xs: np.ndarray, views: list, offsets: np.ndarray, tokens: np.ndarray,

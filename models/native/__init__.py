@@ -41,7 +41,7 @@ import ctypes
 import os
 import threading
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +53,7 @@ __all__ = [
     "load", "available", "build_error", "isa", "best_isa", "set_isa", "set_threads", "get_threads",
     "linear", "swiglu", "linear_reference", "swiglu_reference", "take_rows", "take_rows_reference",
     "experts", "experts_reference", "available_experts",
-    "ExpertWeights", "pack_experts", "experts_host", "linear_host", "stream_read",
+    "ExpertWeights", "pack_experts", "experts_host", "linear_host", "stream_read", "count_nonfinite", "native_or",
 ]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -237,30 +237,28 @@ def _ffi_swiglu(x2: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x2, gate_up, down)
 
 
-@jax.custom_jvp
-def _linear2(x2: jax.Array, w: jax.Array) -> jax.Array:
-    return lax.platform_dependent(x2, w, cpu=_ffi_linear, default=linear_reference)
+def native_or(ffi_fn: Callable[..., jax.Array], reference: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """`ffi_fn` on the CPU backend, `reference` elsewhere; differentiated through `reference`'s math."""
+
+    @jax.custom_jvp
+    def fn(*args: jax.Array) -> jax.Array:
+        return lax.platform_dependent(*args, cpu=ffi_fn, default=reference)
+
+    @fn.defjvp
+    def fn_jvp(primals: tuple, tangents: tuple) -> tuple:
+        return fn(*primals), jax.jvp(reference, primals, tangents)[1]
+
+    return fn
 
 
-@_linear2.defjvp
-def _linear2_jvp(primals: tuple, tangents: tuple) -> tuple:
-    return _linear2(*primals), jax.jvp(linear_reference, primals, tangents)[1]
-
-
-@jax.custom_jvp
-def _swiglu2(x2: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    return lax.platform_dependent(x2, gate_up, down, cpu=_ffi_swiglu, default=swiglu_reference)
-
-
-@_swiglu2.defjvp
-def _swiglu2_jvp(primals: tuple, tangents: tuple) -> tuple:
-    return _swiglu2(*primals), jax.jvp(swiglu_reference, primals, tangents)[1]
+_linear2 = native_or(_ffi_linear, linear_reference)
+_swiglu2 = native_or(_ffi_swiglu, swiglu_reference)
 
 
 def _native_ok(*arrays: Any) -> bool:
     dt = arrays[0].dtype
     return (dt in (jnp.bfloat16, jnp.float32) and all(a.dtype == dt for a in arrays)
-            and all(a.ndim == 2 for a in arrays[1:]) and load() is not None and _ffi)
+            and all(a.ndim == 2 for a in arrays[1:]) and available_experts())
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -301,7 +299,7 @@ _SUB_BYTE = frozenset({"int1", "uint1", "int2", "uint2", "int4", "uint4", "float
 def _take_native_ok(table: Any) -> bool:
     dt = np.dtype(table.dtype)
     return (table.ndim >= 1 and table.shape[0] > 0 and dt.itemsize in (1, 2, 4, 8) and dt.name not in _SUB_BYTE
-            and load() is not None and _ffi)
+            and available_experts())
 
 
 def take_rows_reference(table: jax.Array, index: jax.Array) -> jax.Array:
@@ -315,14 +313,7 @@ def _ffi_take(table: jax.Array, idx: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call("moescope_take_rows", out, vmap_method="sequential")(table, idx)
 
 
-@jax.custom_jvp
-def _take(table: jax.Array, idx: jax.Array) -> jax.Array:
-    return lax.platform_dependent(table, idx, cpu=_ffi_take, default=take_rows_reference)
-
-
-@_take.defjvp
-def _take_jvp(primals: tuple, tangents: tuple) -> tuple:
-    return _take(*primals), jax.jvp(take_rows_reference, primals, tangents)[1]
+_take = native_or(_ffi_take, take_rows_reference)
 
 
 def take_rows(table: jax.Array, index: Any) -> jax.Array:
@@ -516,6 +507,7 @@ class ExpertWeights:
         self.arrays = (list(gates), list(ups), list(downs))
         self.n = n
         self.hidden = self.intermediate = 0
+        self.wdtype = _W_BF16  # set from the first weight
         self.dtype: Optional[np.dtype] = None
         ptrs = np.zeros((3, n), np.uintp)
         for e in range(n):
@@ -523,7 +515,7 @@ class ExpertWeights:
                 addr, dt, shape = _host_array(arr, f"expert {e} {name}")
                 if self.dtype is None:
                     self.dtype = dt
-                    _wdtype(dt, f"expert {e} {name}")
+                    self.wdtype = _wdtype(dt, f"expert {e} {name}")
                     if len(shape) != 2:
                         raise ValueError(f"expert {e} {name}: shape {shape}, expected [F, H]")
                     self.intermediate, self.hidden = shape
@@ -534,7 +526,7 @@ class ExpertWeights:
                     raise ValueError(f"expert {e} {name}: shape {tuple(shape)}, expected {list(want)}")
                 ptrs[j, e] = addr
         self.ptrs = ptrs
-        self.wdtype = _W_F32 if self.dtype == _F32 else _W_BF16
+        self.addresses = tuple(int(row.ctypes.data) for row in ptrs)  # what each call passes
 
 
 def pack_experts(gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any]) -> ExpertWeights:
@@ -590,8 +582,7 @@ def experts_host(out: np.ndarray, x: Any, gates: Sequence[Any] | ExpertWeights, 
     toks = _check_vec(tokens, np.int32, None, "tokens")
     pws = _check_vec(pair_weight, np.float32, n_pairs, "pair_weight")
     secs = None if seconds is None else _check_vec(seconds, np.float64, w.n, "seconds", writeable=True)
-    rc = lib.ms_experts(xa, T, H, w.intermediate, wdtype, w.n, w.ptrs[0].ctypes.data, w.ptrs[1].ctypes.data,
-                        w.ptrs[2].ctypes.data, offs, n_pairs, toks, pws, oa, int(threads), secs,
+    rc = lib.ms_experts(xa, T, H, w.intermediate, wdtype, w.n, *w.addresses, offs, n_pairs, toks, pws, oa, int(threads), secs,
                         _strategy(strategy))
     if rc != 0:
         raise ValueError(lib.ms_last_error().decode())

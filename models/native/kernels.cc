@@ -497,14 +497,9 @@ struct KAvx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
-inline float hsum128x(__m128 q) {
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-}
-inline float hsum256x(__m256 v) { return hsum128x(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
+// hsum128 / hsum256 (AVX2 section above) inline here too: the wider target is a superset of theirs
 inline float hsum512(__m512 v) {
-  return hsum256x(_mm512_castps512_ps256(_mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4e))));
+  return hsum256(_mm512_castps512_ps256(_mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4e))));
 }
 
 // Element traits: a 64-byte vector holds kE elements; `dot` accumulates x * w into 16 f32 lanes.
@@ -608,8 +603,8 @@ void mk512_quad(const typename T::E* x, int rows, int64_t gstride, const typenam
   }
   for (int q = 0; q < NG; ++q)
     for (int r = 0; r < R; ++r) {
-      const float s[4] = {hsum128x(_mm512_extractf32x4_ps(a[q][r], 0)), hsum128x(_mm512_extractf32x4_ps(a[q][r], 1)),
-                          hsum128x(_mm512_extractf32x4_ps(a[q][r], 2)), hsum128x(_mm512_extractf32x4_ps(a[q][r], 3))};
+      const float s[4] = {hsum128(_mm512_extractf32x4_ps(a[q][r], 0)), hsum128(_mm512_extractf32x4_ps(a[q][r], 1)),
+                          hsum128(_mm512_extractf32x4_ps(a[q][r], 2)), hsum128(_mm512_extractf32x4_ps(a[q][r], 3))};
       for (int m = 0; m < 4 && 4 * q + m < rows; ++m) y[(4 * q + m) * ldy + nc[r]] = s[m];
     }
 }
