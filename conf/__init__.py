@@ -7,153 +7,14 @@ naming the key.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import functools
 import logging
 import os
-import secrets
-import sys
-import typing
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Mapping, Optional
 
-CONF_DIR = Path(__file__).resolve().parent
-REPO_ROOT = CONF_DIR.parent
-T = TypeVar("T")
-
-_UNFROZEN: dict[type, type] = {}
-
-
-def unfrozen(cls: type) -> type:
-    """A mutable copy of a frozen dataclass (recursively), usable as a Hydra schema.
-
-    OmegaConf marks frozen dataclasses read-only, so YAML could not fill them in; the frozen
-    original stays the type the code works with (see `to_frozen`).
-    """
-    if cls in _UNFROZEN:
-        return _UNFROZEN[cls]
-    hints = typing.get_type_hints(cls)
-    specs = []
-    for f in dataclasses.fields(cls):
-        ftype = _unfreeze_type(hints[f.name])
-        kwargs: dict[str, Any] = {}
-        if f.default is not dataclasses.MISSING:
-            kwargs["default"] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            factory = f.default_factory
-            if dataclasses.is_dataclass(factory):
-                kwargs["default_factory"] = unfrozen(factory)
-            elif dataclasses.is_dataclass(probe := factory()) and not isinstance(probe, type):
-                kwargs["default_factory"] = functools.partial(_thaw, probe)  # a factory of frozen instances
-            else:
-                kwargs["default_factory"] = factory
-        else:
-            kwargs["default"] = "???"
-        specs.append((f.name, ftype, dataclasses.field(**kwargs)))
-    schema = dataclasses.make_dataclass(cls.__name__, specs)
-    schema.__doc__ = cls.__doc__
-    _UNFROZEN[cls] = schema
-    return schema
-
-
-def _thaw(instance: Any) -> Any:
-    """The `unfrozen` copy of a frozen dataclass instance (nested dataclasses thawed too)."""
-    values = {f.name: getattr(instance, f.name) for f in dataclasses.fields(instance)}
-    values = {k: _thaw(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v for k, v in values.items()}
-    return unfrozen(type(instance))(**values)
-
-
-def _unfreeze_type(tp: Any) -> Any:
-    if dataclasses.is_dataclass(tp):
-        return unfrozen(tp)
-    args = typing.get_args(tp)
-    origin = typing.get_origin(tp)
-    if origin is typing.Union and type(None) in args:
-        inner = [a for a in args if a is not type(None)][0]
-        return Optional[_unfreeze_type(inner)]
-    if origin in (dict, typing.Dict) and len(args) == 2:
-        return typing.Dict[args[0], _unfreeze_type(args[1])]  # type: ignore[index]
-    if origin in (list, typing.List) and len(args) == 1:
-        return typing.List[_unfreeze_type(args[0])]  # type: ignore[index]
-    return tp
-
-
-def to_frozen(node: Any, cls: type[T]) -> T:
-    """Build the frozen dataclass `cls` from a DictConfig / dict / schema instance."""
-    from omegaconf import DictConfig, OmegaConf
-
-    if isinstance(node, cls):
-        return node
-    if isinstance(node, DictConfig):
-        node = OmegaConf.to_container(node, resolve=True, enum_to_str=False)
-    elif dataclasses.is_dataclass(node):
-        node = {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in node:
-            kwargs[f.name] = _coerce(node[f.name], hints[f.name], f"{cls.__name__}.{f.name}")
-    return cls(**kwargs)
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    if value is None:
-        return None
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) is typing.Union and type(None) in args:
-        tp = [a for a in args if a is not type(None)][0]
-    if dataclasses.is_dataclass(tp):
-        return to_frozen(value, tp)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        if isinstance(value, tp):
-            return value
-        try:
-            return tp[value] if isinstance(value, str) and value in tp.__members__ else tp(value)
-        except ValueError:
-            raise ValueError(f"{where}: {value!r} is not one of {[m.name for m in tp]}") from None
-    return value
-
-
-def resolve_path(path: str | Path) -> Path:
-    """Resolve `pkg:<relative>` (inside the installed moescope tree) or a plain path."""
-    text = str(path)
-    if text.startswith("pkg:"):
-        return REPO_ROOT / text[len("pkg:"):]
-    return Path(text).expanduser()
-
-
-# what a user can cause and fix (a config value, a file): one line, no traceback (HYDRA_FULL_ERROR=1 shows it)
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-                                                 PermissionError, MemoryError, KeyError)
-
-
-_RUN_TAG: Optional[str] = None
-
-
-def run_tag() -> str:
-    """This process's suffix of run-folder names: its pid and two random bytes, drawn once, so runs started in
-    the same second (also on other hosts sharing the folder) never share a folder."""
-    global _RUN_TAG
-    if _RUN_TAG is None:
-        _RUN_TAG = f"{os.getpid()}-{secrets.token_hex(2)}"
-    return _RUN_TAG
-
-
-def register_resolvers() -> None:
-    """OmegaConf resolvers the YAML uses (`${run_tag:}` in runs_layout.yaml)."""
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("run_tag"):
-        OmegaConf.register_new_resolver("run_tag", run_tag)
-
-
-def report_user_error(task: str, exc: BaseException) -> None:
-    """One line on stderr naming the task and what is wrong; the run folder keeps what was already written."""
-    text = str(exc).strip().splitlines() or [type(exc).__name__]
-    if isinstance(exc, KeyError) and len(exc.args) == 1:
-        text = [f"missing key {exc.args[0]!r}"]
-    print(f"moescope {task}: error: {text[0]}", file=sys.stderr, flush=True)
+from core.config import CONF_DIR, USER_ERRORS, register_resolvers, report_user_error
+from core.telemetry import Telemetry
 
 
 def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[], Any]]:
@@ -187,6 +48,32 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
             return main()
 
         return entry
+
+    return wrap
+
+
+def hydra_task(config_name: str, title: str | Callable[[dict], str] | None = None, hide: tuple[str, ...] = (),
+               summarize: Optional[Callable[[dict], Mapping[str, Any]]] = None,
+               metrics: Optional[Callable[[dict], Mapping[str, Any]]] = None
+               ) -> Callable[[Callable[[Any, Telemetry], dict]], Callable[[], Any]]:
+    """The one `main` of a task: `hydra_main(config_name)` around `task(node, telemetry) -> results`, in a run
+    folder with wandb (`Telemetry`); then results.json, the `metrics` of the results logged (default: none)
+    and a summary table titled `title` (default: the task) of `summarize(results)` (default: the results
+    without the `hide` keys). `main.run(node, run_dir=None)` runs the same task in-process (tests)."""
+
+    def wrap(task: Callable[[Any, Telemetry], dict]) -> Callable[[], Any]:
+        @functools.wraps(task)
+        def run(node: Any, run_dir: Optional[Path] = None) -> dict:
+            with Telemetry(node, task=config_name, run_dir=run_dir) as tm:
+                results = task(node, tm)
+                heading = title(results) if callable(title) else (title or config_name)
+                rows = summarize(results) if summarize else {k: v for k, v in results.items() if k not in hide}
+                tm.finish(results, heading, rows, metrics(results) if metrics else None)
+            return results
+
+        main = hydra_main(config_name)(run)
+        main.run = run  # type: ignore[attr-defined]  # the same task in-process: run(node, run_dir=None)
+        return main
 
     return wrap
 

@@ -30,15 +30,16 @@ import numpy as np
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from conf import hydra_main, resolve_path
+from core.config import resolve_path
+from conf import hydra_task
 from conf.schemas.calibrate import CalibrateConfig
-from conf.schemas.hardware import CpuSpec, ExpertTimes, GpuSpec, HardwareProfile, HostLink, Interconnect
+from schedulers.hardware import CpuSpec, ExpertTimes, GpuSpec, HardwareProfile, HostLink, Interconnect
 from engine.offload.cache import DeviceExpertCache
 from engine.offload.cpu_experts import CpuExperts
 from engine.offload.kernels import LayerKernels
 from engine.offload.link import Job, TransferLink
 from engine.offload.store import ExpertStore
-from engine.telemetry import Telemetry, atomic_write_text
+from core.telemetry import Telemetry, atomic_write_text
 from models.config import ModelConfig
 from models.loading import load_model
 from models.transformer import MoETransformer
@@ -124,11 +125,12 @@ def measure_executor_overheads(model: MoETransformer, store: ExpertStore, cost: 
     """(fixed host seconds per MoE layer, per forward pass): the Timer's medians over a decode with every
     expert resident (the same definition the Timer refines online)."""
     from engine.offload.executor import OffloadExecutor, OffloadSettings
-    from schedulers.base import SchedulerKind, SchedulerSettings, SchedulerSetup, build_scheduler
+    from schedulers.base import SchedulerSetup, build_scheduler
+    from schedulers.offload.ktransformers import KTransformersSettings
 
     cfg = model.cfg
     L, E = len(cfg.moe_layers), cfg.num_experts
-    sched = build_scheduler(SchedulerSettings(kind=SchedulerKind.ktransformers, label="calibrate", use_predictor=False),
+    sched = build_scheduler(KTransformersSettings(label="calibrate", use_predictor=False),
                             SchedulerSetup(L, E, cfg.num_experts_per_tok, L * E, cost, np.ones((L, E), np.int64)))
     prompts = np.random.default_rng(seed).integers(3, cfg.vocab_size, (batch, prompt_len)).tolist()
     with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=L * E, validate_plans=False,
@@ -269,21 +271,18 @@ def profile_yaml(profile: HardwareProfile, source: str) -> str:
     return header + "defaults:\n  - base_hardware\n" + yaml.safe_dump(body, sort_keys=False)
 
 
-@hydra_main("calibrate")
-def main(node: DictConfig) -> Optional[dict[str, Any]]:
+@hydra_task("calibrate")
+def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     cfg: CalibrateConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
-    with Telemetry(node, task="calibrate") as tm:
-        model_cfg, model, _ = load_model(node.model, seed=cfg.seed)
-        store = ExpertStore.from_model(model)
-        profile, raw = calibrate(model_cfg, model, store, cfg.name, str(node.model.name), cfg.repeats,
-                                 list(cfg.token_counts), cfg.batch, cfg.prompt_len, cfg.new_tokens)
-        out = resolve_path(cfg.out) if cfg.out else tm.run_dir / f"{cfg.name}.yaml"
-        profile = keep_other_models(profile, out)
-        text = profile_yaml(profile, f"model={node.model.name}")
-        atomic_write_text(out, text)
-        raw["profile"] = str(out)
-        tm.write_results(raw)
-        tm.summary("calibrate", raw)
+    model_cfg, model, _ = load_model(node.model, seed=cfg.seed)
+    store = ExpertStore.from_model(model)
+    profile, raw = calibrate(model_cfg, model, store, cfg.name, str(node.model.name), cfg.repeats,
+                             list(cfg.token_counts), cfg.batch, cfg.prompt_len, cfg.new_tokens)
+    out = resolve_path(cfg.out) if cfg.out else tm.run_dir / f"{cfg.name}.yaml"
+    profile = keep_other_models(profile, out)
+    text = profile_yaml(profile, f"model={node.model.name}")
+    atomic_write_text(out, text)
+    raw["profile"] = str(out)
     return raw
 
 

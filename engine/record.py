@@ -4,21 +4,22 @@
     python -m engine.record model=deepseek_tiny workload=code workload.num_batches=4 out=/tmp/code.npz
 
 Every batch is generated greedily with the in-memory model (`models.generation.Generator` with
-routing capture); prefill and decode steps go into one `engine.trace.RoutingTrace` file.
+routing capture); prefill and decode steps go into one `core.trace.RoutingTrace` file.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from conf import hydra_main, resolve_path
+from core.config import resolve_path
+from conf import hydra_task
 from conf.schemas.record import RecordConfig
 from engine.recording import record_generation, trace_meta
-from engine.telemetry import Telemetry
-from engine.trace import RoutingTrace, TraceRecorder
+from core.telemetry import Telemetry
+from core.trace import RoutingTrace, TraceRecorder
 from engine.workloads import PromptSampler, build_workload
 from models.generation import Generator
 from models.loading import load_model, load_tokenizer
@@ -48,19 +49,14 @@ def record_trace(model_node: Any, workload_node: Any, keep_hidden: bool = True, 
     return recorder.build()
 
 
-@hydra_main("record")
-def main(node: DictConfig) -> Optional[dict[str, Any]]:
+@hydra_task("record")
+def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     cfg: RecordConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
-    dtype = cfg.dtype.value
-    with Telemetry(node, task="record") as tm:
-        trace = record_trace(node.model, node.workload, cfg.keep_hidden, dtype, cfg.seed, tm.progress)
-        path = trace.save(resolve_path(cfg.out) if cfg.out else tm.run_dir / "trace.npz")
-        results = {"trace": str(path), "rows": trace.num_rows, "steps": trace.num_steps,
-                   "moe_layers": trace.num_layers, "sequences": int(len(set(trace.seq.tolist()))),
-                   "hidden": trace.hidden is not None, "bytes": Path(path).stat().st_size}
-        tm.write_results(results)
-        tm.summary("record", results)
-    return results
+    trace = record_trace(node.model, node.workload, cfg.keep_hidden, cfg.dtype.value, cfg.seed, tm.progress)
+    path = trace.save(resolve_path(cfg.out) if cfg.out else tm.run_dir / "trace.npz")
+    return {"trace": str(path), "rows": trace.num_rows, "steps": trace.num_steps,
+            "moe_layers": trace.num_layers, "sequences": int(len(set(trace.seq.tolist()))),
+            "hidden": trace.hidden is not None, "bytes": Path(path).stat().st_size}
 
 
 if __name__ == "__main__":

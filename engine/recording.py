@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from engine.trace import DECODE, PREFILL, TraceMeta, TraceRecorder
+from core.trace import DECODE, PREFILL, TraceMeta, TraceRecorder
 from models.config import ModelConfig
 from models.generation import GenerationOutput
 

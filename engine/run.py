@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from conf import hydra_main, to_frozen
-from conf.schemas.hardware import composed_profile
+from conf import hydra_task
+from schedulers.hardware import composed_profile
 from conf.schemas.run import OffloadConfig, RunConfig
 from engine.calibrate import device_memory_gib
 from engine.fidelity import fidelity_report, float32_copy, offloaded_forced_logits
@@ -35,8 +35,8 @@ from engine.offload.executor import OffloadExecutor, OffloadOutput, OffloadSetti
 from engine.offload.store import ExpertStore
 from engine.recording import record_generation, trace_meta
 from engine.sim.timeline import plot_timeline
-from engine.telemetry import Telemetry
-from engine.trace import TraceRecorder
+from core.telemetry import Telemetry, scalars
+from core.trace import TraceRecorder
 from engine.workloads import PromptSampler, build_workload
 from models.config import ModelConfig
 from models.generation import Generator
@@ -47,7 +47,8 @@ from models.memory import GIB, PeakMemory, check_fits, host_memory, memory_repor
 from models.transformer import param_bytes, without_experts
 from predictors import load_predictor
 from predictors.base import Predictor
-from schedulers.base import SchedulerSettings, SchedulerSetup, build_scheduler
+from schedulers.base import SchedulerSetup, build_scheduler, scheduler_settings
+from schedulers.offload.ondemand import OnDemandSettings
 from schedulers.cost import CostModel
 
 log = logging.getLogger(__name__)
@@ -255,7 +256,7 @@ def serve_offloaded(node: DictConfig, rc: RunConfig, loaded: LoadedModel, tm: Te
     hw, hw_defaults = composed_profile(node.hardware)
     cost = CostModel(cfg, hw, str(node.model.name), bytes_per_param=store.dtype.itemsize)
     slots = cache_slots(cfg, rc.offload, store.expert_bytes, dense_bytes=param_bytes(model))
-    settings = to_frozen(node.scheduler, SchedulerSettings)
+    settings = scheduler_settings(node.scheduler)
     o = rc.offload
     mech = OffloadSettings(cache_slots=slots, staging_slots=o.staging_slots, chunks=o.chunks, async_io=o.async_io,
                            cpu_threads=o.cpu_threads, retries=o.retries,
@@ -276,8 +277,7 @@ def serve_offloaded(node: DictConfig, rc: RunConfig, loaded: LoadedModel, tm: Te
     # the Counter: profiling batches served with on-demand loading rank the experts for the hot table
     profile_loads = np.zeros((L, E), np.int64)
     if profile:
-        counter = build_scheduler(SchedulerSettings(kind=settings.kind.__class__("ondemand"), label="profile",
-                                                    hot_table=False),
+        counter = build_scheduler(OnDemandSettings(label="profile", hot_table=False),
                                   SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost))
         with OffloadExecutor(model, store, counter, cost, mech, {}, lookup, cache=cache) as ex:
             serve(ex, profile, cfg)
@@ -382,16 +382,8 @@ def compare_with_in_memory(loaded: LoadedModel, batches: list, outs: list[Offloa
     return results
 
 
-@hydra_main("run")
-def main(node: DictConfig) -> Optional[dict[str, Any]]:
-    with Telemetry(node, task="run") as tm:
-        results = run(node, tm)
-        tm.write_results(results)
-        tm.log({k: v for k, v in results.items() if isinstance(v, (int, float))})
-        tm.summary(f"engine.run: {results['scheduler']}", {k: v for k, v in results.items()
-                                                           if k not in ("text", "per_layer_decode", "timer",
-                                                                        "cost_model_after")})
-    return results
+main = hydra_task("run", title=lambda r: f"engine.run: {r['scheduler']}", metrics=scalars,
+                  hide=("text", "per_layer_decode", "timer", "cost_model_after"))(run)
 
 
 if __name__ == "__main__":

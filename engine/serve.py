@@ -17,15 +17,16 @@ Multi-host (real mode): start one process per host with the same command plus
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from conf import hydra_main, to_frozen
-from conf.schemas.hardware import composed_profile
+from core.config import to_frozen
+from conf import hydra_task
+from schedulers.hardware import composed_profile
 from conf.schemas.serve import ServeConfig, ServeMode
-from engine.telemetry import Telemetry
+from core.telemetry import Telemetry
 
 
 def azure_batches(cfg: ServeConfig) -> tuple[list, dict]:
@@ -98,13 +99,13 @@ def experiment_results(outputs: dict, cache: dict) -> dict:
         if exp == "distance":
             block["values"] = [spec.distance for spec, _ in pairs]
         if exp == "cv_threshold":
-            block["values"] = [spec.moeless.cv_threshold for spec, _ in pairs]
+            block["values"] = [spec.settings.cv_threshold for spec, _ in pairs]
         out[exp] = block
     return out
 
 
 def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
-    from engine.serverless.experiments import compare_with_paper, default_specs, run_experiments
+    from engine.serverless.experiments import compare_with_paper, default_specs, run_experiments, system
     from engine.serverless.latency_model import LatencySettings, ServerlessCostModel
     from engine.serverless.policies import build_policy, slots_per_device
     from models.loading import resolve_model_config
@@ -129,6 +130,9 @@ def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[st
     base = default_specs(sv, E, G, cfg.predictor.distance)
     for spec in base.values():  # bad settings fail here, before any routing is generated
         build_policy(spec, E, G, cost_model.expert_bytes)
+    for kind in cfg.systems:  # an unknown system fails here too
+        system(base, kind)
+    order = [*cfg.systems, *(kind for kind in base if kind not in cfg.systems)]  # results: the compared ones first
     batches, workload = azure_batches(cfg)
     trace = serving_trace(cfg, node, model_cfg, batches, tm)
     experiments = [e.value for e in cfg.experiments]
@@ -141,14 +145,15 @@ def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[st
         "tokens_routed": int(trace.routing.num_rows),
         "cost_model": cost_model.summary(), "latency": {"kind": lat.kind.value, "compute": lat.compute.value,
                                                         "other_compute": "device_sum" if lat.compute.value == "replica_max" else "replica_max"},
-        "slots_per_device": {spec.label: slots_per_device(spec, E, G) for spec in base.values()},
+        "slots_per_device": {base[kind].label: slots_per_device(base[kind], E, G) for kind in order},
         "predictor": {"name": cfg.predictor.name, "used": sv.forecast.use_predictor, "hit_rate_by_distance": {
             str(key[1]): float(np.mean(list(v[1].values()))) for key, v in cache.items() if key[0] == "predictor" and v[1]}},
         "lossy_systems": sorted({spec.label for pairs in outputs.values() for spec, res in pairs if res.lossy}),
         "experiments": experiment_results(outputs, cache),
     }
     if "compare" in results["experiments"]:
-        results["versus_paper"] = compare_with_paper(results["experiments"]["compare"]["systems"])
+        results["versus_paper"] = compare_with_paper(results["experiments"]["compare"]["systems"],
+                                                     {kind: spec.label for kind, spec in base.items()})
     for exp, block in results["experiments"].items():
         tm.log({f"{exp}/{label}/{k}": v for label, s in block["systems"].items() for k, v in s.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool)})
@@ -157,7 +162,7 @@ def run_simulation(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[st
 
 def run_real(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     from engine.serverless.executor import ServerlessExecutor
-    from engine.serverless.experiments import default_specs
+    from engine.serverless.experiments import default_specs, system
     from engine.serverless.forecast import LoadForecast
     from engine.serverless.real_serving import ep_mesh, place_model, serve_real
     from models.loading import load_model
@@ -175,8 +180,8 @@ def run_real(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any
     batches, workload = azure_batches(cfg)
     base = default_specs(sv, model_cfg.num_experts, G, cfg.predictor.distance)
     systems: dict[str, Any] = {}
-    for kind in cfg.systems:
-        spec = base[kind]
+    specs = [system(base, kind) for kind in cfg.systems]  # unknown systems fail before anything is served
+    for spec in specs:
         predictor = load_predictor(node.predictor, model=model) if sv.forecast.use_predictor else None
         forecast = LoadForecast(predictor, HistoricalLoadForecaster(len(model_cfg.moe_layers), model_cfg.num_experts,
                                                                     sv.forecast.history_decay), model_cfg.num_experts_per_tok)
@@ -190,9 +195,24 @@ def run_real(cfg: ServeConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any
             "lossy_systems": sorted(label for label, s in systems.items() if s["lossy"])}
 
 
-def run(node: DictConfig, run_dir: Optional[Any] = None) -> dict[str, Any]:
-    """Serve or simulate as `node` (a composed `serve` config) says; outputs go to `run_dir`
-    (default: the Hydra run folder)."""
+def headline(results: dict[str, Any]) -> dict[str, Any]:
+    """The scalars, each system's mean MoE time and cost (simulate) or token equality (real)."""
+    flat = {k: v for k, v in results.items() if not isinstance(v, (dict, list))}
+    experiments = results.get("experiments")
+    compare = experiments.get("compare", {}) if isinstance(experiments, dict) else {}
+    for label, s in compare.get("systems", {}).items():
+        flat[f"{label}: mean MoE ms"] = s["mean_moe_ms"]
+        flat[f"{label}: cost GiB*s"] = s["total_cost_gib_s"]
+    systems = results.get("systems")
+    for label, s in (systems.items() if isinstance(systems, dict) else ()):
+        if isinstance(s, dict) and "tokens_equal" in s:
+            flat[f"{label}: tokens equal"] = s["tokens_equal"]
+    return flat
+
+
+@hydra_task("serve", summarize=headline)
+def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
+    """Serve or simulate as `node` (a composed `serve` config) says."""
     from engine.serverless.figures import close, draw_all
     from engine.serverless.multihost import maybe_initialize
 
@@ -200,29 +220,16 @@ def run(node: DictConfig, run_dir: Optional[Any] = None) -> dict[str, Any]:
     cfg: ServeConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
     if cfg.decode_stride < 1:
         raise ValueError(f"decode_stride: must be >= 1, got {cfg.decode_stride}")
-    with Telemetry(node, task="serve", run_dir=run_dir) as tm:
-        results = run_simulation(cfg, node, tm) if cfg.mode is ServeMode.simulate else run_real(cfg, node, tm)
-        tm.write_results(results)
-        if cfg.plots and cfg.mode is ServeMode.simulate:
-            figs = draw_all(results, f"{results['model']}, {results['workload']['name']} trace")
-            for name, fig in figs.items():
-                tm.save_figure(fig, name)
-            close(figs)
-        flat = {k: v for k, v in results.items() if not isinstance(v, (dict, list))}
-        if cfg.mode is ServeMode.simulate and "compare" in results["experiments"]:
-            for label, s in results["experiments"]["compare"]["systems"].items():
-                flat[f"{label}: mean MoE ms"] = s["mean_moe_ms"]
-                flat[f"{label}: cost GiB*s"] = s["total_cost_gib_s"]
-        if cfg.mode is ServeMode.real:
-            for label, s in results["systems"].items():
-                flat[f"{label}: tokens equal"] = s["tokens_equal"]
-        tm.summary("serve", flat)
+    results = run_simulation(cfg, node, tm) if cfg.mode is ServeMode.simulate else run_real(cfg, node, tm)
+    if cfg.plots and cfg.mode is ServeMode.simulate:
+        figs = draw_all(results, f"{results['model']}, {results['workload']['name']} trace")
+        for name, fig in figs.items():
+            tm.save_figure(fig, name)
+        close(figs)
     return results
 
 
-@hydra_main("serve")
-def main(node: DictConfig) -> Optional[dict[str, Any]]:
-    return run(node)
+run = main.run  # in-process: run(node, run_dir=None), outputs in run_dir (default: the Hydra run folder)
 
 
 if __name__ == "__main__":

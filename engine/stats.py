@@ -6,7 +6,7 @@
 
 Writes results.json (trace facts, summary, one row per MoE layer, expert loads) and PNG figures
 (expert_load, load_cv, gate_similarity when the trace has hidden states, predictability) into the
-run folder. Statistics: `engine.routing_stats`.
+run folder. Statistics: `core.routing_stats`.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 
-from conf import hydra_main, resolve_path
+from core.config import resolve_path
+from conf import hydra_task
 from conf.schemas.stats import StatsConfig, StatsSource, TraceFileFormat
-from engine.routing_stats import routing_report
+from core.routing_stats import routing_report
 from engine.stats_plots import plot_report
-from engine.telemetry import Telemetry, console
-from engine.trace import RoutingTrace, load_trace
-from engine.trace_import import import_vllm_jsonl
+from core.telemetry import Telemetry, console
+from core.trace import RoutingTrace, load_trace
+from core.trace_import import import_vllm_jsonl
 
 
 def load_trace_file(path: str | Path, fmt: TraceFileFormat = TraceFileFormat.auto,
@@ -88,18 +89,17 @@ def run_stats(cfg: StatsConfig, node: DictConfig, tm: Telemetry) -> dict[str, An
     return report
 
 
-@hydra_main("stats")
-def main(node: DictConfig) -> dict[str, Any]:
+def headline(report: dict[str, Any]) -> dict[str, Any]:
+    return {"rows": report["trace"]["rows"], "sequences": report["trace"]["sequences"], **report["summary"]}
+
+
+@hydra_task("stats", summarize=headline, metrics=lambda report: report["summary"])
+def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     cfg: StatsConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
-    with Telemetry(node, task="stats") as tm:
-        report = run_stats(cfg, node, tm)
-        tm.write_results(report)
-        tm.log(report["summary"])
-        console.print(layer_table(report))
-        for note in report["notes"]:
-            console.print(f"[yellow]note:[/] {note}")
-        tm.summary("stats", {"rows": report["trace"]["rows"], "sequences": report["trace"]["sequences"],
-                             **report["summary"]})
+    report = run_stats(cfg, node, tm)
+    console.print(layer_table(report))
+    for note in report["notes"]:
+        console.print(f"[yellow]note:[/] {note}")
     return report
 
 

@@ -1,4 +1,4 @@
-"""Figures of a routing report (`engine.routing_stats.routing_report`), drawn with matplotlib's OO API."""
+"""Figures of a routing report (`core.routing_stats.routing_report`), drawn with matplotlib's OO API."""
 
 from __future__ import annotations
 

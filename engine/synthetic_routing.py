@@ -40,7 +40,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine.trace import DECODE, PREFILL, RoutingTrace, TraceMeta, TraceRecorder
+from core.trace import DECODE, PREFILL, RoutingTrace, TraceMeta, TraceRecorder
 
 _LUT_SIZE = 1 << 16
 

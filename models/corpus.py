@@ -18,8 +18,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
 
-from engine.workloads.sharegpt import load_sharegpt
-from engine.workloads.stdlib import pydoc_topics, stdlib_docstrings, stdlib_fingerprint, stdlib_sources
+from core.sharegpt import load_sharegpt
+from core.stdlib_texts import pydoc_topics, stdlib_docstrings, stdlib_fingerprint, stdlib_sources
 
 
 class CorpusSource(enum.Enum):

@@ -8,14 +8,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from conf import hydra_main
+from conf import hydra_task
 from conf.schemas.generate import GenerateConfig
-from engine.telemetry import Telemetry
+from core.telemetry import Telemetry, scalars
 from models.config import ModelConfig
 from models.generation import GenerationOutput, Generator, SamplingParams
 from models.loading import load_model, load_tokenizer, model_dtype, open_model_checkpoint
@@ -78,18 +78,14 @@ def generate_timed(cfg: GenerateConfig, model_cfg: ModelConfig, model: Any, fold
     return results, out, tokenizer
 
 
-@hydra_main("generate")
-def main(node: DictConfig) -> Optional[dict[str, Any]]:
+@hydra_task("generate", metrics=scalars, hide=("generated_ids", "text"))
+def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     cfg: GenerateConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
-    with Telemetry(node, task="generate") as tm:
-        results, out, tokenizer = run_generation(cfg, node.model)
-        samples = out.sequences()
-        if tokenizer is not None:
-            results["text"] = [tokenizer.decode(s) for s in samples]
-        results["generated_ids"] = samples
-        tm.write_results(results)
-        tm.log({k: v for k, v in results.items() if isinstance(v, (int, float))})
-        tm.summary("generate", {k: v for k, v in results.items() if k not in ("generated_ids", "text")})
+    results, out, tokenizer = run_generation(cfg, node.model)
+    samples = out.sequences()
+    if tokenizer is not None:
+        results["text"] = [tokenizer.decode(s) for s in samples]
+    results["generated_ids"] = samples
     return results
 
 

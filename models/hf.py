@@ -501,7 +501,7 @@ def save_hf(cfg: ModelConfig, model: MoETransformer, folder: str | Path, fused: 
     import torch
     from safetensors.torch import save_file
 
-    from engine.telemetry import atomic_write_text
+    from core.telemetry import atomic_write_text
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,25 +1,60 @@
-"""Resolve a Hydra model spec into a `ModelConfig` (from its `arch`, its checkpoint, or both)."""
+"""The `model` config group (`ModelSpec`, owned here) and its resolution into a `ModelConfig` (from its `arch`,
+its checkpoint, or both), a checkpoint and a compute dtype."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
+from omegaconf import MISSING, DictConfig, OmegaConf
 
-from conf import resolve_path, to_frozen
+from core.config import resolve_path, store, to_frozen, unfrozen
 from models.config import ModelConfig
+
+class DType(enum.Enum):
+    auto = "auto"  # the checkpoint's own dtype (bf16 for real MoE checkpoints); float32 for random weights
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    """A model: an architecture (`arch`), a checkpoint folder, or both (then they must agree).
+
+    `checkpoint` is an HF folder (config.json + safetensors); `pkg:<path>` points inside the
+    moescope tree (the shipped tiny models). Without a checkpoint the weights are random
+    (seeded by the task's `seed`).
+    """
+
+    name: str = MISSING
+    checkpoint: Optional[str] = None
+    arch: Optional[unfrozen(ModelConfig)] = None  # type: ignore[valid-type]
+    allow_nonfinite: bool = False  # serve a checkpoint with NaN / Inf weights (refused by default, naming the tensor)
+
+
+store(ModelSpec, name="base_model", group="model")
+
 
 if TYPE_CHECKING:
     from models.hf import OpenCheckpoint
     from models.transformer import MoETransformer
 
 
+def spec_node(spec: Any) -> DictConfig:
+    """A `model` spec (a Hydra node, a `ModelSpec` or a plain dict) as the node every function here reads."""
+    if isinstance(spec, DictConfig):
+        return spec
+    return OmegaConf.structured(spec) if dataclasses.is_dataclass(spec) else OmegaConf.create(dict(spec))
+
+
 def resolve_model_config(spec: Any) -> ModelConfig:
     """The architecture of a `model` config node; a checkpoint's config.json must agree with `arch`."""
-    arch = spec.get("arch") if hasattr(spec, "get") else getattr(spec, "arch", None)
-    ckpt = spec.get("checkpoint") if hasattr(spec, "get") else getattr(spec, "checkpoint", None)
+    node = spec_node(spec)
+    arch, ckpt = node.get("arch"), node.get("checkpoint")
     from_arch = to_frozen(arch, ModelConfig) if arch is not None else None
     if ckpt is None:
         if from_arch is None:
@@ -41,14 +76,13 @@ def open_model_checkpoint(spec: Any) -> Optional["OpenCheckpoint"]:
     """The checkpoint a `model` config node names, opened and checked (headers only), or None (random weights)."""
     from models.hf import open_checkpoint
 
-    ckpt = spec.get("checkpoint") if hasattr(spec, "get") else getattr(spec, "checkpoint", None)
+    ckpt = spec_node(spec).get("checkpoint")
     return None if ckpt is None else open_checkpoint(resolve_path(ckpt))
 
 
 def check_weights(spec: Any, checkpoint: "OpenCheckpoint") -> None:
     """Refuse non-finite weights unless the `model` node sets `allow_nonfinite` (each checkpoint scanned once)."""
-    allow = spec.get("allow_nonfinite", False) if hasattr(spec, "get") else getattr(spec, "allow_nonfinite", False)
-    if not allow:
+    if not spec_node(spec).get("allow_nonfinite", False):
         checkpoint.check_finite()
 
 

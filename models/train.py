@@ -9,17 +9,17 @@ byte-level BPE trained on the training split (or `tokenizer=<folder>`). Document
 BOS/EOS, concatenated and cut into sequences of seq_len + 1 tokens; every epoch visits them in a
 seeded permutation, so the batch of any step is a pure function of (seed, step) and a resumed
 run sees exactly the data it would have seen. Optimiser: AdamW, linear warmup then cosine decay.
-Checkpoints: orbax (params, optimiser state, step) every `checkpoint_every` steps. Export: HF
+Checkpoints: orbax (params, optimiser state, step) every `checkpoint_every` steps; a resume skips a
+damaged latest step for the newest intact one (`models.checkpointing`). Export: HF
 safetensors + config.json + tokenizer, loadable by `models.load_hf` and by transformers.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +29,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-from conf import hydra_main, resolve_path
+from core.config import resolve_path
+from conf import hydra_task
 from conf.schemas.train import TrainConfig
-from engine.telemetry import Telemetry, atomic_write_text
+from core.telemetry import Telemetry, atomic_write_text, results_text
+from models.checkpointing import checkpoint_manager, restore_latest, run_checkpoints
 from models.config import ModelConfig
 from models.corpus import Corpus, CorpusConfig, CorpusSource, build_corpus
 from models.hf import save_hf
@@ -43,8 +45,6 @@ from models.transformer import build_model
 
 # ---- data ---------------------------------------------------------------------------------------
 
-
-log = logging.getLogger(__name__)
 
 def encode_stream(tokenizer: Any, texts: Iterable[str], bos: int, eos: int) -> np.ndarray:
     """int32 [N]: every text as BOS + ids + EOS, concatenated."""
@@ -81,37 +81,6 @@ def training_texts(corpus: Corpus, repeat: dict[str, int]) -> list[str]:
     if unknown:
         raise ValueError(f"corpus.repeat: unknown sources {sorted(unknown)}")
     return [d.text for d in corpus.train for _ in range(max(1, int(repeat.get(d.source.value, 1))))]
-
-
-# ---- checkpoints ----------------------------------------------------------------------------------
-
-
-def checkpoint_manager(folder: Path, keep: int) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(folder.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
-
-
-def restore_latest(folder: Path, params: Any, opt_state: Any) -> tuple[int, Any, Any]:
-    """(step, params, opt_state) of the newest intact checkpoint under `folder` (a run dir or its checkpoints/).
-
-    A step that cannot be restored (a file deleted, truncated or overwritten after the save) is skipped with a
-    one-line warning naming it; the next older step is tried."""
-    if (folder / "checkpoints").is_dir():
-        folder = folder / "checkpoints"
-    mngr = checkpoint_manager(folder, keep=1000)
-    steps = sorted(mngr.all_steps(), reverse=True)
-    if not steps:
-        raise FileNotFoundError(f"resume: no orbax checkpoint under {folder}")
-    target = {"params": params, "opt_state": opt_state}
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-    for step in steps:
-        try:
-            restored = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
-            return int(step), restored["params"], restored["opt_state"]
-        except Exception as exc:  # orbax and tensorstore raise many types for a damaged step
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-            log.warning("resume: skipped damaged checkpoint step %d under %s (%s: %s)", step, folder,
-                        type(exc).__name__, reason)
-    raise ValueError(f"resume: no intact checkpoint under {folder} (steps {steps} all damaged)")
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -162,7 +131,9 @@ def train(cfg: TrainConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     opt_state = tx.init(params)
     start_step = 0
     if cfg.resume is not None:
-        start_step, params, opt_state = restore_latest(resolve_path(cfg.resume), params, opt_state)
+        start_step, restored = restore_latest(run_checkpoints(resolve_path(cfg.resume)),
+                                              {"params": params, "opt_state": opt_state})
+        params, opt_state = restored["params"], restored["opt_state"]
     loss_cfg = LossConfig(aux_loss_coef=cfg.aux_loss_coef, capacity_factor=cfg.capacity_factor)
     train_step, eval_step = make_train_step(loss_cfg), make_eval_step(loss_cfg)
     mngr = checkpoint_manager(tm.run_dir / "checkpoints", cfg.keep_checkpoints)
@@ -212,15 +183,11 @@ def train(cfg: TrainConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     }
 
 
-@hydra_main("train")
-def main(node: DictConfig) -> Optional[dict[str, Any]]:
+@hydra_task("train", hide=("history", "corpus"))
+def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     cfg: TrainConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
-    with Telemetry(node, task="train") as tm:
-        results = train(cfg, node, tm)
-        tm.write_results(results)
-        export_dir = Path(results["export_dir"])
-        atomic_write_text(export_dir / "training.json", (tm.run_dir / "results.json").read_text())
-        tm.summary("train", {k: v for k, v in results.items() if k not in ("history", "corpus")})
+    results = train(cfg, node, tm)
+    atomic_write_text(Path(results["export_dir"]) / "training.json", results_text(results))  # beside the export
     return results
 
 

@@ -12,6 +12,8 @@ from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
 
+from core.routing_stats import topk_experts
+
 
 @dataclass
 class LayerContext:
@@ -66,14 +68,6 @@ class Predictor(Protocol):
     def hit_rate(self, target_layer: Optional[int] = None) -> float:
         """Measured top-k hit rate so far (PreSched eq. 6 uses it as R_hit)."""
         ...
-
-
-def topk_experts(scores: np.ndarray, k: int) -> np.ndarray:
-    """int [T, k]: the k highest-scored experts per token, best first. scores: [T, E]."""
-    idx = np.argpartition(-scores, kth=min(k, scores.shape[1]) - 1, axis=1)[:, :k]
-    rows = np.arange(scores.shape[0])[:, None]  # (fancy indexing: take_along_axis costs more on small arrays)
-    order = np.argsort(-scores[rows, idx], axis=1, kind="stable")
-    return idx[rows, order]
 
 
 def predicted_loads(scores: np.ndarray, k: int) -> np.ndarray:

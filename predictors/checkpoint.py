@@ -21,9 +21,9 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from conf import to_frozen
-from conf.schemas.predictor import LayerGroup, PredictorConfig
-from engine.telemetry import atomic_write_text, to_jsonable
+from core.config import to_frozen
+from predictors.config import LayerGroup, PredictorConfig
+from core.telemetry import atomic_write_text, to_jsonable
 from models.config import ModelConfig
 from predictors.common import TrainedPredictor
 from predictors.config import config_dict, predictor_config

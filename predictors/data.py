@@ -11,8 +11,8 @@ from typing import Optional
 
 import numpy as np
 
-from engine.routing_stats import expert_mask, split_by_sequence
-from engine.trace import RoutingTrace
+from core.routing_stats import expert_mask, split_by_sequence
+from core.trace import RoutingTrace
 from predictors.base import LayerContext
 
 

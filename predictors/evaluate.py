@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from engine.trace import RoutingTrace
+from core.trace import RoutingTrace
 from predictors.base import Predictor, topk_experts
 from predictors.data import trace_context
 from predictors.metrics import group_means, layer_metrics, per_step_loads

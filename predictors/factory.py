@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from conf import resolve_path
-from conf.schemas.predictor import PredictorKind
-from engine.trace import RoutingTrace
+from core.config import resolve_path
+from predictors.config import PredictorKind
+from core.trace import RoutingTrace
 from predictors.base import Predictor
 from predictors.checkpoint import load_predictor_folder
 from predictors.config import predictor_config

@@ -5,10 +5,10 @@ middle groups higher gate-input cosine similarity. For each target layer j (fore
 we measure both on the training rows:
 
 - similarity_j: mean cosine similarity of the gate inputs at j - 1 and j
-  (`engine.routing_stats.gate_input_similarity`);
+  (`core.routing_stats.gate_input_similarity`);
 - correlation_j: how much better layer j - 1's experts predict layer j's than layer j's hot experts
   do (hit rate of the transition table minus that of the frequency baseline,
-  `engine.routing_stats.TransitionTable`).
+  `core.routing_stats.TransitionTable`).
 
 score_j = z(similarity_j) - z(correlation_j) (z: standardised over the target layers). The middle
 group is the contiguous run of target layers with the largest score sum, kept away from both
@@ -22,9 +22,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from conf.schemas.predictor import GroupMode, GroupsSpec, LayerGroup
-from engine.routing_stats import TransitionTable, gate_input_similarity, hit_rate
-from engine.trace import RoutingTrace
+from predictors.config import GroupMode, GroupsSpec, LayerGroup
+from core.routing_stats import TransitionTable, gate_input_similarity, hit_rate
+from core.trace import RoutingTrace
 
 
 @dataclass(frozen=True)

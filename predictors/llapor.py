@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from conf.schemas.predictor import LayerGroup, LossKind, NetSpec, PredictorConfig
-from engine.trace import RoutingTrace
+from predictors.config import LayerGroup, LossKind, NetSpec, PredictorConfig
+from core.trace import RoutingTrace
 from predictors.base import LayerContext
 from predictors.common import TrainedPredictor
 from predictors.data import layer_pairs, multi_hot, routing_vector
-from predictors.fitting import fit, make_step
+from predictors.fitting import Checkpoints, fit, make_step, scoped
 from predictors.groups import LayerGroups
 from predictors.nets import HOST_OPS, Params, apply_net, bce_loss, host_sigmoid, hybrid_loss, init_net, one_blas_thread
 from predictors.online import OnlineMonitor, token_errors
@@ -188,8 +188,10 @@ class LLaPorPredictor(TrainedPredictor):
 
 
 def fit_layer(trace: RoutingTrace, rows: np.ndarray, target: int, distance: int, group: LayerGroup,
-              spec: NetSpec, epochs: int, batch_size: int, seed: int) -> tuple[LayerNet, list[float]]:
-    """Train the net of one target layer on the rows `rows`; returns it and the loss per epoch."""
+              spec: NetSpec, epochs: int, batch_size: int, seed: int, checkpoints: Optional[Checkpoints] = None
+              ) -> tuple[LayerNet, list[float]]:
+    """Train the net of one target layer on the rows `rows`; returns it and the loss per epoch.
+    `checkpoints`: this layer's own folder (the PCA and frequencies are recomputed: a pure function of the rows)."""
     pairs = layer_pairs(trace, target - distance, distance, rows)
     E = trace.meta.num_experts
     H = pairs.hidden.shape[1]
@@ -201,14 +203,16 @@ def fit_layer(trace: RoutingTrace, rows: np.ndarray, target: int, distance: int,
     consts = {"mean": pca.mean, "comps": pca.components, "inv_freq": inv_freq}
     mask = np.ones(len(y), np.float32)
     result = fit(net, make_loss(spec), consts, (pairs.hidden, routing, y, mask), spec.optim, epochs, batch_size,
-                 seed + target, cache_key=loss_key(spec))
+                 seed + target, cache_key=loss_key(spec), checkpoints=checkpoints)
     net = jax.tree_util.tree_map(np.asarray, result.params)
     return LayerNet(group=group, net=net, mean=pca.mean, comps=pca.components, inv_freq=inv_freq), result.epoch_loss
 
 
 def fit_llapor(trace: RoutingTrace, rows: np.ndarray, cfg: PredictorConfig, groups: LayerGroups,
-               name: Optional[str] = None, progress: Any = None) -> tuple[LLaPorPredictor, dict[int, list[float]]]:
-    """Train every target layer's net on the training rows; returns the predictor and per-layer epoch losses."""
+               name: Optional[str] = None, progress: Any = None, checkpoints: Optional[Checkpoints] = None
+               ) -> tuple[LLaPorPredictor, dict[int, list[float]]]:
+    """Train every target layer's net on the training rows; returns the predictor and per-layer epoch losses.
+    `checkpoints`: the method's folder; each target layer checkpoints (and resumes) in `layer<t>/` under it."""
     L, d = trace.num_layers, cfg.distance
     targets = list(range(d, L))
     layers, losses = {}, {}
@@ -216,6 +220,7 @@ def fit_llapor(trace: RoutingTrace, rows: np.ndarray, cfg: PredictorConfig, grou
         group = groups.of(target)
         spec = cfg.llapor.net(group)
         layers[target], losses[target] = fit_layer(trace, rows, target, d, group, spec, cfg.train.epochs,
-                                                   cfg.train.batch_size, cfg.seed)
+                                                   cfg.train.batch_size, cfg.seed,
+                                                   scoped(checkpoints, f"layer{target}"))
     pred = LLaPorPredictor(name or cfg.name, cfg, L, trace.meta.num_experts, trace.meta.top_k, groups, layers)
     return pred, losses

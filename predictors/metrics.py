@@ -11,7 +11,7 @@
   expert) pairs of a layer pooled (`pearson`), and the mean of the per-step correlations
   (`pearson_step`);
 - load accuracy (MoEless Fig. 15): per step, overlap of forecast and true load shares
-  (`engine.routing_stats.load_accuracy`).
+  (`core.routing_stats.load_accuracy`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from engine.routing_stats import hit_rate, load_accuracy
+from core.routing_stats import hit_rate, load_accuracy
 
 METRICS = ("hit", "hot", "coverage", "pearson", "pearson_step", "load_acc")
 

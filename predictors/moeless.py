@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conf.schemas.predictor import LoadMetric, MoElessSpec, OptimSpec, PredictorConfig, Schedule
-from engine.routing_stats import hit_rate, load_accuracy
-from engine.trace import RoutingTrace
+from predictors.config import LoadMetric, MoElessSpec, OptimSpec, PredictorConfig, Schedule
+from core.routing_stats import hit_rate, load_accuracy
+from core.trace import RoutingTrace
 from models.config import ModelConfig
 from predictors.base import topk_experts
 from predictors.data import LayerPairs, layer_pairs, routing_vector
-from predictors.fitting import fit
+from predictors.fitting import Checkpoints, fit, scoped
 from predictors.gate import GatePredictor, compiled_gate_scores
 from predictors.nets import soft_target_ce
 
@@ -59,33 +59,37 @@ def routing_distribution(pairs: LayerPairs, num_experts: int) -> np.ndarray:
 
 
 def fine_tune_copy(model_cfg: ModelConfig, kernel: np.ndarray, bias: np.ndarray, train: LayerPairs, val: LayerPairs,
-                   spec: MoElessSpec, seed: int) -> tuple[np.ndarray, dict[str, Any]]:
+                   spec: MoElessSpec, seed: int, checkpoints: Optional[Checkpoints] = None
+                   ) -> tuple[np.ndarray, dict[str, Any]]:
     """Profile one copy; fine-tune it if below the threshold. Returns the kernel kept and its record."""
     before = copy_accuracy(model_cfg, kernel, bias, val, spec.metric)
     record: dict[str, Any] = {"before": before, "after": before, "tuned": False, "epochs": 0}
     if before >= spec.threshold:
         return kernel, record
-    best = {"acc": before, "kernel": kernel}
+    # the best kernel so far and the epochs run, as arrays: fit checkpoints them, so a resumed fine-tune keeps them
+    best = {"acc": np.asarray(before, np.float64), "kernel": np.asarray(kernel), "epochs": np.asarray(0, np.int32)}
 
     def on_epoch(epoch: int, loss: float, params: dict) -> bool:
         acc = copy_accuracy(model_cfg, params["kernel"], bias, val, spec.metric)
-        record["epochs"] = epoch + 1
+        best["epochs"] = np.asarray(epoch + 1, np.int32)
         if acc > best["acc"]:
-            best.update(acc=acc, kernel=np.asarray(params["kernel"]))
+            best.update(acc=np.asarray(acc, np.float64), kernel=np.asarray(params["kernel"]))
         return acc >= spec.threshold
 
     optim = OptimSpec(lr=spec.lr, weight_decay=spec.weight_decay, schedule=Schedule.constant)
     fit({"kernel": jnp.asarray(kernel)}, _gate_loss, {},
         (train.hidden, routing_distribution(train, model_cfg.num_experts)), optim, spec.max_epochs, spec.batch_size,
-        seed, on_epoch=on_epoch, cache_key=("moeless",))
-    record.update(after=best["acc"], tuned=True)
-    return best["kernel"], record
+        seed, on_epoch=on_epoch, cache_key=("moeless",), checkpoints=checkpoints, state=best)
+    record.update(after=float(best["acc"]), tuned=True, epochs=int(best["epochs"]))
+    return np.asarray(best["kernel"]), record
 
 
 def fit_moeless(trace: RoutingTrace, train_rows: np.ndarray, val_rows: np.ndarray, cfg: PredictorConfig,
                 model_cfg: ModelConfig, kernels: list[np.ndarray], biases: list[np.ndarray],
-                name: Optional[str] = None, progress: Any = None) -> MoElessPredictor:
-    """MoEless predictors at `cfg.distance` from the model's router copies (`predictors.gate.gate_copies`)."""
+                name: Optional[str] = None, progress: Any = None, checkpoints: Optional[Checkpoints] = None
+                ) -> MoElessPredictor:
+    """MoEless predictors at `cfg.distance` from the model's router copies (`predictors.gate.gate_copies`).
+    `checkpoints`: this distance's folder; each fine-tuned layer checkpoints (and resumes) in `layer<t>/` under it."""
     d, L = cfg.distance, trace.num_layers
     if len(kernels) != L:
         raise ValueError(f"moeless: {len(kernels)} router copies for a trace with {L} MoE layers")
@@ -97,5 +101,5 @@ def fit_moeless(trace: RoutingTrace, train_rows: np.ndarray, val_rows: np.ndarra
         train = layer_pairs(trace, j - d, d, train_rows)
         val = layer_pairs(trace, j - d, d, val_rows)
         tuned[j], profile[j] = fine_tune_copy(model_cfg, kernels[j], biases[j], train, val, cfg.moeless,
-                                              cfg.seed + 31 * j + d)
+                                              cfg.seed + 31 * j + d, scoped(checkpoints, f"layer{j}"))
     return MoElessPredictor(name or f"{cfg.name}@d{d}", d, model_cfg, tuned, {j: biases[j] for j in targets}, profile)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from conf.schemas.predictor import OnlineSpec
+from predictors.config import OnlineSpec
 
 
 def token_errors(predicted: np.ndarray, actual: np.ndarray) -> np.ndarray:

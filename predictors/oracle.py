@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine.trace import RoutingTrace
+from core.trace import RoutingTrace
 from predictors.base import HitStats, LayerContext
 
 

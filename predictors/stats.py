@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.trace import RoutingTrace
+from core.trace import RoutingTrace
 from predictors.base import LayerContext
 from predictors.common import TrainedPredictor
 

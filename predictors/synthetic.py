@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine.trace import RoutingTrace, TraceMeta
+from core.trace import RoutingTrace, TraceMeta
 
 
 def shift_rule_trace(rng: np.random.Generator, num_layers: int = 4, num_experts: int = 8, top_k: int = 2,

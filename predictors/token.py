@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conf.schemas.predictor import PredictorConfig, TokenSpec
-from engine.trace import RoutingTrace
+from predictors.config import PredictorConfig, TokenSpec
+from core.trace import RoutingTrace
 from predictors.base import LayerContext
 from predictors.common import TrainedPredictor, pad_rows, row_bucket
 from predictors.data import layer_pairs, multi_hot, routing_vector
-from predictors.fitting import fit
+from predictors.fitting import Checkpoints, fit, scoped
 from predictors.nets import Params, apply_net, bce_loss, init_net
 from predictors.pca import fit_pca
 
@@ -87,8 +87,10 @@ class TokenPredictor(TrainedPredictor):
 
 
 def fit_token(trace: RoutingTrace, rows: np.ndarray, cfg: PredictorConfig, embedding: np.ndarray,
-              name: Optional[str] = None, progress: Any = None) -> tuple[TokenPredictor, dict[int, list[float]]]:
-    """Train the token predictor of every target layer; `embedding` is the model's input embedding [V, H]."""
+              name: Optional[str] = None, progress: Any = None, checkpoints: Optional[Checkpoints] = None
+              ) -> tuple[TokenPredictor, dict[int, list[float]]]:
+    """Train the token predictor of every target layer; `embedding` is the model's input embedding [V, H].
+    `checkpoints`: the method's folder; each target layer checkpoints (and resumes) in `layer<t>/` under it."""
     spec, d, E = cfg.token, cfg.distance, trace.meta.num_experts
     if np.any(trace.token[rows] < 0):
         raise ValueError("token predictor: the training trace has unknown token ids (-1); record it with a model")
@@ -104,7 +106,8 @@ def fit_token(trace: RoutingTrace, rows: np.ndarray, cfg: PredictorConfig, embed
                        spec.width, 1)
         result = fit(net, make_loss(spec), {"table": table}, (pairs.tokens, routing, y), spec.optim, cfg.train.epochs,
                      cfg.train.batch_size, cfg.seed + target,
-                     cache_key=("token", spec.use_routing, spec.dropout))
+                     cache_key=("token", spec.use_routing, spec.dropout),
+                     checkpoints=scoped(checkpoints, f"layer{target}"))
         nets[target] = jax.tree_util.tree_map(np.asarray, result.params)
         losses[target] = result.epoch_loss
     pred = TokenPredictor(name or cfg.name, cfg, trace.num_layers, E, trace.meta.top_k, table, nets)

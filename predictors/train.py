@@ -3,13 +3,16 @@
     python -m predictors.train model=mixtral_tiny
     python -m predictors.train model=deepseek_tiny trace=<sharegpt.npz> shift_trace=<code.npz>
     python -m predictors.train predictor=llapor predictor.train.epochs=10 'baselines={}'
+    python -m predictors.train resume=runs/predictors_train/<run>     # continue an interrupted run
 
 1. Routing traces with gate inputs: loaded (`trace`, `shift_trace`) or recorded with the model on
    `workload` (in-distribution) and `shift_workload` (code, the shifted set).
 2. In-distribution sequences split into train / validation / test (by sequence, never by token);
    layer groups found on the training rows (or set in `predictor.llapor.groups`).
 3. The headline `predictor` and every entry of `baselines` trained (gate and MoEless at each of
-   `distances`), saved as orbax predictor folders under `out` (default <run dir>/predictors).
+   `distances`), saved as orbax predictor folders under `out` (default <run dir>/predictors). Every
+   learned layer checkpoints every `checkpoint_every` epochs under <run dir>/checkpoints/<method>/layer<t>/;
+   `resume` continues an interrupted run from there (`predictors.fitting.fit`), on its saved traces.
 4. Every method scored per target layer and layer group (top-k hit rate, hot Top-4 within true
    Top-6, token coverage, load Pearson correlation, load accuracy) on the test sequences and the
    shifted trace; the headline predictor also streamed through both with online fine-tuning.
@@ -27,17 +30,20 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 
-from conf import hydra_main, resolve_path
-from conf.schemas.predictor import PredictorConfig, PredictorKind
+from core.config import resolve_path
+from conf import hydra_task
+from predictors.config import PredictorConfig, PredictorKind
 from conf.schemas.predictors_train import PredictorsTrainConfig
-from engine.telemetry import Telemetry, console
-from engine.trace import RoutingTrace, load_trace
+from core.telemetry import Telemetry, console
+from core.trace import RoutingTrace, load_trace
+from models.checkpointing import run_checkpoints, saved_steps
 from models.config import ModelConfig
 from predictors.checkpoint import load_predictor_folder, save_predictor
 from predictors.common import TrainedPredictor
 from predictors.data import Split, split_rows
 from predictors.evaluate import evaluate_offline, evaluate_online
 from predictors.factory import load_predictor
+from predictors.fitting import Checkpoints, scoped
 from predictors.gate import GatePredictor, gate_copies
 from predictors.groups import LayerGroups, layer_groups
 from predictors.llapor import LLaPorPredictor, fit_llapor
@@ -61,6 +67,7 @@ class TrainData:
     biases: list[np.ndarray]
     embedding: np.ndarray
     progress: Optional[Callable] = None
+    checkpoints: Optional[Checkpoints] = None  # <run dir>/checkpoints: one folder per method (and distance)
 
 
 # ---- traces ---------------------------------------------------------------------------------------------------
@@ -88,6 +95,38 @@ def obtain_trace(path: Optional[str], key: str, model_node: Any, workload_node: 
     if cfg.save_traces:
         trace.save(tm.run_dir / save_as)
     return trace
+
+
+# ---- checkpoints --------------------------------------------------------------------------------------------------
+def training_checkpoints(cfg: PredictorsTrainConfig, run_dir: Path) -> Optional[Checkpoints]:
+    """Where learned layers checkpoint (<run dir>/checkpoints) and the interrupted run they resume from, if any.
+
+    `resume`: a run folder or its checkpoints/; true: this run's own folder (a fixed hydra.run.dir). Checked
+    before any trace is recorded, so a wrong folder fails in a second, not after the recording."""
+    if cfg.checkpoint_every < 0 or cfg.keep_checkpoints < 1:
+        raise ValueError(f"checkpoint_every={cfg.checkpoint_every} (>= 0) / keep_checkpoints={cfg.keep_checkpoints} "
+                         "(>= 1) out of range")
+    own = run_dir / "checkpoints"
+    resume = None
+    if cfg.resume is not None:
+        in_place = str(cfg.resume).lower() == "true"  # OmegaConf hands `resume=true` over as 'True'
+        resume = own if in_place else run_checkpoints(resolve_path(cfg.resume))
+        if not any(saved_steps(layer) for layer in resume.glob("*/layer*")):
+            value = "true" if in_place else cfg.resume
+            raise FileNotFoundError(f"resume={value}: no predictor training checkpoint under {resume} "
+                                    "(expected <method>/layer<t>/<epoch>/ written by predictors.train)")
+    if cfg.checkpoint_every == 0 and resume is None:
+        return None
+    return Checkpoints(folder=own, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, resume=resume)
+
+
+def resumed_trace(checkpoints: Optional[Checkpoints], name: str) -> Optional[str]:
+    """The interrupted run's recorded trace `name`, if it saved one: its finished layers were trained on it (a
+    re-recording need not be bit-identical off CPU)."""
+    if checkpoints is None or checkpoints.resume is None or checkpoints.resume.name != "checkpoints":
+        return None
+    path = checkpoints.resume.parent / name
+    return str(path) if path.is_file() else None
 
 
 # ---- training ---------------------------------------------------------------------------------------------------
@@ -118,21 +157,24 @@ def train_method(pcfg: PredictorConfig, data: TrainData, distances: list[int]) -
     notes: dict[str, Any] = {}
     for d in ds:
         c = replace(pcfg, distance=d)
+        ckpt = scoped(data.checkpoints, key(d).replace("@", "_"))  # named like the predictor folder
         if kind is PredictorKind.stats:
             preds[key(d)] = StatsPredictor.fit(tr, split.train, c.name, d, c.stats.online)
         elif kind is PredictorKind.gate:
             preds[key(d)] = GatePredictor(key(d), d, data.model_cfg, {j: data.kernels[j] for j in range(d, L)},
                                           {j: data.biases[j] for j in range(d, L)})
         elif kind is PredictorKind.token:
-            preds[key(d)], losses = fit_token(tr, split.train, c, data.embedding, progress=data.progress)
+            preds[key(d)], losses = fit_token(tr, split.train, c, data.embedding, progress=data.progress,
+                                              checkpoints=ckpt)
             notes[key(d)] = {"final_loss": {t: v[-1] for t, v in losses.items()}}
         elif kind is PredictorKind.llapor:
-            preds[key(d)], losses = fit_llapor(tr, split.train, c, data.groups, progress=data.progress)
+            preds[key(d)], losses = fit_llapor(tr, split.train, c, data.groups, progress=data.progress,
+                                               checkpoints=ckpt)
             notes[key(d)] = {"final_loss": {t: v[-1] for t, v in losses.items()},
                              "pca_dims": {t: int(preds[key(d)].layers[t].comps.shape[1]) for t in preds[key(d)].targets}}
         elif kind is PredictorKind.moeless:
             pred = fit_moeless(tr, split.train, split.val, c, data.model_cfg, data.kernels, data.biases, key(d),
-                               progress=data.progress)
+                               progress=data.progress, checkpoints=ckpt)
             preds[key(d)] = pred
             notes[key(d)] = {"profile": pred.profile,
                              "tuned_layers": [t for t, r in pred.profile.items() if r["tuned"]]}
@@ -224,18 +266,21 @@ def run(cfg: PredictorsTrainConfig, node: DictConfig, tm: Telemetry) -> dict[str
     from models.loading import load_model, resolve_model_config
 
     model_cfg = resolve_model_config(node.model)
-    trace = obtain_trace(cfg.trace, "trace", node.model, node.workload, cfg, tm, "trace.npz")
-    check_trace(trace, model_cfg, f"trace={cfg.trace or 'recorded'}")
-    shift = obtain_trace(cfg.shift_trace, "shift_trace", node.model, node.shift_workload, cfg, tm,
+    checkpoints = training_checkpoints(cfg, tm.run_dir)
+    trace_path = cfg.trace or resumed_trace(checkpoints, "trace.npz")
+    trace = obtain_trace(trace_path, "trace", node.model, node.workload, cfg, tm, "trace.npz")
+    check_trace(trace, model_cfg, f"trace={trace_path or 'recorded'}")
+    shift_path = cfg.shift_trace or resumed_trace(checkpoints, "shift_trace.npz")
+    shift = obtain_trace(shift_path, "shift_trace", node.model, node.shift_workload, cfg, tm,
                          "shift_trace.npz") if cfg.shift else None
     if shift is not None:
-        check_trace(shift, model_cfg, f"shift_trace={cfg.shift_trace or 'recorded'}")
+        check_trace(shift, model_cfg, f"shift_trace={shift_path or 'recorded'}")
     _, model, _ = load_model(node.model, seed=cfg.seed, with_experts=False)
     split = split_rows(trace, cfg.test_fraction, cfg.val_fraction, cfg.split_seed)
     groups = layer_groups(cfg.predictor.llapor.groups, trace, split.train)
     kernels, biases = gate_copies(model)
     data = TrainData(trace=trace, split=split, groups=groups, model_cfg=model_cfg, kernels=kernels, biases=biases,
-                     embedding=np.asarray(model.embed[...], np.float32), progress=tm.progress)
+                     embedding=np.asarray(model.embed[...], np.float32), progress=tm.progress, checkpoints=checkpoints)
     out_dir = resolve_path(cfg.out) if cfg.out else tm.run_dir / "predictors"
     group_layers = {g: list(v) for g, v in groups.as_dict().items()}
     sets = evaluation_sets(trace, split, shift)
@@ -288,6 +333,8 @@ def run(cfg: PredictorsTrainConfig, node: DictConfig, tm: Telemetry) -> dict[str
         "groups": groups.to_json(),
         "headline": cfg.predictor.name,
         "checkpoints": str(out_dir),
+        "training_checkpoints": str(checkpoints.folder) if checkpoints is not None else None,
+        "resumed_from": str(checkpoints.resume) if checkpoints is not None and checkpoints.resume else None,
         "methods": methods,
         "online": online,
         "targets": check_targets(methods, online, cfg.predictor.name, distances),
@@ -318,19 +365,21 @@ def make_plots(results: dict[str, Any], loads: dict[str, Any], sets: list[str], 
     return paths
 
 
-@hydra_main("predictors_train")
-def main(node: DictConfig) -> dict[str, Any]:
+def headline(results: dict[str, Any]) -> dict[str, Any]:
+    """Test hit rates of every method and of online fine-tuning, in one flat table."""
+    flat = {"test_rows": results["data"]["test_rows"], "shift_rows": results["data"]["shift_rows"],
+            **{f"{n}/test_hit": m["test"]["groups"]["all"]["hit"] for n, m in results["methods"].items()
+               if "all" in m["test"]["groups"]}}
+    for which, res in results["online"].items():
+        flat[f"online/{which}_hit"] = res["groups"]["all"]["hit"]
+    return flat
+
+
+@hydra_task("predictors_train", summarize=headline)
+def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     cfg: PredictorsTrainConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
-    with Telemetry(node, task="predictors_train") as tm:
-        results = run(cfg, node, tm)
-        tm.write_results(results)
-        console.print(results_table(results["methods"], ["input", "middle", "output", "all"], results["model"]["name"]))
-        flat = {"test_rows": results["data"]["test_rows"], "shift_rows": results["data"]["shift_rows"],
-                **{f"{n}/test_hit": m["test"]["groups"]["all"]["hit"] for n, m in results["methods"].items()
-                   if "all" in m["test"]["groups"]}}
-        for which, res in results["online"].items():
-            flat[f"online/{which}_hit"] = res["groups"]["all"]["hit"]
-        tm.summary("predictors_train", flat)
+    results = run(cfg, node, tm)
+    console.print(results_table(results["methods"], ["input", "middle", "output", "all"], results["model"]["name"]))
     return results
 
 

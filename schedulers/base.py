@@ -22,28 +22,17 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
 from schedulers.cost import CostModel
+from schedulers.registry import Registry
 
 
 class Phase(enum.Enum):
     prefill = "prefill"
     decode = "decode"
-
-
-class SchedulerKind(enum.Enum):
-    presched = "presched"  # LayerScope PreSched (Algorithm 1)
-    layerwise = "layerwise"  # LayerScope ablation "no PreSched": greedy per-layer split + fixed prefetch count
-    hybrimoe = "hybrimoe"
-    fiddler = "fiddler"
-    klotski = "klotski"
-    fate = "fate"
-    ktransformers = "ktransformers"
-    ondemand = "ondemand"  # Lina / ExpertFlow style: GPU only, load every miss, no prefetch
-    lru = "lru"  # mixtral-offloading: per-layer LRU cache, no prefetch
 
 
 class Eviction(enum.Enum):
@@ -55,27 +44,27 @@ class Eviction(enum.Enum):
 
 @dataclass(frozen=True)
 class SchedulerSettings:
-    """Every knob of every offload scheduler (the `scheduler` config group); each reads its own."""
+    """What every offload scheduler's settings hold (the `scheduler` config group): the knobs the mechanism and
+    the shared cache of `schedulers.policy.OffloadPolicy` read. Each policy's module extends it with its own
+    knobs in a frozen dataclass whose `kind` defaults to the policy's registered name (`OFFLOAD.register`)."""
 
-    kind: SchedulerKind = SchedulerKind.presched
-    label: str = "LayerScope"  # name in tables and figures
+    kind: str = ""  # the registered policy (`scheduler=<kind>`: conf/scheduler/<kind>.yaml); "" for none
+    label: str = ""  # name in tables and figures
     hot_table: bool = True  # preload the hottest experts from profiling runs (LayerScope §4.1 Counter)
     use_predictor: bool = True  # False: no forecasts (LayerScope ablation "no LLaPor")
-    prefetch_count: int = 2  # fixed prefetches per layer (hybrimoe, klotski, layerwise)
-    max_window: int = 3  # presched Q4: furthest layer distance the prefetch window may extend to
     staging_slots: int = 2  # on-demand double buffer (LayerScope §4.4), taken from the memory budget
     dynamic_slots: Optional[int] = None  # cache slots outside the hot table; None: one layer's worth of experts
-    score_ema: float = 0.5  # hybrimoe: S = a * score + (1 - a) * S (KScoreAwareCache alpha)
-    micro_batches: int = 2  # klotski: micro-batches pipelined per layer
-    prefill_gpu_min_tokens: int = 1024  # ktransformers: prefill passes of at least this many tokens run experts on the GPU
-    round_half_up: bool = True  # presched eq. 5: |f| = round(f) with halves rounded up (else banker's rounding)
-    retain_loads: bool = False  # presched: keep on-demand loads in the cache (evicting per `eviction`), not staging only
-    pin_hot_table: bool = True  # False: the hot table only starts the cache; any slot may be replaced (presched)
-    eviction: Eviction = Eviction.lru  # presched: replacement order of the replaceable slots
-    usage_ema: float = 0.5  # presched `token_share`: U = a * share + (1 - a) * U per pass of the layer
-    mask_gpu_compute: bool = True  # presched Premise 5 as written; False: T_G and T_gap count the GPU's work on resident experts
-    offload_resident: bool = False  # presched extension: in decode, move the coldest resident experts to the idle CPU
-    #   while that shortens the layer (max(T_C, T_G)); Algorithm 1 as written keeps every resident expert on the GPU
+    # the pinned + dynamic cache every policy's base class keeps (schedulers/policy.py); presched.yaml sets LayerScope's
+    # extension: retain_loads true, pin_hot_table false, eviction token_share
+    retain_loads: bool = False  # keep on-demand loads in the cache (evicting per `eviction`), not staging only
+    pin_hot_table: bool = True  # False: the hot table only starts the cache; any slot may be replaced
+    eviction: Eviction = Eviction.lru  # replacement order of the replaceable slots
+    usage_ema: float = 0.5  # `token_share`: U = a * share + (1 - a) * U per pass of the layer
+
+    @property
+    def forecast_window(self) -> int:
+        """The furthest layer distance the policy reads forecasts at (the predictors a mechanism builds)."""
+        return 1
 
 
 @dataclass(frozen=True)
@@ -231,41 +220,15 @@ class SchedulerSetup:
     profile_loads: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # int64 [L, E] tokens per expert in profiling runs
 
 
-_REGISTRY: dict[SchedulerKind, Callable[[SchedulerSettings, SchedulerSetup], OffloadScheduler]] = {}
+OFFLOAD = Registry("schedulers.offload", what="offload policy", key="scheduler.kind", base=SchedulerSettings)
+register = OFFLOAD.register  # class decorator of a policy module: `@register("name", settings=NameSettings)`
 
 
-def register(kind: SchedulerKind) -> Callable[[type], type]:
-    """Class decorator: make `build_scheduler` construct `cls(settings, setup)` for `kind`."""
-
-    def deco(cls: type) -> type:
-        _REGISTRY[kind] = cls
-        return cls
-
-    return deco
-
-
-_POLICY_MODULES = ("presched", "layerwise", "hybrimoe", "fiddler", "klotski", "fate", "ktransformers", "ondemand", "lru")
-
-
-def _load_policies() -> None:
-    import importlib
-
-    for module in _POLICY_MODULES:  # each registers itself on import
-        importlib.import_module(f"schedulers.{module}")
+def scheduler_settings(node: Any) -> SchedulerSettings:
+    """The settings of the policy a `scheduler` config node names (each key checked against that policy's)."""
+    return OFFLOAD.settings_from(node, where="scheduler")
 
 
 def build_scheduler(settings: SchedulerSettings, setup: SchedulerSetup) -> OffloadScheduler:
     """The scheduler that `settings.kind` names, built for `setup`."""
-    _load_policies()
-
-    try:
-        cls = _REGISTRY[settings.kind]
-    except KeyError:
-        raise ValueError(f"scheduler.kind: {settings.kind} has no registered policy; known {sorted(k.name for k in _REGISTRY)}") from None
-    return cls(settings, setup)
-
-
-def registered_kinds() -> list[SchedulerKind]:
-    _load_policies()
-
-    return sorted(_REGISTRY, key=lambda k: k.value)
+    return OFFLOAD.entry_for(settings).policy(settings, setup)

@@ -35,7 +35,7 @@ from models.config import ModelConfig
 _SCALARS = (int, float, np.integer, np.floating)  # cheaper to test than np.ndim on the per-expert calls
 
 if TYPE_CHECKING:
-    from conf.schemas.hardware import HardwareProfile
+    from schedulers.hardware import HardwareProfile
 
 ArrayLike = Union[int, float, np.ndarray]
 

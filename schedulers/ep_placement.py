@@ -5,26 +5,21 @@ serverless executor (`engine/serverless`) and the simulator both consume it; an 
 are split evenly over its replicas (MoEless §3.2 step 4), so a replica of expert e serves
 W_e / R_e tokens and a device serves the sum over the replicas it holds.
 
-Every policy (`MoElessPolicy`, `EPLBPolicy`, `StaticEPPolicy`, `OracleBalancePolicy`) follows
-`ReplicaPolicy`: per layer, forecast loads in, a `Placement` out; `observe` feeds the loads that
-actually occurred (history-based policies learn from it). Policy only: numpy, no device, no I/O.
+Every policy (`MoElessPolicy`, `EPLBPolicy`, `StaticEPPolicy`, `OracleBalancePolicy` in
+`schedulers/serverless/`) follows `ReplicaPolicy`: per layer, forecast loads in, a `Placement` out;
+`observe` feeds the loads that actually occurred (history-based policies learn from it). Each module
+registers its policy in `SERVERLESS` with the settings it owns (a `ReplicaSettings`, which also says
+how many replica slots a device offers it). Policy only: numpy, no device, no I/O.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, runtime_checkable
+from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
-
-def coefficient_of_variation(values: np.ndarray) -> float:
-    """Population std / mean of `values` (0.0 for an empty or all-zero set)."""
-    v = np.asarray(values, dtype=np.float64)
-    if v.size == 0:
-        return 0.0
-    mean = v.mean()
-    return float(v.std() / mean) if mean > 0 else 0.0
+from schedulers.registry import Registry
 
 
 def balancedness(device_loads: np.ndarray) -> float:
@@ -170,6 +165,19 @@ class PlacementStats:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """What every serverless policy's settings hold (`serverless.policies.<kind>`); each policy's module extends
+    it with its own knobs in a frozen dataclass whose `kind` defaults to its registered name."""
+
+    kind: str = ""  # the registered policy (`systems=[<kind>, ...]`: conf/serverless/policy/<kind>.yaml)
+    label: str = ""  # name in tables and figures
+
+    def slots_per_device(self, num_experts: int, num_devices: int) -> int:
+        """Replica slots each device offers the policy for one layer (here: one replica per expert)."""
+        return -(-num_experts // num_devices)
+
+
 @runtime_checkable
 class ReplicaPolicy(Protocol):
     """Per MoE layer: forecast loads -> replicas and their devices."""
@@ -177,6 +185,12 @@ class ReplicaPolicy(Protocol):
     name: str
     serverless: bool  # memory billed per layer while it runs (MoEless) vs resident all the time
     lossy: bool  # changes the routing (Oracle)
+    uses_forecast: ClassVar[bool]  # plans from the forecast loads (else from what it observed, or not at all)
+
+    @classmethod
+    def from_settings(cls, settings: Any, num_experts: int, num_devices: int, expert_bytes: float) -> "ReplicaPolicy":
+        """The policy `settings` describe for E experts over G devices (expert_bytes: one expert's weights)."""
+        ...
 
     def plan(self, layer: int, forecast: np.ndarray, live: Optional[Placement], now_s: Optional[float] = None
              ) -> Placement:
@@ -203,6 +217,7 @@ class PolicyBase:
 
     serverless = False
     lossy = False
+    uses_forecast = False
     _stats = PlacementStats()
 
     @property
@@ -221,3 +236,13 @@ def check_devices_experts(num_experts: int, num_devices: int, where: str) -> Non
         raise ValueError(f"{where}: num_experts must be >= 1, got {num_experts}")
     if num_devices < 1:
         raise ValueError(f"{where}: num_devices must be >= 1, got {num_devices}")
+
+
+SERVERLESS = Registry("schedulers.serverless", what="serverless policy", key="systems", base=ReplicaSettings)
+register = SERVERLESS.register  # class decorator of a policy module: `@register("name", settings=NameSettings)`
+
+
+def build_replica_policy(settings: ReplicaSettings, num_experts: int, num_devices: int,
+                         expert_bytes: float) -> ReplicaPolicy:
+    """The policy `settings.kind` names, for E experts over G devices."""
+    return SERVERLESS.entry_for(settings).policy.from_settings(settings, num_experts, num_devices, expert_bytes)

@@ -149,6 +149,17 @@ class OffloadPolicy:
         used = int(state.resident[layer].sum()) + sum(1 for t in state.inflight if t.layer == layer and t.retain)
         return int(self.layer_slots[layer]) - used + extra_evicted
 
+    def next_layer_prefetch(self, state: LayerState, limit: int | None = None) -> list[tuple[int, int]]:
+        """(layer + 1, expert) for the next layer's predicted experts not yet available, most predicted tokens
+        first (at most `limit`); none without a predictor or a forecast for that layer."""
+        target = state.layer + 1
+        if not self.settings.use_predictor or target not in state.predicted:
+            return []
+        pred = state.predicted[target]
+        cand = np.flatnonzero(pred > 0)
+        cand = cand[~state.available(target)[cand]]
+        return [(target, int(e)) for e in by_tokens(cand, pred, descending=True)[:limit]]
+
     def room_for(self, state: LayerState, want: int, protect: set[tuple[int, int]]) -> tuple[int, list[tuple[int, int]]]:
         """How many of `want` new cache entries fit (pinned + dynamic), and the evictions that make room."""
         free = max(state.free_slots, 0)

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from conf import compose
-from conf.schemas.hardware import load_hardware
+from schedulers.hardware import load_hardware
 from engine.fidelity import TOKEN_AGREEMENT, Deviation, float32_copy, offloaded_forced_logits
 from engine.offload.executor import OffloadExecutor, OffloadSettings
 from engine.offload.store import ExpertStore
 from models.generation import Generator
 from models.loading import load_model
 from predictors.gate import GatePredictor
-from schedulers.base import SchedulerKind, SchedulerSettings, SchedulerSetup, build_scheduler
+from schedulers.base import OFFLOAD, SchedulerSetup, build_scheduler
 from schedulers.cost import CostModel
 
 ROWS, POSITIONS = 16, 32
@@ -50,20 +50,20 @@ def test_the_store_keeps_bf16_views_and_the_envelope_is_real(bf16_case) -> None:
     assert envelope.max_abs > 0  # bf16 is not float32: an envelope of zero would make the test vacuous
 
 
-@pytest.mark.parametrize("kind", list(SchedulerKind), ids=lambda k: k.value)
-def test_offloaded_bf16_stays_within_bf16s_own_distance_from_float32(bf16_case, kind: SchedulerKind) -> None:
+@pytest.mark.parametrize("kind", OFFLOAD.names())
+def test_offloaded_bf16_stays_within_bf16s_own_distance_from_float32(bf16_case, kind: str) -> None:
     cfg, model, store, prompts, forced, ref, envelope = bf16_case
     L, E = len(cfg.moe_layers), cfg.num_experts
     hw = load_hardware("local_cpu")
     predictors = {d: GatePredictor.from_model(model, d) for d in (1, 2)}
     for slots in (0, L * E // 4, L * E):
         cost = CostModel(cfg, hw)
-        sched = build_scheduler(SchedulerSettings(kind=kind, label=kind.value, use_predictor=True),
+        sched = build_scheduler(OFFLOAD.get(kind).settings(label=kind, use_predictor=True),
                                 SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost,
                                                np.arange(L * E).reshape(L, E) % 7))
         with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=slots), predictors) as ex:
             got = offloaded_forced_logits(ex, prompts, forced, cfg.pad_token_id)
         dev = Deviation.between(got, ref)
-        where = f"{kind.value} with {slots} of {L * E} slots: {dev} against {envelope}"
+        where = f"{kind} with {slots} of {L * E} slots: {dev} against {envelope}"
         assert dev.max_abs <= envelope.max_abs and dev.mean_abs <= envelope.mean_abs, where
         assert dev.argmax_agreement >= TOKEN_AGREEMENT, where

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conf import compose
-from conf.schemas.hardware import load_hardware
+from schedulers.hardware import load_hardware
 from models.loading import resolve_model_config
 from schedulers.cost import CostModel
 from tests.test_generate_entry import run_entry

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conf import compose
-from conf.schemas.hardware import HardwareProfile, load_hardware
+from schedulers.hardware import HardwareProfile, load_hardware
 from models.loading import resolve_model_config
 from schedulers.cost import CostModel, _RunningFit, memory_plan, non_expert_params
 
@@ -205,7 +205,7 @@ def test_measured_overheads_override_and_the_timer_ema_tracks_them() -> None:
 
 def test_the_simulator_charges_the_fixed_host_times_per_layer_and_pass() -> None:
     from engine.sim.run import RunSpec, simulate
-    from schedulers.base import SchedulerKind, SchedulerSettings
+    from schedulers.offload.ktransformers import KTransformersSettings
 
     cfg = model("mixtral_8x7b").replace(num_hidden_layers=3)
     base = load_hardware("a100_pcie4")
@@ -213,7 +213,7 @@ def test_the_simulator_charges_the_fixed_host_times_per_layer_and_pass() -> None
 
     def decode_s(hw: HardwareProfile) -> tuple[float, float]:
         spec = RunSpec(model=cfg, model_name="m3", hardware=hw, batch_size=2, prompt_len=8, gen_len=4,
-                       scheduler=SchedulerSettings(kind=SchedulerKind.ktransformers, label="k"), cache_slots=every)
+                       scheduler=KTransformersSettings(label="k"), cache_slots=every)
         out = simulate(spec)  # everything resident: no transfer, the overheads add up exactly
         return out.summary["decode_latency_s"], out.summary["prefill_s"]
 

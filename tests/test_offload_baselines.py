@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 
 from conf import compose
-from conf.schemas.hardware import load_hardware
+from schedulers.hardware import load_hardware
 from models.loading import resolve_model_config
-from schedulers.base import (Eviction, LayerState, Phase, SchedulerKind, SchedulerSettings, SchedulerSetup, Transfer,
-                             build_scheduler)
+from schedulers.base import OFFLOAD, Eviction, LayerState, Phase, SchedulerSetup, Transfer, build_scheduler
 from schedulers.cost import CostModel
 from schedulers.hot_table import hot_table, per_layer_hot_table, per_layer_slots, rank_experts
-from schedulers.hybrimoe import hybrid_scheduling
-from schedulers.layerwise import greedy_split
+from schedulers.offload.hybrimoe import hybrid_scheduling
+from schedulers.offload.layerwise import greedy_split
 from schedulers.policy import routed_share
 
 MS = 1e-3
@@ -29,8 +28,8 @@ def cost() -> CostModel:
     return c
 
 
-def build(kind: SchedulerKind, cache_slots: int = 16, profile: np.ndarray | None = None, **kw):
-    settings = SchedulerSettings(kind=kind, label=kind.value, **kw)
+def build(kind: str, cache_slots: int = 16, profile: np.ndarray | None = None, **kw):
+    settings = OFFLOAD.get(kind).settings(label=kind, **kw)
     prof = profile if profile is not None else np.zeros((4, 8), dtype=np.int64)
     return build_scheduler(settings, SchedulerSetup(num_layers=4, num_experts=8, top_k=2, cache_slots=cache_slots,
                                                     cost=cost(), profile_loads=prof))
@@ -62,17 +61,17 @@ def test_hot_table_takes_the_globally_hottest() -> None:
 
 def test_pinned_policies_preload_the_hot_table_until_the_cache_is_full() -> None:
     prof = np.arange(32).reshape(4, 8)
-    fid = build(SchedulerKind.fiddler, cache_slots=10, profile=prof)
+    fid = build("fiddler", cache_slots=10, profile=prof)
     assert fid.initial_residency().sum() == 10 and fid.initial_residency()[3].all()  # no dynamic region
-    ls = build(SchedulerKind.presched, cache_slots=10, profile=prof, dynamic_slots=3)
+    ls = build("presched", cache_slots=10, profile=prof, dynamic_slots=3)
     start = ls.initial_residency()
     assert start.sum() == 10 and start[3].all() and start[2, 6:].all()  # the ten hottest: budget full
     assert ls.pinned.sum() == 7 and not ls.pinned[2, 6:].any()  # the three least hot of them start the dynamic region
-    assert build(SchedulerKind.presched, cache_slots=10, profile=prof, hot_table=False).initial_residency().sum() == 0
+    assert build("presched", cache_slots=10, profile=prof, hot_table=False).initial_residency().sum() == 0
 
 
 # ---- LayerScope's cache: token-share eviction -----------------------------------------------------
-def token_share_cache(kind: SchedulerKind = SchedulerKind.presched, **kw):
+def token_share_cache(kind: str = "presched", **kw):
     """Four slots, nothing pinned, cached loads; layer 0's long-run shares 0.8, 0.6, 0.4, 0.2 (k = 2)."""
     prof = np.zeros((4, 8), dtype=np.int64)
     prof[0, :4] = [40, 30, 20, 10]
@@ -102,7 +101,7 @@ def test_token_share_evicts_the_lowest_usage_never_below_the_profile_share() -> 
 def test_first_layer_experts_make_room_only_for_their_own_layer() -> None:
     prof = np.zeros((4, 8), dtype=np.int64)
     prof[0, :3], prof[1, 3] = [40, 30, 20], 100  # shares: layer 0 0.8, 0.6, 0.4; layer 1's expert 3 2.0
-    ls = build(SchedulerKind.presched, cache_slots=4, profile=prof, pin_hot_table=False, eviction=Eviction.token_share)
+    ls = build("presched", cache_slots=4, profile=prof, pin_hot_table=False, eviction=Eviction.token_share)
     resident = ls.initial_residency()
     assert resident[0, :3].all() and resident[1, 3]
     tokens = [0, 0, 0, 0, 8, 8, 0, 0]
@@ -137,7 +136,7 @@ def test_a_pass_that_keeps_the_working_set_only_displaces_lower_standing() -> No
 
 
 def test_a_fresh_prefetch_ranks_by_its_forecast_until_its_layer_runs() -> None:
-    lw = token_share_cache(SchedulerKind.layerwise, use_predictor=True)
+    lw = token_share_cache("layerwise", use_predictor=True)
     predicted = {1: np.array([0, 0, 0, 0, 0, 0, 3, 1], dtype=np.float64)}
     plan = lw.plan(make_state([1, 1, 0, 0, 0, 0, 0, 0], resident_experts=[0, 1, 2, 3], cache_slots=4,
                               predicted=predicted))
@@ -164,7 +163,7 @@ def test_hybrid_scheduling_walk() -> None:
 
 
 def test_hybrimoe_plan_caches_loads_and_prefetches_by_prediction() -> None:
-    h = build(SchedulerKind.hybrimoe, cache_slots=8, prefetch_count=2)  # 2 slots per layer
+    h = build("hybrimoe", cache_slots=8, prefetch_count=2)  # 2 slots per layer
     resident = np.zeros((4, 8), dtype=bool)
     resident[0, [0, 5]] = True  # layer 0's two slots are full
     tokens = [6, 1, 4, 2, 0, 0, 0, 0]
@@ -179,21 +178,21 @@ def test_hybrimoe_plan_caches_loads_and_prefetches_by_prediction() -> None:
 
 
 def test_hybrimoe_prefill_runs_everything_on_the_gpu() -> None:
-    h = build(SchedulerKind.hybrimoe)
+    h = build("hybrimoe")
     plan = h.plan(make_state([600, 100, 400, 0, 0, 0, 0, 0], [0], phase=Phase.prefill))
     assert plan.cpu == () and set(plan.ondemand) == {1, 2} and plan.prefetch == ()
 
 
 # ---- Fiddler, kTransformers, on-demand, LRU, Fate, Klotski ----------------------------------------
 def test_fiddler_chooses_per_expert_cpu_or_transfer() -> None:
-    f = build(SchedulerKind.fiddler)
+    f = build("fiddler")
     # t_c: 1 token -> 2 ms < 4 ms + t_g (CPU); 6 tokens -> 7 ms > 4 + t_g (transfer)
     plan = f.plan(make_state([6, 1, 0, 0, 0, 0, 0, 3], [7]))
     assert plan.cpu == (1,) and plan.ondemand == (0,) and plan.gpu == (7, 0) and plan.prefetch == ()
 
 
 def test_ktransformers_never_transfers_in_decode() -> None:
-    k = build(SchedulerKind.ktransformers, prefill_gpu_min_tokens=100)
+    k = build("ktransformers", prefill_gpu_min_tokens=100)
     plan = k.plan(make_state([6, 1, 0, 0, 0, 0, 0, 3], [7]))
     assert plan.ondemand == () and plan.cpu == (0, 1) and plan.gpu == (7,)
     pre = k.plan(make_state([600, 100, 0, 0, 0, 0, 0, 300], [7], phase=Phase.prefill))
@@ -201,9 +200,9 @@ def test_ktransformers_never_transfers_in_decode() -> None:
 
 
 def test_ondemand_and_lru() -> None:
-    od = build(SchedulerKind.ondemand).plan(make_state([1, 5, 0, 3, 0, 0, 0, 0], [3]))
+    od = build("ondemand").plan(make_state([1, 5, 0, 3, 0, 0, 0, 0], [3]))
     assert od.cpu == () and od.ondemand == (1, 0) and od.retain == (False, False)
-    lru = build(SchedulerKind.lru, cache_slots=8)  # 2 slots per layer
+    lru = build("lru", cache_slots=8)  # 2 slots per layer
     resident = np.zeros((4, 8), dtype=bool)
     resident[0, [2, 4]] = True
     lru.last_used[0, 2], lru.last_used[0, 4] = 5, 9  # 2 is the least recently used
@@ -212,7 +211,7 @@ def test_ondemand_and_lru() -> None:
 
 
 def test_fate_prefetches_every_predicted_expert_and_keeps_queued_loads_first() -> None:
-    f = build(SchedulerKind.fate, dynamic_slots=8)
+    f = build("fate", dynamic_slots=8)
     pred = np.zeros(8)
     pred[[1, 2, 5]] = [2, 6, 1]
     queued = (Transfer(0, 3), Transfer(1, 4))
@@ -224,7 +223,7 @@ def test_fate_prefetches_every_predicted_expert_and_keeps_queued_loads_first() -
 def test_klotski_loads_the_first_microbatch_first_and_prefetches_hot_experts() -> None:
     prof = np.zeros((4, 8), dtype=np.int64)
     prof[1] = [0, 9, 0, 7, 0, 0, 1, 0]
-    k = build(SchedulerKind.klotski, profile=prof, prefetch_count=2, hot_table=False)
+    k = build("klotski", profile=prof, prefetch_count=2, hot_table=False)
     assert k.micro_batches == 2
     mb = np.zeros((2, 8), dtype=np.int64)
     mb[0, [0, 2]] = [1, 1]

@@ -11,8 +11,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conf import compose, to_frozen
-from conf.schemas.hardware import load_hardware
+from core.config import to_frozen
+from conf import compose
+from schedulers.hardware import load_hardware
 from conf.schemas.run import OffloadConfig
 from engine.offload.cache import CacheError, DeviceExpertCache
 from engine.offload.executor import OffloadExecutor, OffloadSettings, link_view
@@ -22,7 +23,7 @@ from engine.run import cache_slots
 from models.generation import Generator
 from models.loading import load_model, resolve_model_config
 from predictors.gate import GatePredictor
-from schedulers.base import LayerState, SchedulerKind, SchedulerSettings, SchedulerSetup, build_scheduler
+from schedulers.base import OFFLOAD, LayerState, SchedulerSetup, build_scheduler
 from schedulers.cost import CostModel
 
 HW = load_hardware("local_cpu")
@@ -63,13 +64,13 @@ class CheckedScheduler:
         return plan
 
 
-def _run(cfg, model, store, kind: SchedulerKind, slots: int, predictors: dict, prompts, new: int,
+def _run(cfg, model, store, kind: str, slots: int, predictors: dict, prompts, new: int,
          async_io: bool = True, fault=None, profile=None, cost: CostModel | None = None, fuse_resident: bool = True,
          eos: int | None = None, **settings):
     L, E = len(cfg.moe_layers), cfg.num_experts
     cost = cost or CostModel(cfg, HW)
     profile = profile if profile is not None else np.arange(L * E).reshape(L, E) % 7
-    inner = build_scheduler(SchedulerSettings(kind=kind, label=kind.value, use_predictor=bool(predictors), **settings),
+    inner = build_scheduler(OFFLOAD.get(kind).settings(label=kind, use_predictor=bool(predictors), **settings),
                             SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost, profile))
     sched = CheckedScheduler(inner, slots)
     mech = OffloadSettings(cache_slots=slots, async_io=async_io, fuse_resident=fuse_resident)
@@ -102,14 +103,14 @@ def shipped():
     return cfg, model, store, prompts, ref
 
 
-@pytest.mark.parametrize("kind", list(SchedulerKind), ids=lambda k: k.value)
-def test_every_scheduler_and_budget_gives_the_in_memory_tokens(shipped, kind: SchedulerKind) -> None:
+@pytest.mark.parametrize("kind", OFFLOAD.names())
+def test_every_scheduler_and_budget_gives_the_in_memory_tokens(shipped, kind: str) -> None:
     cfg, model, store, prompts, ref = shipped
     L, E = len(cfg.moe_layers), cfg.num_experts
     gate = {d: GatePredictor.from_model(model, d) for d in (1, 2)}
     for slots, fuse in _budgets(L, E):
         out = _run(cfg, model, store, kind, slots, gate, prompts, 6, fuse_resident=fuse)
-        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{kind.value} with {slots} slots, fuse {fuse}")
+        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{kind} with {slots} slots, fuse {fuse}")
 
 
 def test_a_full_cache_decodes_in_one_device_loop_as_layer_by_layer(shipped) -> None:
@@ -120,8 +121,8 @@ def test_a_full_cache_decodes_in_one_device_loop_as_layer_by_layer(shipped) -> N
     eos = int(ref.tokens[1, 2])  # row 1 stops at its third token; the fused loop must pad it from there
     want = Generator(model).generate(prompts, 6, eos_token_id=eos)
     gate = {1: GatePredictor.from_model(model, 1)}  # never asked: no plan is made
-    fused = _run(cfg, model, store, SchedulerKind.ktransformers, L * E, gate, prompts, 6, eos=eos)
-    layerwise = _run(cfg, model, store, SchedulerKind.ktransformers, L * E, {}, prompts, 6, eos=eos, fuse_resident=False)
+    fused = _run(cfg, model, store, "ktransformers", L * E, gate, prompts, 6, eos=eos)
+    layerwise = _run(cfg, model, store, "ktransformers", L * E, {}, prompts, 6, eos=eos, fuse_resident=False)
     assert fused.checked.plans == 0 and layerwise.checked.plans > 0
     assert fused.metrics.n_fused_prefill == 1 and fused.metrics.n_fused_decode == len(fused.step_s) > 0
     for out in (fused, layerwise):
@@ -133,7 +134,7 @@ def test_a_full_cache_decodes_in_one_device_loop_as_layer_by_layer(shipped) -> N
     np.testing.assert_array_equal(fused.expert_tokens, layerwise.expert_tokens)
     summary = fused.metrics.summary(1)
     assert summary["cache_hit_rate"] == 1.0 and np.isnan(summary["predictor_hit_rate"])  # no forecast, no hit rate
-    hybrid = _run(cfg, model, store, SchedulerKind.hybrimoe, L * E, {}, prompts, 6)  # may give the CPU resident work
+    hybrid = _run(cfg, model, store, "hybrimoe", L * E, {}, prompts, 6)  # may give the CPU resident work
     assert hybrid.metrics.n_fused_decode == 0 and hybrid.checked.plans > 0
 
 
@@ -144,7 +145,7 @@ def test_presched_offload_resident_runs_resident_experts_on_the_cpu_with_the_sam
     cost.gpu_overhead_s = 10 * cost.t_c(1)  # a slow device: the cold resident experts belong on the CPU
     cost.device_cpu_share = 0.0  # a device of its own (the CPU backend's shares the cores: nothing would move)
     gate = {1: GatePredictor.from_model(model, 1)}
-    out = _run(cfg, model, store, SchedulerKind.presched, L * E, gate, prompts, 6, cost=cost, offload_resident=True)
+    out = _run(cfg, model, store, "presched", L * E, gate, prompts, 6, cost=cost, offload_resident=True)
     assert out.checked.resident_on_cpu > 0
     np.testing.assert_array_equal(out.tokens, ref.tokens)
 
@@ -175,7 +176,7 @@ def test_long_passes_are_forecast_on_a_sample_and_scored_on_the_same_tokens(ship
 def test_presched_with_every_predictor_matches_logits(shipped, predictor: str) -> None:
     cfg, model, store, prompts, ref = shipped
     from engine.recording import record_generation, trace_meta
-    from engine.trace import TraceRecorder
+    from core.trace import TraceRecorder
     from predictors.oracle import NoisyOraclePredictor
 
     preds: dict = {}
@@ -191,7 +192,7 @@ def test_presched_with_every_predictor_matches_logits(shipped, predictor: str) -
         preds = {1: NoisyOraclePredictor(trace, 1, 1.0)}
     L, E = len(cfg.moe_layers), cfg.num_experts
     cost = CostModel(cfg, HW)
-    sched = build_scheduler(SchedulerSettings(use_predictor=bool(preds)),
+    sched = build_scheduler(OFFLOAD.get("presched").settings(use_predictor=bool(preds)),
                             SchedulerSetup(L, E, cfg.num_experts_per_tok, L * E // 4, cost, np.ones((L, E), np.int64)))
     with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=L * E // 4), preds, lookup) as ex:
         out = ex.generate(prompts, 6, keep_logits=True)
@@ -208,15 +209,15 @@ def deepseek():
     return cfg, model, ExpertStore.from_model(model), prompts, Generator(model).generate(prompts, 5)
 
 
-@pytest.mark.parametrize("kind", list(SchedulerKind), ids=lambda k: k.value)
-def test_every_scheduler_and_budget_on_a_second_family(deepseek, kind: SchedulerKind) -> None:
+@pytest.mark.parametrize("kind", OFFLOAD.names())
+def test_every_scheduler_and_budget_on_a_second_family(deepseek, kind: str) -> None:
     """DeepSeek-V2 (MLA, shared experts, a dense first layer) through every scheduler and budget."""
     cfg, model, store, prompts, ref = deepseek
     L, E = len(cfg.moe_layers), cfg.num_experts
     gate = {d: GatePredictor.from_model(model, d) for d in (1, 2)}
     for slots, fuse in _budgets(L, E):
         out = _run(cfg, model, store, kind, slots, gate, prompts, 5, fuse_resident=fuse)
-        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{kind.value} with {slots} slots, fuse {fuse}")
+        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{kind} with {slots} slots, fuse {fuse}")
 
 
 @pytest.mark.slow
@@ -227,9 +228,9 @@ def test_every_family_offloads_exactly(name: str) -> None:
     prompts = _prompts(cfg, 2)
     ref = Generator(model).generate(prompts, 5)
     L = len(cfg.moe_layers)
-    for kind in (SchedulerKind.presched, SchedulerKind.hybrimoe):
+    for kind in ("presched", "hybrimoe"):
         out = _run(cfg, model, store, kind, L, {1: GatePredictor.from_model(model, 1)}, prompts, 5)
-        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{name} {kind.value}")
+        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{name} {kind}")
 
 
 def test_the_timer_measures_the_fixed_host_overheads(shipped) -> None:
@@ -241,7 +242,7 @@ def test_the_timer_measures_the_fixed_host_overheads(shipped) -> None:
     hw = dataclasses.replace(HW, gpu=dataclasses.replace(HW.gpu, layer_overhead_us=0.0, pass_overhead_us=0.0),
                              measured={})
     cost = CostModel(cfg, hw)
-    sched = build_scheduler(SchedulerSettings(kind=SchedulerKind.ondemand, label="o", use_predictor=False),
+    sched = build_scheduler(OFFLOAD.get("ondemand").settings(label="o", use_predictor=False),
                             SchedulerSetup(L, E, cfg.num_experts_per_tok, L * E, cost, np.ones((L, E), np.int64)))
     with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=L * E, fuse_resident=False)) as ex:
         ex.generate(prompts, 6)  # compiles: the Timer drops the samples of the passes that did
@@ -289,7 +290,7 @@ def test_only_decode_calls_are_gpu_samples(shipped) -> None:
     cfg, model, store, prompts, ref = shipped
     L, E = len(cfg.moe_layers), cfg.num_experts
     cost = CostModel(cfg, HW)
-    sched = build_scheduler(SchedulerSettings(kind=SchedulerKind.ondemand, label="o", use_predictor=False),
+    sched = build_scheduler(OFFLOAD.get("ondemand").settings(label="o", use_predictor=False),
                             SchedulerSetup(L, E, cfg.num_experts_per_tok, 0, cost, np.ones((L, E), np.int64)))
     with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=0, fuse_resident=False)) as ex:
         samples = {}
@@ -325,7 +326,7 @@ def test_the_timer_drops_the_samples_of_a_window_that_compiled() -> None:
 
 def test_synchronous_transfers_ablation_is_exact(shipped) -> None:
     cfg, model, store, prompts, ref = shipped
-    out = _run(cfg, model, store, SchedulerKind.fate, 8, {1: GatePredictor.from_model(model, 1)}, prompts, 6,
+    out = _run(cfg, model, store, "fate", 8, {1: GatePredictor.from_model(model, 1)}, prompts, 6,
                async_io=False)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
 
@@ -339,7 +340,7 @@ def test_failed_transfers_are_retried_or_surface_without_corrupting_the_cache(sh
             attempts[job.key] = 1
             raise OSError("injected DMA error")
 
-    out = _run(cfg, model, store, SchedulerKind.ondemand, 8, {}, prompts, 6, fault=flaky)
+    out = _run(cfg, model, store, "ondemand", 8, {}, prompts, 6, fault=flaky)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     assert attempts
 

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from scipy.stats import pearsonr
 
 from conf import compose
-from conf.schemas.predictor import (GroupMode, LayerGroup, MoElessSpec, OnlineSpec, PredictorConfig,
+from predictors.config import (GroupMode, LayerGroup, MoElessSpec, OnlineSpec, PredictorConfig,
                                     PredictorKind)
 from predictors import load_predictor
 from predictors.base import LayerContext, Predictor, topk_experts

@@ -17,13 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conf import compose
-from conf.schemas.hardware import load_hardware
+from schedulers.hardware import load_hardware
 from models.loading import resolve_model_config
-from schedulers.base import (LayerState, Phase, SchedulerKind, SchedulerSettings, SchedulerSetup, Transfer,
-                             build_scheduler)
+from schedulers.base import LayerState, Phase, SchedulerSetup, Transfer, build_scheduler
 from schedulers.cost import CostModel
-from schedulers.presched import (cross_layer_queue, first_load, loads_pay_for_host_copies, ondemand_passes,
-                                 prefetch_count, prefetch_gap)
+from schedulers.offload.presched import (PreSchedSettings, cross_layer_queue, first_load, loads_pay_for_host_copies,
+                                         ondemand_passes, prefetch_count, prefetch_gap)
 
 MS = 1e-3
 A, B, C, X, Y, Z = 0, 1, 2, 3, 4, 7  # expert ids; 5 and 6 are resident
@@ -55,7 +54,7 @@ def state(cost: CostModel, predicted: dict, hit: dict, alpha: float = 0.0, phase
 
 
 def presched(cost: CostModel, **kw) -> object:
-    settings = SchedulerSettings(kind=SchedulerKind.presched, hot_table=False, **kw)
+    settings = PreSchedSettings(hot_table=False, **kw)
     return build_scheduler(settings, SchedulerSetup(num_layers=4, num_experts=8, top_k=2, cache_slots=16, cost=cost))
 
 

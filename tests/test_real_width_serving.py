@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conf.schemas.hardware import load_hardware
+from schedulers.hardware import load_hardware
 from engine.bench.real_width import real_width_config, write_random_checkpoint
 from engine.fidelity import Deviation, float32_copy, offloaded_forced_logits
 from engine.offload.cpu_experts import CpuExperts
@@ -29,7 +29,8 @@ from models.generation import Generator
 from models.hf import CheckpointError, load_hf, open_checkpoint
 from models.memory import anon_bytes
 from predictors.gate import GatePredictor
-from schedulers.base import SchedulerKind, SchedulerSettings, SchedulerSetup, build_scheduler
+from schedulers.base import SchedulerSetup, build_scheduler
+from schedulers.offload.presched import PreSchedSettings
 from schedulers.cost import CostModel
 from tests.test_generate_entry import run_entry
 
@@ -76,7 +77,7 @@ def test_offloaded_bf16_at_real_width_is_within_the_envelope(checkpoint: Path) -
     envelope = Deviation.between(ref, Generator(float32_copy(model)).forced_logits(prompts, forced, 0))
     L, E = len(cfg.moe_layers), cfg.num_experts
     cost = CostModel(cfg, load_hardware("local_cpu"), bytes_per_param=2)
-    sched = build_scheduler(SchedulerSettings(kind=SchedulerKind.presched, label="presched"),
+    sched = build_scheduler(PreSchedSettings(label="presched"),
                             SchedulerSetup(L, E, cfg.num_experts_per_tok, L * E // 4, cost, np.ones((L, E), np.int64)))
     predictors = {1: GatePredictor.from_model(model, 1)} if L > 1 else {}
     with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=L * E // 4), predictors) as ex:
@@ -168,7 +169,8 @@ def test_defaults_derive_from_a_deep_models_depth_and_size() -> None:
     experts): distances up to 3 layers ahead and a budget capped by the device, not a quarter of the experts."""
     import dataclasses
 
-    from conf import compose, to_frozen
+    from core.config import to_frozen
+    from conf import compose
     from conf.schemas.run import OffloadConfig
     from engine.calibrate import device_memory_gib
     from engine.run import cache_slots, default_distances
@@ -190,7 +192,8 @@ def test_the_main_job_fits_a_shallow_and_a_deep_model_with_no_override(tmp_path:
     a 60-layer checkpoint (bf16, tiny widths) run with the checkpoint as the only model setting."""
     import dataclasses
 
-    from conf import compose, to_frozen
+    from core.config import to_frozen
+    from conf import compose
     from models.config import ModelConfig
 
     arch = to_frozen(compose("generate", ["model=tiny_mixtral"]).model.arch, ModelConfig)

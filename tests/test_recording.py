@@ -7,7 +7,7 @@ import numpy as np
 
 from conf import compose
 from engine.recording import record_generation, trace_meta
-from engine.trace import DECODE, PREFILL, RoutingTrace, TraceRecorder
+from core.trace import DECODE, PREFILL, RoutingTrace, TraceRecorder
 from models.generation import Generator
 from models.loading import resolve_model_config
 from models.transformer import build_model, forward_jit, init_cache

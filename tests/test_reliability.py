@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conf.schemas.hardware import load_hardware
+from schedulers.hardware import load_hardware
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["model=deepseek_v2_lite", "batch_size=2", "prompt_len=16", "gen_len=3", "timeline.max_layers=4",
@@ -94,7 +94,7 @@ def _nan_checkpoint(tmp_path: Path) -> Path:
     """The shipped mixtral-tiny with one NaN in layer 1's attention output projection, saved in bf16."""
     import jax.numpy as jnp
 
-    from conf import resolve_path
+    from core.config import resolve_path
     from models.hf import load_hf, save_hf
 
     src = resolve_path("pkg:models/checkpoints/mixtral-tiny")
@@ -129,7 +129,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path: Path) -> Non
 
 
 def _small_trace():
-    from engine.trace import RoutingTrace, TraceMeta, TraceRecorder
+    from core.trace import RoutingTrace, TraceMeta, TraceRecorder
 
     rec = TraceRecorder(TraceMeta(model="t", family="mixtral", num_experts=4, top_k=2, moe_layers=(0, 1)))
     experts = [np.array([[0, 1], [2, 3]]), np.array([[1, 2], [0, 3]])]
@@ -143,8 +143,8 @@ def _small_trace():
 def test_damaged_traces_are_named(tmp_path: Path) -> None:
     import zipfile
 
-    from engine.trace import RoutingTrace, TraceFormatError
-    from engine.trace_import import import_vllm_jsonl
+    from core.trace import RoutingTrace, TraceFormatError
+    from core.trace_import import import_vllm_jsonl
 
     empty = tmp_path / "empty.npz"
     empty.write_bytes(b"")
@@ -171,7 +171,7 @@ def test_damaged_traces_are_named(tmp_path: Path) -> None:
 
 
 def test_a_batch_larger_than_the_workload_is_an_error() -> None:
-    from engine.workloads.base import TextPrompt
+    from core.texts import TextPrompt
     from engine.workloads.prompts import PromptSampler
 
     class Chars:

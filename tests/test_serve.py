@@ -16,19 +16,21 @@ import pytest
 from omegaconf import OmegaConf
 
 from conf import compose
-from conf.schemas.hardware import load_hardware
+from schedulers.hardware import load_hardware
 from engine.serverless.latency_model import ComputeKind, LatencySettings, ServerlessCostModel
-from engine.serverless.policies import PolicyKind, SystemSpec
+from engine.serverless.policies import SystemSpec
 from engine.serverless.serving_trace import replay_with_synthetic_routing
 from engine.serverless.simulator import forecast_loads, simulate_system
 from engine.synthetic_routing import SyntheticRouter
-from engine.trace import DECODE, PREFILL, RoutingTrace
+from core.trace import DECODE, PREFILL, RoutingTrace
 from engine.workloads import load_azure_trace
 from models.loading import resolve_model_config
 from predictors.oracle import NoisyOraclePredictor
-from schedulers.eplb import EPLBSettings
+from schedulers.serverless.eplb import EPLBSettings
 from schedulers.ep_placement import Placement
-from schedulers.moeless import MoElessSettings
+from schedulers.serverless.moeless import MoElessSettings
+from schedulers.serverless.oracle_balance import OracleBalanceSettings
+from schedulers.serverless.static_ep import StaticEPSettings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,11 +108,11 @@ def test_simulated_systems_keep_their_invariants(trace, mixtral):
     cm = ServerlessCostModel(mixtral, load_hardware("a6000"), 8)
     fc, _ = forecast_loads(st, NoisyOraclePredictor(st.routing, distance=1, hit_rate=0.9))
     run = lambda spec: simulate_system(st, spec, fc, cm).summary()
-    static = run(SystemSpec(PolicyKind.static_ep, "static"))
-    oracle = run(SystemSpec(PolicyKind.oracle, "oracle"))
-    eplb0 = run(SystemSpec(PolicyKind.eplb, "eplb+0", eplb=EPLBSettings(num_redundant=0)))
-    moeless = run(SystemSpec(PolicyKind.moeless, "moeless"))
-    frozen = run(SystemSpec(PolicyKind.moeless, "no scaling", moeless=MoElessSettings(cv_threshold=1e9)))
+    static = run(SystemSpec(StaticEPSettings(label="static")))
+    oracle = run(SystemSpec(OracleBalanceSettings(label="oracle")))
+    eplb0 = run(SystemSpec(EPLBSettings(label="eplb+0", num_redundant=0)))
+    moeless = run(SystemSpec(MoElessSettings(label="moeless")))
+    frozen = run(SystemSpec(MoElessSettings(label="no scaling", cv_threshold=1e9)))
     assert static["weight_copies_after_first_plan"]["host"] == 0 and static["weight_copies"]["host"] == 8 * 32
     assert oracle["lossy"] and oracle["mean_balancedness"] == pytest.approx(1.0)
     # with E = G every device holds one expert, so any EPLB permutation costs what static EP costs
@@ -132,13 +134,14 @@ def test_oracle_bounds_every_system_under_the_paper_latency_model(trace, mixtral
     cm = ServerlessCostModel(mixtral, load_hardware("a6000"), 8,
                              LatencySettings(lat.kind, lat.compute, lat.misc_s, lat.bill_keep_alive))
     fc, _ = forecast_loads(st, NoisyOraclePredictor(st.routing, distance=1, hit_rate=0.9))
-    oracle = simulate_system(st, SystemSpec(PolicyKind.oracle, "oracle"), fc, cm)
+    oracle = simulate_system(st, SystemSpec(OracleBalanceSettings(label="oracle")), fc, cm)
     assert np.array_equal(oracle.moe_s, oracle.moe_other_s)  # one loaded replica per device: both readings agree
     others = {spec.label: simulate_system(st, spec, fc, cm) for spec in (
-        SystemSpec(PolicyKind.static_ep, "static"), SystemSpec(PolicyKind.eplb, "eplb +1/expert"),
-        SystemSpec(PolicyKind.eplb, "eplb +2/expert", eplb=EPLBSettings(num_redundant=16)),
-        SystemSpec(PolicyKind.moeless, "moeless"), SystemSpec(PolicyKind.moeless, "moeless 3 slots", capacity_slots=3),
-        SystemSpec(PolicyKind.moeless, "moeless V=0", moeless=MoElessSettings(cv_threshold=0.0)))}
+        SystemSpec(StaticEPSettings(label="static")), SystemSpec(EPLBSettings(label="eplb +1/expert")),
+        SystemSpec(EPLBSettings(label="eplb +2/expert", num_redundant=16)),
+        SystemSpec(MoElessSettings(label="moeless")),
+        SystemSpec(MoElessSettings(label="moeless 3 slots", capacity_slots=3)),
+        SystemSpec(MoElessSettings(label="moeless V=0", cv_threshold=0.0)))}
     for label, res in others.items():
         assert np.all(oracle.moe_s <= res.moe_s * (1 + 1e-9)), label
     # the literal max over replicas: EPLB's two or three replicas per device "outrun" perfect balance
@@ -210,7 +213,7 @@ def test_serve_real_mode_oracle_is_lossy(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["workload=sharegpt"], "workload.kind: serve replays an Azure trace"),
-    (["serverless.eplb.num_redundant=3"], "eplb.num_redundant"),
+    (["serverless.policies.eplb.num_redundant=3"], "eplb.num_redundant"),
     (["mode=real", "model=tiny_mixtral"], "predictor=oracle: the oracle reads a recorded trace"),
     (["predictor=gate"], "simulate mode replays routing without the model's hidden states"),
     (["decode_stride=0"], "decode_stride"),

@@ -14,14 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schedulers.eplb import EPLBPolicy, EPLBSettings, balanced_packing, rebalance_experts, rebalance_layer, \
-    replicate_experts
-from schedulers.ep_placement import Placement, assign_tokens, balancedness, coefficient_of_variation
-from schedulers.moeless import MoElessPolicy, MoElessSettings, fixed_placement
-from schedulers.moeless_placer import place_replicas
-from schedulers.moeless_scaler import scale_replicas
-from schedulers.oracle_balance import OracleBalancePolicy, balanced_reroute, uniform_loads
-from schedulers.static_ep import StaticEPPolicy, static_placement
+from core.routing_stats import coefficient_of_variation
+from schedulers.serverless.eplb import EPLBPolicy, EPLBSettings, balanced_packing, rebalance_experts, \
+    rebalance_layer, replicate_experts
+from schedulers.ep_placement import Placement, assign_tokens, balancedness
+from schedulers.serverless.moeless import MoElessPolicy, MoElessSettings, fixed_placement
+from schedulers.serverless.moeless_placer import place_replicas
+from schedulers.serverless.moeless_scaler import scale_replicas
+from schedulers.serverless.oracle_balance import OracleBalancePolicy, balanced_reroute, uniform_loads
+from schedulers.serverless.static_ep import StaticEPPolicy, static_placement
 
 
 def cv_by_hand(values: list[float]) -> float:

@@ -13,10 +13,11 @@ import pytest
 import torch
 import transformers
 
-from conf import compose, resolve_path
-from engine.routing_stats import routing_report
+from core.config import resolve_path
+from conf import compose
+from core.routing_stats import routing_report
 from engine.stats import trace_from_model
-from engine.workloads.sharegpt import load_sharegpt
+from core.sharegpt import load_sharegpt
 from models.hf import load_hf
 from models.transformer import forward_jit, init_cache
 

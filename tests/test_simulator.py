@@ -10,17 +10,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conf import compose, to_frozen
-from conf.schemas.hardware import load_hardware
+from conf import compose
+from schedulers.hardware import load_hardware
 from engine.sim.bounds import exact_best_pass, lower_bound
 from engine.sim.invariants import check_events
 from engine.sim.pipeline import PipelineSim, SimOptions
 from engine.sim.run import RoutingSpec, RunSpec, build_sim, prepare_routing, simulate
 from engine.synthetic_routing import LayerGroupParams, SyntheticRoutingParams
-from engine.trace import DECODE, TraceMeta, TraceRecorder
+from core.trace import DECODE, TraceMeta, TraceRecorder
 from models.loading import resolve_model_config
-from schedulers.base import LayerPlan, SchedulerKind, SchedulerSettings
+from schedulers.base import OFFLOAD, LayerPlan, SchedulerSettings, scheduler_settings
 from schedulers.cost import CostModel
+from schedulers.offload.presched import PreSchedSettings
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,7 +94,7 @@ ROUTING = st.builds(
 @functools.lru_cache(maxsize=None)
 def shipped_scheduler(name: str) -> SchedulerSettings:
     """`conf/scheduler/<name>.yaml` as the entry points read it."""
-    return to_frozen(compose("simulate", [f"scheduler={name}"]).scheduler, SchedulerSettings)
+    return scheduler_settings(compose("simulate", [f"scheduler={name}"]).scheduler)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -101,14 +102,14 @@ def shipped_scheduler(name: str) -> SchedulerSettings:
        async_io=st.booleans(), hw=st.sampled_from(["v100_pcie3", "a100_pcie4", "local_cpu"]))
 def test_invariants_hold_for_every_scheduler(routing, batch: int, slots: int, seed: int, async_io: bool, hw: str) -> None:
     cfg = mixtral(4)
-    spec = RunSpec(model=cfg, model_name="mixtral-4l", hardware=load_hardware(hw), scheduler=SchedulerSettings(),
+    spec = RunSpec(model=cfg, model_name="mixtral-4l", hardware=load_hardware(hw), scheduler=PreSchedSettings(),
                    routing=routing, batch_size=batch, prompt_len=6, gen_len=4, async_io=async_io, seed=seed,
                    check_invariants=True, cache_slots=slots, profile_batches=1)
     prepared = prepare_routing(spec)
     capacity = slots + spec.scheduler.staging_slots
     # every policy on a pinned + dynamic split, and LayerScope's shipped cache (cached loads, nothing pinned,
     # token-share eviction) under PreSched and its "no PreSched" ablation
-    schedulers = [SchedulerSettings(kind=kind, label=kind.value, dynamic_slots=slots // 2) for kind in SchedulerKind]
+    schedulers = [OFFLOAD.get(kind).settings(label=kind, dynamic_slots=slots // 2) for kind in OFFLOAD.names()]
     schedulers += [shipped_scheduler("presched"), shipped_scheduler("layerwise")]
     for scheduler in schedulers:
         out = simulate(spec.with_scheduler(scheduler), prepared, record=True)
@@ -120,11 +121,11 @@ def test_invariants_hold_for_every_scheduler(routing, batch: int, slots: int, se
 
 def test_exact_search_beats_every_heuristic_and_respects_the_bound() -> None:
     cfg = mixtral(3)
-    spec = RunSpec(model=cfg, model_name="mixtral-3l", hardware=load_hardware("v100_pcie3"), scheduler=SchedulerSettings(),
+    spec = RunSpec(model=cfg, model_name="mixtral-3l", hardware=load_hardware("v100_pcie3"), scheduler=PreSchedSettings(),
                    batch_size=2, prompt_len=4, gen_len=2, seed=3, cache_slots=8, profile_batches=2)
     prepared = prepare_routing(spec)
     fp = next(p for p in prepared.passes if not p.prefill)
-    sim, mem, cost = build_sim(spec.with_scheduler(SchedulerSettings(dynamic_slots=3)), prepared)
+    sim, mem, cost = build_sim(spec.with_scheduler(PreSchedSettings(dynamic_slots=3)), prepared)
     pinned, start = sim.scheduler.pinned, sim.scheduler.initial_residency()
     assert start.sum() == 8 > pinned.sum()  # the hot table fills the dynamic region too
     ps = sim.run_pass(fp)
@@ -165,7 +166,7 @@ def test_recorded_and_jsonl_traces_replay_at_any_batch_size(tmp_path) -> None:
                           "gating_probs": [0.6, 0.4]})
     (tmp_path / "log.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     for source, p, batch in [("trace", path, 4), ("trace", path, 2), ("jsonl", tmp_path / "log.jsonl", 2)]:
-        spec = RunSpec(model=cfg, model_name="mixtral-4l", hardware=load_hardware("v100_pcie3"), scheduler=SchedulerSettings(),
+        spec = RunSpec(model=cfg, model_name="mixtral-4l", hardware=load_hardware("v100_pcie3"), scheduler=PreSchedSettings(),
                        routing=RoutingSpec(source=source, name=source, path=str(p)), batch_size=batch, check_invariants=True,
                        profile_batches=1, cache_slots=10)
         prepared = prepare_routing(spec)

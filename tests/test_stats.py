@@ -14,12 +14,13 @@ import pytest
 from scipy.spatial.distance import cosine
 from scipy.stats import variation
 
-from conf import REPO_ROOT, compose
-from engine.routing_stats import (TransitionTable, coefficient_of_variation, gate_input_similarity, hit_rate,
+from core.config import REPO_ROOT
+from conf import compose
+from core.routing_stats import (TransitionTable, coefficient_of_variation, gate_input_similarity, hit_rate,
                                   hot_experts, load_accuracy, load_stats, routing_report, split_by_sequence,
                                   step_loads)
 from engine.stats import obtain_trace
-from engine.trace import PREFILL, RoutingTrace, TraceMeta, TraceRecorder
+from core.trace import PREFILL, RoutingTrace, TraceMeta, TraceRecorder
 from predictors.base import HitStats
 
 DATA = Path(__file__).parent / "data" / "vllm_routing"
@@ -164,7 +165,7 @@ def test_uniform_random_routing_is_balanced_and_unpredictable() -> None:
 
 
 def test_report_on_vllm_fixture_without_hidden_notes_what_is_skipped() -> None:
-    from engine.trace_import import import_vllm_jsonl
+    from core.trace_import import import_vllm_jsonl
 
     report = routing_report(import_vllm_jsonl(DATA / "forward_passes.jsonl"), distances=(1, 5))
     assert report["trace"]["distances"] == [1]  # 5 is beyond the 4 MoE layers
@@ -191,7 +192,7 @@ def test_model_source_records_a_checkpoint_serving_a_workload(tmp_path: Path) ->
     from omegaconf import OmegaConf
 
     from engine.stats import run_stats
-    from engine.telemetry import Telemetry
+    from core.telemetry import Telemetry
     from engine.workloads import load_sharegpt
     from models.hf import save_hf
     from models.loading import resolve_model_config

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engine.synthetic_routing import LayerGroupParams, SyntheticRouter, SyntheticRoutingParams
-from engine.trace import DECODE, PREFILL
+from core.trace import DECODE, PREFILL
 
 
 def uniform_params(**kw) -> SyntheticRoutingParams:

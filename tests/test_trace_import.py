@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.trace import DECODE, PREFILL, RoutingTrace, TraceFormatError
-from engine.trace_import import import_vllm_jsonl
+from core.trace import DECODE, PREFILL, RoutingTrace, TraceFormatError
+from core.trace_import import import_vllm_jsonl
 
 DATA = Path(__file__).parent / "data" / "vllm_routing"
 

@@ -13,8 +13,8 @@ from conf import compose
 from engine.workloads import (AzureTrace, LengthPolicy, PromptSampler, TraceReplay, WorkloadFormatError, build_workload,
                               code_prompts, encode_ids, load_azure_trace, load_sharegpt)
 from engine.workloads.azure import parse_timestamp_ns
-from engine.workloads.base import AZURE_DIR, SHAREGPT_PATH
-from engine.workloads.stdlib import stdlib_root
+from core.texts import AZURE_DIR, SHAREGPT_PATH
+from core.stdlib_texts import stdlib_root
 from models.tokenizer import EOS, train_bpe
 
 

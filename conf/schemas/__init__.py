@@ -1,19 +1,16 @@
-"""Typed schemas of every config group and task; each module registers its own on import."""
+"""Typed schemas of every config group and task, registered in Hydra's ConfigStore. A schema lives with
+the module it configures (OWNED below) or, for a task's top-level config, here; each registers itself
+on import (`core.config.store`)."""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any
-
-from hydra.core.config_store import ConfigStore
 
 _REGISTERED = False
 
-
-def store(node: Any, name: str, group: str | None = None) -> None:
-    """Register `node` as `base_<name>` (in `group` when given) in Hydra's ConfigStore."""
-    ConfigStore.instance().store(group=group, name=name, node=node)
+# config groups whose schema is owned by the module it configures
+OWNED = ("models.loading", "predictors.config", "schedulers.hardware", "engine.workloads.config")
 
 
 def register_all() -> None:
@@ -21,6 +18,8 @@ def register_all() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
+    for module in OWNED:
+        importlib.import_module(module)
     for info in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{info.name}")
     _REGISTERED = True

@@ -7,8 +7,9 @@ from typing import List, Optional
 
 from omegaconf import MISSING
 
-from conf.schemas import store
-from conf.schemas.common import DType, ModelSpec, WandbConfig
+from core.config import store
+from core.telemetry import WandbConfig
+from models.loading import DType, ModelSpec
 
 
 @dataclass

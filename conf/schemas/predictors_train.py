@@ -7,10 +7,11 @@ from typing import Dict, List, Optional
 
 from omegaconf import MISSING
 
-from conf.schemas import store
-from conf.schemas.common import DType, ModelSpec, WandbConfig
-from conf.schemas.predictor import PredictorConfig
-from conf.schemas.workload import WorkloadConfig
+from core.config import store
+from core.telemetry import WandbConfig
+from models.loading import DType, ModelSpec
+from predictors.config import PredictorConfig
+from engine.workloads.config import WorkloadConfig
 
 
 @dataclass
@@ -32,6 +33,9 @@ class PredictorsTrainConfig:
     hot_n: int = 4  # "hot Top-n within true Top-(n + slack)" (LayerScope Table 4)
     hot_slack: int = 2
     out: Optional[str] = None  # folder of the trained predictor folders; default <run dir>/predictors
+    checkpoint_every: int = 5  # epochs between mid-training checkpoints of each learned layer (and its end); 0: none
+    keep_checkpoints: int = 2  # newest checkpoints kept per learned layer
+    resume: Optional[str] = None  # an interrupted run's folder (or its checkpoints/); true: this run's own folder
     plots: bool = True
     dtype: DType = DType.auto  # of the model that records traces
     seed: int = 0

@@ -7,9 +7,10 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-from conf.schemas import store
-from conf.schemas.common import DType, ModelSpec, WandbConfig
-from conf.schemas.workload import WorkloadConfig
+from core.config import store
+from core.telemetry import WandbConfig
+from models.loading import DType, ModelSpec
+from engine.workloads.config import WorkloadConfig
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 - `synthetic`: `engine.synthetic_routing` with per-layer-group skew, inter-layer correlation and
   temporal locality (`synthetic.*`); `model_seed` fixes the hot experts, the run's `seed` the traffic.
-- `trace`: a recorded routing trace (`engine.trace` .npz) at `path`.
+- `trace`: a recorded routing trace (`core.trace` .npz) at `path`.
 - `jsonl`: a vLLM-style JSONL routing log at `path` (one line per sequence, token and layer).
 """
 
@@ -12,8 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
-from conf import unfrozen
-from conf.schemas import store
+from core.config import unfrozen, store
 from engine.synthetic_routing import SyntheticRoutingParams
 
 

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
-from conf import unfrozen
-from conf.schemas import store
-from conf.schemas.common import DType, ModelSpec, WandbConfig
-from conf.schemas.hardware import HardwareProfile
-from conf.schemas.predictor import PredictorConfig
-from conf.schemas.workload import WorkloadConfig
-from schedulers.base import SchedulerSettings
+from core.config import unfrozen, store
+from core.telemetry import WandbConfig
+from models.loading import DType, ModelSpec
+from schedulers.hardware import HardwareProfile
+from predictors.config import PredictorConfig
+from engine.workloads.config import WorkloadConfig
 
 
 @dataclass
@@ -37,7 +36,7 @@ class OffloadConfig:
 class RunConfig:
     model: ModelSpec = MISSING
     workload: WorkloadConfig = MISSING
-    scheduler: unfrozen(SchedulerSettings) = MISSING  # type: ignore[valid-type]
+    scheduler: Any = MISSING  # the `scheduler` group, typed by the chosen policy's own settings
     predictor: PredictorConfig = MISSING
     hardware: unfrozen(HardwareProfile) = MISSING  # type: ignore[valid-type]  # the cost model's machine
     offload: OffloadConfig = field(default_factory=OffloadConfig)

@@ -1,9 +1,11 @@
-"""Schema of the `scheduler` group: one offload policy and its knobs (`schedulers.base.SchedulerSettings`)."""
+"""Schemas of the `scheduler` group: each registered offload policy's own settings (`schedulers.base.OFFLOAD`) as
+`base_<kind>`, which its `conf/scheduler/<kind>.yaml` extends, so a YAML key that is not one of that policy's
+settings fails at start, naming the key."""
 
 from __future__ import annotations
 
-from conf import unfrozen
-from conf.schemas import store
-from schedulers.base import SchedulerSettings
+from core.config import unfrozen, store
+from schedulers.base import OFFLOAD
 
-store(unfrozen(SchedulerSettings), name="base_scheduler", group="scheduler")
+for _kind, _settings in OFFLOAD.schemas():
+    store(unfrozen(_settings), name=f"base_{_kind}", group="scheduler")

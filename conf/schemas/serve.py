@@ -3,27 +3,30 @@
 `mode=simulate` replays an Azure trace with the MoEless §3.3 latency / cost model on a hardware
 profile (paper-scale models); `mode=real` serves a small model on the available devices (8 host
 devices in tests) through the shard_map expert-parallel executor. The `serverless` group holds
-the systems' settings; `experiments` picks the studies of MoEless §6 (figures in the run folder).
+the serving setup and, under `serverless.policies.<kind>`, the settings of every registered serverless
+policy (`schedulers.ep_placement.SERVERLESS`), each from `conf/serverless/policy/<kind>.yaml` checked
+against that policy's own settings; `systems` picks the policies compared, `experiments` the studies of
+MoEless §6 (figures in the run folder).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from conf import unfrozen
-from conf.schemas import store
-from conf.schemas.common import DType, ModelSpec, WandbConfig
-from conf.schemas.hardware import HardwareProfile
-from conf.schemas.predictor import PredictorConfig
+from core.config import CONF_DIR, unfrozen, store
+from core.telemetry import WandbConfig
+from models.loading import DType, ModelSpec
+from schedulers.hardware import HardwareProfile
+from predictors.config import PredictorConfig
 from conf.schemas.routing import RoutingConfig
-from conf.schemas.workload import WorkloadConfig
+from engine.workloads.config import WorkloadConfig
 from engine.serverless.ep_layer import Dispatch
 from engine.serverless.latency_model import ComputeKind, LatencyKind
-from engine.serverless.policies import PolicyKind
+from schedulers.ep_placement import SERVERLESS
 
 
 class ServeMode(enum.Enum):
@@ -49,27 +52,6 @@ class ForecastConfig:
 
 
 @dataclass
-class ScalerConfig:
-    cv_threshold: float = 0.2  # V (MoEless §6.4)
-    memory_cap_replicas: Optional[int] = None  # M_cap / M_e added replicas per layer; None: every free slot
-    max_replicas_per_expert: Optional[int] = None
-
-
-@dataclass
-class PlacerConfig:
-    warm_start: bool = True
-
-
-@dataclass
-class EPLBConfig:
-    num_redundant: Optional[int] = None  # per layer; None: one per device
-    rebalance_interval_s: float = 600.0  # MoEless §6.1: "every ten minutes"
-    history_window_s: Optional[float] = None  # None: the rebalance interval
-    num_groups: int = 1
-    num_nodes: int = 1
-
-
-@dataclass
 class LatencyConfig:
     kind: LatencyKind = LatencyKind.paper
     compute: ComputeKind = ComputeKind.replica_max
@@ -84,19 +66,30 @@ class SweepConfig:
     eplb_redundant_per_expert: List[int] = field(default_factory=lambda: [0, 1, 2])  # MoEless §6.2, Fig. 14
 
 
+for _kind, _settings in SERVERLESS.schemas():
+    store(unfrozen(_settings), name=f"base_{_kind}", group="serverless/policy")
+
+
+def policy_defaults() -> list[Any]:
+    """The `serverless` group's defaults list: every registered serverless policy's settings at
+    `serverless.policies.<kind>`, from its conf/serverless/policy/<kind>.yaml (the bare schema without one)."""
+    folder = CONF_DIR / "serverless" / "policy"
+    return ["_self_", *({f"policy@policies.{kind}": kind if (folder / f"{kind}.yaml").is_file() else f"base_{kind}"}
+                        for kind in SERVERLESS.names())]
+
+
 @dataclass
 class ServerlessConfig:
+    defaults: List[Any] = field(default_factory=policy_defaults)
     name: str = MISSING
     num_devices: Optional[int] = None  # G; None: hardware.num_devices (simulate) or every device (real)
-    capacity_slots: Optional[int] = None  # MoEless replica slots per device per layer; None: 2 * ceil(E / G)
     dispatch: Dispatch = Dispatch.auto  # real mode: padded all_to_all on CPU, ragged elsewhere
     bytes_per_param: int = 2  # simulate: bf16 experts
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
-    scaler: ScalerConfig = field(default_factory=ScalerConfig)
-    placer: PlacerConfig = field(default_factory=PlacerConfig)
-    eplb: EPLBConfig = field(default_factory=EPLBConfig)
     latency: LatencyConfig = field(default_factory=LatencyConfig)
     sweeps: SweepConfig = field(default_factory=SweepConfig)
+    # kind -> that policy's settings (schedulers/serverless/<module>.py), one node per registered policy
+    policies: Dict[str, Any] = field(default_factory=dict)
 
 
 store(ServerlessConfig, name="base_serverless", group="serverless")
@@ -123,8 +116,8 @@ class ServeConfig:
     # lengths) with this trained checkpoint (same experts / top-k as `model`) instead of `routing`
     routing_checkpoint: Optional[str] = None
     mode: ServeMode = ServeMode.simulate
-    systems: List[PolicyKind] = field(default_factory=lambda: [PolicyKind.static_ep, PolicyKind.eplb,
-                                                               PolicyKind.oracle, PolicyKind.moeless])
+    # the serverless policies compared (names of `serverless.policies`)
+    systems: List[str] = field(default_factory=lambda: ["static_ep", "eplb", "oracle", "moeless"])
     experiments: List[Experiment] = field(default_factory=lambda: [Experiment.compare])
     decode_stride: int = 1  # simulate: keep every n-th decode iteration (weight n)
     max_batches: Optional[int] = None  # stop after this many non-empty batches

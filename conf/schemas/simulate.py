@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from conf import unfrozen
-from conf.schemas import store
-from conf.schemas.common import ModelSpec, WandbConfig
-from conf.schemas.hardware import HardwareProfile
-from conf.schemas.predictor import PredictorConfig
+from core.config import unfrozen, store
+from core.telemetry import WandbConfig
+from models.loading import ModelSpec
+from schedulers.hardware import HardwareProfile
+from predictors.config import PredictorConfig
 from conf.schemas.routing import RoutingConfig
-from schedulers.base import SchedulerSettings
 
 
 @dataclass
@@ -42,7 +41,7 @@ class BoundsConfig:
 class SimulateConfig:
     model: ModelSpec = MISSING
     hardware: unfrozen(HardwareProfile) = MISSING  # type: ignore[valid-type]
-    scheduler: unfrozen(SchedulerSettings) = MISSING  # type: ignore[valid-type]
+    scheduler: Any = MISSING  # the `scheduler` group, typed by the chosen policy's own settings
     routing: RoutingConfig = MISSING
     batch_size: int = 16
     prompt_len: int = 512

@@ -8,9 +8,10 @@ from typing import List, Optional
 
 from omegaconf import MISSING
 
-from conf.schemas import store
-from conf.schemas.common import ModelSpec, WandbConfig
-from conf.schemas.workload import WorkloadConfig
+from core.config import store
+from core.telemetry import WandbConfig
+from models.loading import ModelSpec
+from engine.workloads.config import WorkloadConfig
 
 
 class StatsSource(enum.Enum):

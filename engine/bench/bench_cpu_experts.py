@@ -98,18 +98,26 @@ def read_rates(threads: int, repeats: int = 8) -> tuple[float, float]:
     return nat, tor
 
 
-class Figures:
-    """Best time of each figure over the rounds, with the memory read rate measured right before and after the
-    calls that gave it (the better of the two): this VM's read rate moves by up to 2x within seconds (other
-    tenants), so a ratio is only meaningful against a read measured at the same moment."""
+class ReadProbe:
+    """The memory read rate right now (GB/s, best of a few native streaming reads of 256 MiB): this VM's read
+    rate moves by up to 2x within seconds (other tenants, where the host places the two vCPUs), so a rate is
+    only comparable with a read measured at the same moment."""
 
     def __init__(self) -> None:
         self.data = np.ones(SWEEP_BYTES // 8, np.float64)
-        self.best: dict[tuple, float] = {}
-        self.read: dict[tuple, float] = {}
 
     def read_now(self, threads: int) -> float:
         return SWEEP_BYTES / best_seconds(lambda i: native.stream_read(self.data, threads), 4) / 1e9
+
+
+class Figures(ReadProbe):
+    """Best time of each figure over the rounds, with the memory read rate measured right before and after the
+    calls that gave it (the better of the two)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.best: dict[tuple, float] = {}
+        self.read: dict[tuple, float] = {}
 
     def measure(self, key: tuple, threads: int, fn: Callable[[], float]) -> None:
         before = self.read_now(threads)

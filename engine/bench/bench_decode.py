@@ -298,7 +298,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               "prompt": args.prompt, "new_tokens": args.new, "command": " ".join(sys.argv),
               "ceiling": None if ceiling is None else asdict(ceiling)}
     if args.json:
-        from engine.telemetry import atomic_write_text
+        from core.telemetry import atomic_write_text
 
         atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
     return result

@@ -30,15 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
-from conf import compose, to_frozen  # noqa: E402
-from conf.schemas.hardware import load_hardware  # noqa: E402
+from conf import compose
+from schedulers.hardware import load_hardware  # noqa: E402
 from engine.offload.executor import OffloadExecutor, OffloadSettings  # noqa: E402
 from engine.offload.store import ExpertStore  # noqa: E402
 from engine.run import make_predictors, reference_trace, serve, warm_up  # noqa: E402
 from engine.workloads import build_workload  # noqa: E402
 from models.generation import Generator  # noqa: E402
 from models.loading import load_model, load_tokenizer  # noqa: E402
-from schedulers.base import SchedulerKind, SchedulerSettings, SchedulerSetup, build_scheduler  # noqa: E402
+from schedulers.base import SchedulerSettings, SchedulerSetup, build_scheduler, scheduler_settings  # noqa: E402
 from schedulers.cost import CostModel  # noqa: E402
 
 
@@ -62,12 +62,12 @@ def batches_for(model_name: str, batch: int, prompt_len: int, new: int, n: int, 
     return node, cfg, model, list(sampler.batches(n))
 
 
-def configured_scheduler(kind: SchedulerKind, **changes) -> SchedulerSettings:
+def configured_scheduler(kind: str, **changes) -> SchedulerSettings:
     """`conf/scheduler/<kind>.yaml` as engine.run composes it, with `changes` applied."""
-    return replace(to_frozen(compose("run", [f"scheduler={kind.value}"]).scheduler, SchedulerSettings), **changes)
+    return replace(scheduler_settings(compose("run", [f"scheduler={kind}"]).scheduler), **changes)
 
 
-def executor_run(cfg, model, store, kind: SchedulerKind, slots: int, cost: CostModel, predictors, lookup, batches,
+def executor_run(cfg, model, store, kind: str, slots: int, cost: CostModel, predictors, lookup, batches,
                  profile, label: str = "", validate: bool = False, fuse_resident: bool = True):
     L, E = len(cfg.moe_layers), cfg.num_experts
     settings = configured_scheduler(kind, use_predictor=bool(predictors), **({"label": label} if label else {}))
@@ -160,7 +160,7 @@ def section_resident(args, cfg, model, store, batches, lookup, cost_model) -> No
             ref = [gen.generate(b.token_lists(), b.gen_len) for b in batches[1:]]
             ref_tok_s[fuse].append(sum(int(np.maximum(o.lengths - 1, 0).sum()) for o in ref) /
                                    sum(o.decode_s for o in ref))
-            runs.append(executor_run(cfg, model, store, SchedulerKind.ktransformers, L * E, cost_model(), {}, lookup,
+            runs.append(executor_run(cfg, model, store, "ktransformers", L * E, cost_model(), {}, lookup,
                                      batches, np.ones((L, E), np.int64), "all resident", fuse_resident=fuse))
     best_ref = max(ref_tok_s[True] + ref_tok_s[False])
     for name, runs, refs in (("fused passes", fused, ref_tok_s[True]), ("layer by layer", layerwise, ref_tok_s[False])):
@@ -184,10 +184,9 @@ def section_budget(args, cfg, model, store, batches, lookup, profile, trace, cos
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for _ in range(max(args.repeats, 1)):  # alternate the systems so a load change on the machine hits them alike
         for name in names:
-            kind = SchedulerKind(name)
-            preds = make_predictors(node_pred, [1, 2, 3], model, trace) if kind in (
-                SchedulerKind.presched, SchedulerKind.hybrimoe, SchedulerKind.fate, SchedulerKind.klotski) else {}
-            runs[name].append(executor_run(cfg, model, store, kind, slots, cost_model(), preds, lookup, batches, profile))
+            preds = make_predictors(node_pred, [1, 2, 3], model, trace) if name in (
+                "presched", "hybrimoe", "fate", "klotski") else {}
+            runs[name].append(executor_run(cfg, model, store, name, slots, cost_model(), preds, lookup, batches, profile))
     results = {}
     for name in names:
         r = results[name] = max(runs[name], key=lambda x: x["throughput_tok_s"])
@@ -212,7 +211,7 @@ def with_timer_costs(hw, model_name: str, cost: CostModel):
     """`hw` whose `measured` entry for the model holds the costs the executor's Timer ended the run with."""
     import dataclasses
 
-    from conf.schemas.hardware import ExpertTimes
+    from schedulers.hardware import ExpertTimes
 
     times = ExpertTimes(transfer_ms=cost.t_io * 1e3, gpu_ms=float(cost.t_g(1)) * 1e3, cpu_beta_ms=cost.beta_s * 1e3,
                         cpu_startup_ms=cost.cpu_startup_s * 1e3, call_overhead_ms=cost.call_overhead_s * 1e3,
@@ -251,7 +250,7 @@ def simulated_decode_ms(args, cfg, model_name: str, hw, store, path, name: str, 
     from engine.sim.run import PredictorSpec, RoutingSpec, RunSpec, simulate
 
     spec = RunSpec(model=cfg, model_name=model_name, hardware=hw,
-                   scheduler=configured_scheduler(SchedulerKind(name), label=name),
+                   scheduler=configured_scheduler(name, label=name),
                    routing=RoutingSpec(source="trace", name="reference", path=str(path)),
                    batch_size=args.batch, prompt_len=args.prompt, gen_len=args.new, profile_batches=1,
                    num_batches=args.batches, bytes_per_param=store.dtype.itemsize, cache_slots=slots,

@@ -34,19 +34,19 @@ def main() -> None:
     import numpy as np
 
     from conf import compose
-    from conf.schemas.hardware import load_hardware
+    from schedulers.hardware import load_hardware
     from engine.sim.bounds import exact_best_pass, lower_bound
     from engine.sim.run import RunSpec, build_sim, prepare_routing
     from models.loading import resolve_model_config
-    from schedulers.base import SchedulerKind, SchedulerSettings
+    from schedulers.base import OFFLOAD, SchedulerSettings
 
     full = resolve_model_config(compose("simulate", [f"model={args.model}"]).model)
     first_moe = full.moe_layers[0]
     cfg = full.replace(num_hidden_layers=first_moe + args.layers)
     hw = load_hardware(args.hardware)
-    kinds = [k for k in SchedulerKind]
-    gaps: dict[str, list[float]] = {k.value: [] for k in kinds}
-    known: dict[str, list[float]] = {k.value: [] for k in kinds}
+    kinds = OFFLOAD.names()
+    gaps: dict[str, list[float]] = {k: [] for k in kinds}
+    known: dict[str, list[float]] = {k: [] for k in kinds}
     lb_gap: list[float] = []
     t0 = time.perf_counter()
     for seed in range(args.instances):
@@ -57,10 +57,10 @@ def main() -> None:
         fp = next(p for p in prepared.passes if not p.prefill)
         times = {}
         for kind in kinds:
-            settings = SchedulerSettings(kind=kind, label=kind.value, dynamic_slots=max(args.cache // 3, 1))
+            settings = OFFLOAD.get(kind).settings(label=kind, dynamic_slots=max(args.cache // 3, 1))
             sim, mem, cost = build_sim(spec.with_scheduler(settings), prepared)
-            times[kind.value] = sim.run_pass(fp)
-            if kind is SchedulerKind.presched:
+            times[kind] = sim.run_pass(fp)
+            if kind == "presched":
                 pinned, start = sim.scheduler.pinned, sim.scheduler.initial_residency()
                 ps_cost = cost
         best, _ = exact_best_pass(cfg, ps_cost, prepared.trace, fp, pinned, args.cache, initial=start,

@@ -176,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                       f"{r['memory_mb_min']:.3f}-{r['memory_mb_max']:.3f}")
     Console().print(table)
     if args.json:
-        from engine.telemetry import atomic_write_text, to_jsonable
+        from core.telemetry import atomic_write_text, to_jsonable
 
         atomic_write_text(args.json, json.dumps(to_jsonable({"conditions": conditions, "predictors": results}), indent=2))
     return results

@@ -20,7 +20,14 @@ bytes, decode tokens/s at each batch size with its ratio to transformers, and "o
 other processes (and kernel writeback) kept busy on average during the system's worst run, measured
 from /proc/stat. Ratios matter more than absolute times on this shared machine, and a figure taken
 while others were busy is not comparable (on 2 cores a third busy process slows torch and XLA
-several-fold); the peers report the best of `--repeats` runs. Decode tok/s counts the `--new`
+several-fold). The machine's memory read rate is measured right before and after every run ("read
+GB/s"): on this VM it moves up to 2x with where the host places the vCPUs, which a b1 decode (one read
+of the weights a step) follows, so "b1 x llama per read" compares b1 rates each divided by its own read
+rate. Every system runs `--rounds` times, the order reversed every other round, and keeps its best run;
+the peers also take the best of `--repeats` runs inside each round. Where llama.cpp runs, moescope in
+memory and llama.cpp are also compared in ONE process (engine/bench/peers/interleaved.py: `--bursts`
+alternated decode bursts per batch size, median ratio of decode speeds), which the read rate's drift
+between separate runs cannot bias; that line is the one to quote against llama.cpp. Decode tok/s counts the `--new`
 single-token steps after the prefill (moescope's runs are asked for `--new + 1` tokens: the prefill's
 token plus `--new` steps). llama.cpp maps its GGUF by default, so its weights count in RSS, not in
 anonymous memory. Before timing llama.cpp, its logits on a 16-token prompt are checked against
@@ -45,13 +52,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from engine.bench.real_width import (COMPLETE_MARKER, PRESETS, cached_checkpoint, checkpoint_bytes, describe,
                                      real_width_config, write_speed)
 from engine.bench.peers.common import prompt_ids
+from engine.bench.bench_cpu_experts import ReadProbe
+from models import native
 from models.config import Family, ModelConfig
-from models.memory import cpu_count
+from models.memory import cpu_count, host_memory
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2")
@@ -90,6 +99,7 @@ class Outcome:
     error: str = ""
     data: dict = field(default_factory=dict)
     others_cores: Optional[float] = None  # CPUs other processes kept busy on average meanwhile
+    read_gb_s: Optional[float] = None  # the machine's memory read rate around the run (mean of before and after)
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -145,10 +155,27 @@ class Row:
     errors: list = field(default_factory=list)
     note: str = ""
     others_cores: Optional[float] = None  # the most CPUs other processes used, on average, during one of its runs
+    read_gb_s: dict = field(default_factory=dict)  # batch -> memory read rate around the run that gave tok_s
 
     def merge_others(self, value: Optional[float]) -> None:
         if value is not None:
             self.others_cores = max(self.others_cores or 0.0, value)
+
+    def take(self, B: int, tok_s: Optional[float], read: Optional[float]) -> None:
+        """Keeps the better of this batch size's runs (over rounds), with the read rate measured around it."""
+        if tok_s is not None and tok_s > self.tok_s.get(B, -1.0):
+            self.tok_s[B], self.read_gb_s[B] = tok_s, read
+
+    def merge(self, other: "Row") -> None:
+        """Folds another round's row of the same system into this one."""
+        for B, v in other.tok_s.items():
+            self.take(B, v, other.read_gb_s.get(B))
+        if other.load_s is not None:
+            self.load_s = min(self.load_s if self.load_s is not None else math.inf, other.load_s)
+        self.merge_peak(other.peak_anon, other.peak_rss)
+        self.merge_others(other.others_cores)
+        self.errors += other.errors
+        self.note = self.note or other.note
 
     def merge_peak(self, anon: Optional[int], rss: Optional[int]) -> None:
         if anon is not None:
@@ -166,6 +193,15 @@ class Bench:
         self.env = {**os.environ, "WANDB_MODE": "disabled", "WANDB_SILENT": "true",
                     "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         self.summary: dict[str, Any] = {"args": vars(args), "families": {}}
+        self.probe = ReadProbe() if native.available() else None
+
+    def timed(self, cmd: list[str], log: Path) -> Outcome:
+        """run_logged, with the memory read rate measured right before and after (all cores)."""
+        before = self.probe.read_now(0) if self.probe else None
+        res = run_logged(cmd, log, self.a.timeout, self.env)
+        if self.probe:
+            res.read_gb_s = (before + self.probe.read_now(0)) / 2
+        return res
 
     def skipped(self, system: str) -> bool:
         return any(system == s or system.startswith(s) for s in self.a.skip)
@@ -186,7 +222,7 @@ class Bench:
             cmd = [sys.executable, "-m", "engine.run", *common, "compare_in_memory=false",
                    f"offload.budget_fraction={budget}", f"workload.batch_size={B}",
                    f"workload.prompt_len={self.a.prompt}", f"workload.gen_len={n}", "workload.num_batches=1"]
-        res = run_logged(cmd, self.out / fam / f"moescope-{label}-b{B}.log", self.a.timeout, self.env)
+        res = self.timed(cmd, self.out / fam / f"moescope-{label}-b{B}.log")
         path = run_dir / "results.json"
         if res.ok:
             if not path.is_file():
@@ -205,12 +241,13 @@ class Bench:
                 continue
             d = res.data
             tok = d["decode_tokens_per_s"]  # both entry points report it
-            row.tok_s[B] = tok
+            row.take(B, tok, res.read_gb_s)
             if row.load_s is None:
                 row.load_s = float(d["load_s"])
             row.merge_peak(d.get("peak_anon_bytes"), d.get("peak_rss_bytes"))
             print(f"    {row.system} b{B}: {fmt(tok, '.2f')} tok/s, load {fmt(row.load_s, '.1f')} s "
-                  f"({res.seconds:.0f} s; other processes busy {res.others_cores:.2f} CPUs)", flush=True)
+                  f"({res.seconds:.0f} s; memory read {fmt(res.read_gb_s, '.1f')} GB/s; other processes busy "
+                  f"{res.others_cores:.2f} CPUs)", flush=True)
         return row
 
     # -- peers --
@@ -218,7 +255,7 @@ class Bench:
         row = Row(name)
         if result.exists():
             result.unlink()
-        res = run_logged(cmd, log, self.a.timeout, self.env)
+        res = self.timed(cmd, log)
         row.merge_others(res.others_cores)
         if not res.ok or not result.is_file():
             row.errors.append(res.error or f"no {result}")
@@ -228,10 +265,11 @@ class Bench:
         row.load_s = d.get("load_s")
         row.merge_peak(d.get("peak_anon_bytes"), d.get("peak_rss_bytes"))
         for B, v in d.get("batches", {}).items():
-            row.tok_s[int(B)] = v.get("decode_tok_s")
+            row.take(int(B), v.get("decode_tok_s"), res.read_gb_s)
         print(f"    {name}: load {fmt(row.load_s, '.1f')} s, "
               + ", ".join(f"b{B} {fmt(v, '.2f')} tok/s" for B, v in sorted(row.tok_s.items()))
-              + f" ({res.seconds:.0f} s; other processes busy {res.others_cores:.2f} CPUs)", flush=True)
+              + f" ({res.seconds:.0f} s; memory read {fmt(res.read_gb_s, '.1f')} GB/s; other processes busy "
+                f"{res.others_cores:.2f} CPUs)", flush=True)
         return row
 
     def gguf(self, fam: str, ckpt: Path) -> tuple[Optional[Path], str]:
@@ -284,6 +322,84 @@ class Bench:
                           hf_bf16_argmax_agree_f32=int((hf.argmax(-1) == ref.argmax(-1)).sum()))
         return report
 
+    def systems(self, fam: str, cfg: ModelConfig, ckpt: Path, info: dict) -> list[tuple[str, Callable[[], Row]]]:
+        """The timed systems of one family, each as (name, a callable that runs it once and returns its row);
+        GGUF conversion and the logits check happen here, once."""
+        fam_dir = self.out / fam
+        jobs: list[tuple[str, Callable[[], Row]]] = []
+        if not self.skipped("transformers"):
+            cmd = [sys.executable, "-m", "engine.bench.peers.hf_peer", str(ckpt), "--batch", *map(str, self.a.batches),
+                   "--prompt", str(self.a.prompt), "--new", str(self.a.new), "--repeats", str(self.a.repeats),
+                   "--out", str(fam_dir / "transformers.json")]
+            jobs.append(("transformers bf16", lambda: self.peer_row("transformers bf16", cmd, fam_dir / "transformers.json",
+                                                                    fam_dir / "transformers.log")))
+        if not self.skipped("llama.cpp"):
+            jobs.append(("llama.cpp bf16", self.llama_job(fam, cfg, ckpt, info)))
+        if not self.skipped("moescope-mem"):
+            jobs.append(("moescope in-memory", lambda: self.moescope_row(fam, ckpt, None)))
+        if not self.skipped("moescope-off"):
+            for budget in self.a.budgets:
+                jobs.append((f"moescope offload {budget:g}", lambda b=budget: self.moescope_row(fam, ckpt, b)))
+        return jobs
+
+    def llama_job(self, fam: str, cfg: ModelConfig, ckpt: Path, info: dict) -> Callable[[], Row]:
+        ok, why = llama_support(cfg)
+        if not ok:
+            print(f"    llama.cpp: n/a ({why})", flush=True)
+            return lambda: Row("llama.cpp bf16", note=why)
+        gguf, err = self.gguf(fam, ckpt)
+        if gguf is None:
+            return lambda: Row("llama.cpp bf16", errors=[f"GGUF: {err}"])
+        if not self.skipped("check"):
+            info["llama_check"] = self.check_logits(fam, ckpt, gguf, cfg.vocab_size)
+            print(f"    llama.cpp vs transformers logits: {check_line(info['llama_check'])}", flush=True)
+        info["gguf_bytes"] = gguf.stat().st_size
+        if not self.skipped("interleaved"):
+            info["interleaved"] = self.interleaved(fam, ckpt, gguf)
+        fam_dir = self.out / fam
+        mmap = [] if self.a.llama_mmap else ["--no-mmap"]
+        cmd = [self.a.llama_python, "-m", "engine.bench.peers.llama_peer", str(gguf), "--batch",
+               *map(str, self.a.batches), "--prompt", str(self.a.prompt), "--new", str(self.a.new),
+               "--threads", str(self.a.llama_threads), *mmap, "--repeats", str(self.a.repeats),
+               "--out", str(fam_dir / "llama.json")]
+        return lambda: self.peer_row("llama.cpp bf16", cmd, fam_dir / "llama.json", fam_dir / "llama.log")
+
+    def interleaved(self, fam: str, ckpt: Path, gguf: Path) -> dict:
+        """moescope in memory and llama.cpp in one process, decode bursts alternated (peers/interleaved.py), per
+        batch size: the comparison that the read rate's drift between separate runs cannot bias."""
+        need = 2 * checkpoint_bytes(ckpt)  # both copies of the weights in one process
+        avail = host_memory()[1]
+        if avail is not None and need > 0.9 * avail:
+            return {"error": f"needs {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"}
+        site = subprocess.run([self.a.llama_python, "-c", "import llama_cpp, os; "
+                               "print(os.path.dirname(os.path.dirname(llama_cpp.__file__)))"],
+                              capture_output=True, text=True).stdout.strip()
+        out: dict[str, Any] = {}
+        for B in self.a.batches:
+            result = self.out / fam / f"interleaved-b{B}.json"
+            res = self.timed([sys.executable, "-m", "engine.bench.peers.interleaved", str(ckpt), str(gguf),
+                              "--llama-site", site, "--batch", str(B), "--prompt", str(self.a.prompt), "--new",
+                              str(self.a.new), "--bursts", str(self.a.bursts), "--threads", str(self.a.llama_threads),
+                              "--out", str(result)], self.out / fam / f"interleaved-b{B}.log")
+            out[str(B)] = json.loads(result.read_text()) if res.ok and result.is_file() else {"error": res.error}
+            print(f"    interleaved b{B}: {interleaved_line(out[str(B)])}", flush=True)
+        return out
+
+    def run_rounds(self, jobs: list[tuple[str, Callable[[], Row]]]) -> list[Row]:
+        """Every system `--rounds` times, the order reversed every other round (what the host's placement of
+        the vCPUs does to the read rate then falls on each system alike); each row keeps its best run."""
+        rows: dict[str, Row] = {}
+        for r in range(self.a.rounds):
+            if self.a.rounds > 1:
+                print(f"    -- round {r + 1} of {self.a.rounds}", flush=True)
+            for name, job in (jobs if r % 2 == 0 else jobs[::-1]):
+                row = job()
+                if name in rows:
+                    rows[name].merge(row)
+                else:
+                    rows[name] = row
+        return [rows[name] for name, _ in jobs]
+
     def family(self, fam: str) -> dict:
         layers = self.a.layers.get(fam)
         cfg = real_width_config(fam, layers)
@@ -297,41 +413,9 @@ class Bench:
               f"{fmt(write_speed(ckpt), '.2f')} GB/s)", flush=True)
         fam_dir = self.out / fam
         fam_dir.mkdir(parents=True, exist_ok=True)
-        rows: list[Row] = []
         info: dict[str, Any] = {"config": describe(cfg), "checkpoint": str(ckpt), "checkpoint_bytes": size,
                                 "write_gb_s": write_speed(ckpt)}
-        if not self.skipped("transformers"):
-            cmd = [sys.executable, "-m", "engine.bench.peers.hf_peer", str(ckpt), "--batch", *map(str, self.a.batches),
-                   "--prompt", str(self.a.prompt), "--new", str(self.a.new), "--repeats", str(self.a.repeats),
-                   "--out", str(fam_dir / "transformers.json")]
-            rows.append(self.peer_row("transformers bf16", cmd, fam_dir / "transformers.json",
-                                      fam_dir / "transformers.log"))
-        if not self.skipped("llama.cpp"):
-            ok, why = llama_support(cfg)
-            row = Row("llama.cpp bf16", note=why)
-            if ok:
-                gguf, err = self.gguf(fam, ckpt)
-                if gguf is None:
-                    row.errors.append(f"GGUF: {err}")
-                else:
-                    if not self.skipped("check"):
-                        info["llama_check"] = self.check_logits(fam, ckpt, gguf, cfg.vocab_size)
-                        print(f"    llama.cpp vs transformers logits: {check_line(info['llama_check'])}", flush=True)
-                    mmap = [] if self.a.llama_mmap else ["--no-mmap"]
-                    cmd = [self.a.llama_python, "-m", "engine.bench.peers.llama_peer", str(gguf), "--batch",
-                           *map(str, self.a.batches), "--prompt", str(self.a.prompt), "--new", str(self.a.new),
-                           "--threads", str(self.a.llama_threads), *mmap, "--repeats", str(self.a.repeats),
-                           "--out", str(fam_dir / "llama.json")]
-                    row = self.peer_row("llama.cpp bf16", cmd, fam_dir / "llama.json", fam_dir / "llama.log")
-                    info["gguf_bytes"] = gguf.stat().st_size
-            else:
-                print(f"    llama.cpp: n/a ({why})", flush=True)
-            rows.append(row)
-        if not self.skipped("moescope-mem"):
-            rows.append(self.moescope_row(fam, ckpt, None))
-        if not self.skipped("moescope-off"):
-            for budget in self.a.budgets:
-                rows.append(self.moescope_row(fam, ckpt, budget))
+        rows = self.run_rounds(self.systems(fam, cfg, ckpt, info))
         info["rows"] = [vars(r) for r in rows]
         table = render(fam, cfg, size, rows, self.a.batches, info)
         info["table"] = table
@@ -348,6 +432,14 @@ def fmt(v: Optional[float], spec: str) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def interleaved_line(r: dict) -> str:
+    if "error" in r:
+        return f"FAILED ({r['error']})"
+    return (f"moescope / llama.cpp decode speed, same process, {r['bursts']} alternated bursts: median "
+            f"{r['moescope_over_llama_median']:.2f} (quartiles {r['moescope_over_llama_q1']:.2f}-"
+            f"{r['moescope_over_llama_q3']:.2f}; moescope faster in {r['bursts_moescope_faster']})")
+
+
 def check_line(c: dict) -> str:
     if "error" in c:
         return f"FAILED ({c['error']})"
@@ -362,19 +454,28 @@ def check_line(c: dict) -> str:
     return s
 
 
+def ratio(v: Optional[float], base: Optional[float]) -> Optional[float]:
+    return v / base if v and base else None
+
+
 def render(fam: str, cfg: ModelConfig, size: int, rows: list[Row], batches: list[int], info: dict) -> str:
-    hf = next((r for r in rows if r.system.startswith("transformers")), None)
+    hf = next((r for r in rows if r.system.startswith("transformers")), Row(""))
+    ll = next((r for r in rows if r.system.startswith("llama.cpp")), Row(""))
     head = ["system", "load s", "anon/ckpt", "rss/ckpt"] + [f"tok/s b{B}" for B in batches] + \
-           [f"b{B} x HF" for B in batches] + ["others busy"]
+           [f"b{B} x HF" for B in batches] + [f"b{B} x llama" for B in batches] + \
+           ["read GB/s", "b1 x llama per read", "others busy"]
     lines = []
     for r in rows:
         cells = [r.system, fmt(r.load_s, ".1f"), fmt(r.peak_anon / size if r.peak_anon else None, ".2f"),
                  fmt(r.peak_rss / size if r.peak_rss else None, ".2f")]
         cells += [fmt(r.tok_s.get(B), ".2f") for B in batches]
-        for B in batches:
-            base = hf.tok_s.get(B) if hf else None
-            v = r.tok_s.get(B)
-            cells.append(fmt(v / base if v and base else None, ".2f"))
+        cells += [fmt(ratio(r.tok_s.get(B), hf.tok_s.get(B)), ".2f") for B in batches]
+        cells += [fmt(ratio(r.tok_s.get(B), ll.tok_s.get(B)), ".2f") for B in batches]
+        reads = sorted(v for v in r.read_gb_s.values() if v)
+        cells.append(f"{reads[0]:.0f}-{reads[-1]:.0f}" if reads else "n/a")
+        # b1 decode reads the weights once a step: tok/s per GB/s of read rate is comparable across moments
+        cells.append(fmt(ratio(ratio(r.tok_s.get(1), r.read_gb_s.get(1)), ratio(ll.tok_s.get(1), ll.read_gb_s.get(1))),
+                         ".2f"))
         cells.append(fmt(r.others_cores, ".2f"))
         lines.append(cells)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
@@ -389,6 +490,11 @@ def render(fam: str, cfg: ModelConfig, size: int, rows: list[Row], batches: list
             out.append(f"  {r.system}: {e}")
     if "llama_check" in info:
         out.append(f"  llama.cpp vs transformers logits: {check_line(info['llama_check'])}")
+    for B, r in info.get("interleaved", {}).items():
+        out.append(f"  b{B}, {interleaved_line(r)}")
+    out.append("  read GB/s: the machine's memory read rate (all cores) measured around each system's runs; it moves "
+               "up to 2x with where the host places the vCPUs, so 'b1 x llama per read' divides each b1 rate by "
+               "the read rate measured with it")
     busy = max((r.others_cores or 0.0) for r in rows) if rows else 0.0
     if busy > 0.25:
         out.append(f"  others busy: CPUs other processes used on average during a system's worst run; up to "
@@ -423,14 +529,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="llama.cpp threads (default: every CPU this process may use, as torch and XLA take)")
     ap.add_argument("--llama-mmap", action=argparse.BooleanOptionalAction, default=True,
                     help="llama.cpp maps the GGUF (its default); --no-llama-mmap reads it into anonymous memory")
-    ap.add_argument("--skip", default="", help="comma-separated: transformers, llama.cpp, check, moescope "
-                                               "(or moescope-mem, moescope-off)")
+    ap.add_argument("--skip", default="", help="comma-separated: transformers, llama.cpp, check, interleaved, "
+                                               "moescope (or moescope-mem, moescope-off)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--budgets", default="0.25,1.0", help="moescope offload budget fractions")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=16, help="decode steps timed after the prefill")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each peer (best reported); moescope's "
                                                            "entry points time one run after their warm-up")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of every system, alternating their order; each "
+                                                          "row keeps its best")
+    ap.add_argument("--bursts", type=int, default=16, help="alternated decode bursts of the same-process "
+                                                           "moescope / llama.cpp comparison")
     ap.add_argument("--check-f32", action="store_true",
                     help="also compare both with transformers in fp32 (twice the checkpoint in memory)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per subprocess")

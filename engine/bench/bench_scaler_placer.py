@@ -28,15 +28,15 @@ from rich.console import Console
 from rich.table import Table
 
 from conf import compose
-from conf.schemas.hardware import load_hardware
+from schedulers.hardware import load_hardware
 from engine.serverless.latency_model import LatencyKind, LatencySettings, ServerlessCostModel
-from engine.serverless.policies import default_slots
+from schedulers.serverless.moeless import default_slots
 from engine.serverless.slots import SlotMap
 from engine.synthetic_routing import SyntheticRouter
 from models.loading import resolve_model_config
-from schedulers.eplb import rebalance_experts
-from schedulers.moeless import MoElessPolicy
-from schedulers.static_ep import static_placement
+from schedulers.serverless.eplb import rebalance_experts
+from schedulers.serverless.moeless import MoElessPolicy
+from schedulers.serverless.static_ep import static_placement
 
 MODELS = ("mixtral_8x7b", "phi35_moe", "llama4_scout")
 

@@ -35,11 +35,11 @@ def scheduler_settings(name: str):
     """The `conf/scheduler/<name>.yaml` settings (`presched_no_async`: PreSched with synchronous copies).
 
     Cached per worker process: a Hydra compose costs ~0.3 s, more than most simulated runs."""
-    from conf import compose, to_frozen
-    from schedulers.base import SchedulerSettings
+    from conf import compose
+    from schedulers.base import scheduler_settings as from_config
 
     base = "presched" if name == "presched_no_async" else name
-    settings = to_frozen(compose("simulate", [f"scheduler={base}"]).scheduler, SchedulerSettings)
+    settings = from_config(compose("simulate", [f"scheduler={base}"]).scheduler)
     if name == "presched_no_async":
         from dataclasses import replace
 
@@ -50,7 +50,7 @@ def scheduler_settings(name: str):
 @lru_cache(maxsize=None)
 def hardware(name: str):
     """The `conf/hardware/<name>.yaml` profile (cached per worker process)."""
-    from conf.schemas.hardware import load_hardware
+    from schedulers.hardware import load_hardware
 
     return load_hardware(name)
 

@@ -72,7 +72,8 @@ PRESETS: dict[str, Preset] = {
 
 def base_config(model: str) -> ModelConfig:
     """The frozen `ModelConfig` of `conf/model/<model>.yaml` (its `arch`)."""
-    from conf import compose, to_frozen
+    from core.config import to_frozen
+    from conf import compose
 
     arch = compose("generate", [f"model={model}"]).model.arch
     if arch is None:

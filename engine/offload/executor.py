@@ -10,7 +10,8 @@ when both sides are done (OnCpuGpuDone). Where the scheduler always keeps reside
 device (`resident_on_device`), those start right after the gate, overlapping the planning; a
 layer without on-demand loads computes its CPU side on the main thread once the device work is
 dispatched (no hand-over to the worker: nothing on the link needs watching). The Timer feeds
-measured costs back into the cost model.
+measured costs back into the cost model. What the plan does to the cache, the link queue and the
+metrics is `engine.offload.accounting`, the same bookkeeping the simulator's layers go through.
 Dense layers, attention, routers, shared experts and the LM head always run on the device.
 
 With every routed expert resident and a scheduler that plans such layers as device work alone, a
@@ -21,6 +22,7 @@ and its routing still feeds the Counter, the residency metrics and the results.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -28,16 +30,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.offload.accounting import Event, LayerAccounting, QueuedTransfer
 from engine.offload.cache import DeviceExpertCache
 from engine.offload.cpu_experts import CpuExperts
-from engine.offload.forecasts import LiveForecastBook
+from engine.offload.forecasts import LazyForecasts, LiveForecastBook
 from engine.offload.kernels import LayerKernels
 from engine.offload.link import Job, TransferLink
+from engine.offload.metrics import RunMetrics
 from engine.offload.store import ExpertStore
 from engine.offload.timer import Timer
-from engine.sim.metrics import RunMetrics
-from engine.sim.pipeline import Event
-from engine.sim.predictions import LazyForecasts
 from models.config import ModelConfig
 from models.generation import bucket, left_pad, pad_id
 from models.transformer import MoETransformer, init_cache
@@ -78,6 +79,27 @@ class OffloadOutput:
 
     def sequences(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
+
+
+@dataclass
+class LayerRun:
+    """One MoE layer in progress on the executor."""
+
+    layer: int  # MoE layer index
+    phase: Phase
+    hidden: jax.Array  # the experts' input [B, S, H] on the device
+    host: np.ndarray  # the same on the host [B * S, H]
+    experts: np.ndarray  # int64 [B * S, k]: routed experts (-1: padding rows)
+    weights: np.ndarray  # float32 [B * S, k]
+    live: np.ndarray  # bool [B * S]: rows of real tokens
+    context: LayerContext  # what the forecasts made at this layer see
+    start: float  # wall clock at the layer's sync point
+    parts: list[jax.Array] = field(default_factory=list)  # partial outputs of the device work
+    pinned: list[int] = field(default_factory=list)  # cache slots the outputs still read
+    gpu_start: float = 0.0
+    cpu_start: float = 0.0
+    cpu_future: Optional[Future] = None  # the CPU side on the torch worker
+    inline_cpu: bool = False  # the CPU side on the main thread, after the device work is dispatched
 
 
 def link_view(active: Optional[Job], resident: np.ndarray, t_io: float, now: float
@@ -135,7 +157,7 @@ class OffloadExecutor:
             raise ValueError(f"cache of {self.cache.cache_slots} + {len(self.cache.slots) - self.cache.cache_slots} "
                              f"slots given to an executor of {settings.cache_slots} + {settings.staging_slots}")
         self.timer = Timer(cost, store.expert_bytes)
-        self.metrics = RunMetrics(num_layers=self.L)
+        self.accounting = LayerAccounting(self.L, store.expert_bytes)
         self.link = TransferLink(store, self.cache, settings.chunks, synchronous=not settings.async_io,
                                  retries=settings.retries, on_done=self._on_io_done, fault=fault)
         self.cpu = CpuExperts(store, settings.cpu_threads)
@@ -149,14 +171,10 @@ class OffloadExecutor:
         # (slot, filler) positions a new jit cache entry (a compile in the middle of serving)
         self._dummy = (jax.device_put(jnp.zeros((2 * F, H), dtype), self.cache.sharding),
                        jax.device_put(jnp.zeros((H, F), dtype), self.cache.sharding))
-        self.events: list[Event] = []
-        self._prefetched: dict[int, set[int]] = {}  # target MoE layer -> experts prefetched for it
         self.expert_tokens = np.zeros((self.L, self.E), np.int64)  # tokens routed per expert (the Counter)
         self.seq_offset = 0  # sequence id of the next batch's first row (row_lookup into a reference trace)
         self._t0 = time.perf_counter()
-        self._pass = -1
         self._moe_wall = 0.0  # wall time of the current pass's MoE layers (the rest is the pass's overhead)
-        self._record = False
         self._preload(np.asarray(scheduler.initial_residency(), bool))
 
     # ---- setup / teardown -----------------------------------------------------------------------------
@@ -197,178 +215,220 @@ class OffloadExecutor:
     def _on_io_done(self, job: Job) -> None:
         """OnIoDone: a transfer landed (called from the I/O thread)."""
         self.timer.transfer(job.seconds)
-        self.metrics.add_transfer(job.seconds, job.prefetch, self.store.expert_bytes)
-        if self._record and job.started_at is not None:
-            self.events.append(Event("link", job.started_at - self._t0, job.done_at - self._t0, self._pass,
-                                     job.layer, job.expert, 0, "prefetch" if job.prefetch else "ondemand"))
+        started = job.started_at if job.started_at is not None else job.issued_at
+        done = job.done_at if job.done_at is not None else time.perf_counter()
+        self.accounting.transfer(job, started - self._t0, done - self._t0, self.accounting.pass_index,
+                                 self.accounting.recording)
 
     # ---- one MoE layer ---------------------------------------------------------------------------------
-    def _state(self, m: int, phase: Phase, experts: np.ndarray, weights: np.ndarray, ctx: LayerContext,
-               batch_tokens: int, context_len: int, rows: int, seq_len: int) -> LayerState:
+    def _moe_layer(self, block: int, hidden: jax.Array, experts_d: jax.Array, weights_d: jax.Array, phase: Phase,
+                   valid_flat: np.ndarray, seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray, context_len: int,
+                   begin: float) -> tuple[list[jax.Array], list[int]]:
+        """Plan the MoE layer of decoder layer `block` (its gate has run) and compute its experts: (partial
+        outputs, pinned slots).
+
+        `begin`: when the layer's attention call was dispatched; the wall time from there to the issued
+        plan, minus the modelled attention, is the layer's fixed host overhead (the Timer's sample)."""
+        run = self._route(self.moe_index[block], phase, hidden, experts_d, weights_d, valid_flat, seqs, pos, tokens)
+        early = self._start_resident(run)
+        state, plan = self._plan(run, early, context_len)
+        if phase is Phase.decode:  # prefill's attention is far from its model; decode is what the overhead serves
+            self.timer.layer_overhead(time.perf_counter() - begin - state.t_attn_next_s)
+        self.accounting.open_layer(state)
+        self._start_cpu(run, plan)
+        self._compute_ready(run, plan, early)
+        self._compute_loads(run, plan)
+        gpu_busy, cpu_busy = self._join(run, plan)
+        parts = self._combine(run)
+        self.link.flush()  # no AsyncIO: prefetches finish inside the layer that issued them
+        self._close_layer(run, plan, gpu_busy, cpu_busy)
+        return parts, run.pinned
+
+    def _route(self, layer: int, phase: Phase, hidden: jax.Array, experts_d: jax.Array, weights_d: jax.Array,
+               valid: np.ndarray, seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray) -> LayerRun:
+        """The layer's routing on the host (its sync point): the forecasts made for it are scored, the Counter
+        counts it, and the forecasts made here get their context."""
+        start = time.perf_counter()
+        experts = np.asarray(experts_d).astype(np.int64)  # the sync point of the layer
+        weights = np.asarray(weights_d).astype(np.float32)
+        experts = np.where(valid[:, None], experts, -1)  # padding rows route nowhere
+        self.book.settle_live(layer, experts[valid])
+        np.add.at(self.expert_tokens[layer], experts[valid].reshape(-1), 1)
+        host = np.asarray(hidden).reshape(-1, self.cfg.hidden_size)
+        rows = self.row_lookup(seqs[valid], pos[valid]) if self.row_lookup is not None else None
+        context = LayerContext(layer=layer, step=self.accounting.pass_index, experts=experts[valid],
+                               weights=weights[valid], hidden=host[valid].astype(np.float32), tokens=tokens[valid],
+                               seq=seqs[valid], pos=pos[valid], rows=rows)
+        self.book.begin_layer(context)
+        return LayerRun(layer, phase, hidden, host, experts, weights, valid, context, start)
+
+    def _start_resident(self, run: LayerRun) -> list[int]:
+        """Where the scheduler keeps resident experts on the device, start them now (overlapping the planning)."""
+        run.gpu_start = time.perf_counter()
+        if not self.scheduler.resident_on_device:
+            return []
+        early = [int(expert) for expert in np.unique(run.experts[run.live])
+                 if expert >= 0 and self.cache.is_resident(run.layer, int(expert))]
+        if early:
+            run.pinned += self._dispatch(run, early)
+        return early
+
+    def _plan(self, run: LayerRun, early: list[int], context_len: int) -> tuple[LayerState, LayerPlan]:
+        """The plan point, the link held (its queue stays as the scheduler sees it): state, plan, issue."""
+        with self.link.hold():
+            queued = self.link.queued()
+            state = self._state(run, queued, context_len)
+            self.accounting.settle_prefetches(queued)  # what is still queued is dropped by this plan
+            plan = self.accounting.plan(self.scheduler, state, validate=self.settings.validate_plans)
+            if not set(early) <= set(plan.gpu):
+                raise RuntimeError(f"{self.scheduler.name}: resident_on_device, but the plan of MoE layer {run.layer} "
+                                   f"moves resident experts {sorted(set(early) - set(plan.gpu))} off the device")
+            self._issue(run.layer, plan)
+        return state, plan
+
+    def _state(self, run: LayerRun, queued: list[Job], context_len: int) -> LayerState:
+        experts, weights = run.experts[run.live], run.weights[run.live]
+        rows, seq_len = run.hidden.shape[:2]
         tokens = np.bincount(experts.reshape(-1), minlength=self.E).astype(np.int64)
         scores = np.bincount(experts.reshape(-1), weights=weights.reshape(-1), minlength=self.E)
         resident = self.cache.resident_mask()  # one snapshot: a transfer landing after it still counts as in flight
         inflight, alpha = link_view(self.link.active(), resident, self.cost.t_io, time.perf_counter())
-        queued = tuple(Transfer(j.layer, j.expert, self.cost.t_io, j.retain) for j in self.link.queued())
-        reserved_by_queue = sum(1 for j in self.link.queued() if j.slot >= 0 and not self.cache.slots[j.slot].staging)
-        return LayerState(layer=m, num_layers=self.L, phase=phase, tokens=tokens, scores=scores,
-                          predicted=LazyForecasts(self.book, m, self._pass, ctx.rows, self.L),
-                          resident=resident, inflight=inflight, queued=queued, alpha_s=alpha,
+        waiting = tuple(Transfer(job.layer, job.expert, self.cost.t_io, job.retain) for job in queued)
+        reserved_by_queue = sum(1 for job in queued if job.slot >= 0 and not self.cache.slots[job.slot].staging)
+        phase = run.phase
+        return LayerState(layer=run.layer, num_layers=self.L, phase=phase, tokens=tokens, scores=scores,
+                          predicted=LazyForecasts(self.book, run.layer, self.accounting.pass_index, run.context.rows,
+                                                  self.L),
+                          resident=resident, inflight=inflight, queued=waiting, alpha_s=alpha,
                           cache_slots=self.cache.cache_slots,
                           free_slots=self.cache.free_cache_slots() + reserved_by_queue,
-                          batch_tokens=batch_tokens, context_len=context_len, hit_rate=self.book.hit_rates(),
+                          batch_tokens=int(run.live.sum()), context_len=context_len, hit_rate=self.book.hit_rates(),
                           cost=self.cost, t_io_s=self.cost.t_io if self.settings.async_io else self.cost.t_io_sync,
                           t_attn_next_s=self.cost.t_attn(rows, context_len, prefill=phase is Phase.prefill,
                                                          prompt_len=seq_len))
 
-    def _issue(self, m: int, plan: LayerPlan) -> None:
-        """Evictions, then the new link queue: on-demand loads in order, then prefetches."""
-        for layer, e in plan.evict:
-            self.cache.evict(layer, e)
+    def _issue(self, layer: int, plan: LayerPlan) -> None:
+        """The plan's evictions, then the new link queue: on-demand loads in order, then prefetches."""
+        queue = self.accounting.issue(layer, plan, self.cache)
         self.link.submit([])  # drop unstarted transfers of earlier plans (their slots come back)
-        jobs = []
-        for e, retain in zip(plan.ondemand, plan.retain):
-            slot = self.cache.reserve(m, e, staging=False) if retain else -1
-            jobs.append(Job(m, e, slot, retain=retain, prefetch=False))
-        for target, e in plan.prefetch:
-            jobs.append(Job(target, e, self.cache.reserve(target, e, staging=False), retain=True, prefetch=True))
-            self._prefetched.setdefault(target, set()).add(e)
-        self.link.submit(jobs)
+        self.link.submit([self._job(item) for item in queue])
 
-    def _device_experts(self, g: jax.Array, experts: np.ndarray, weights: np.ndarray, chosen: Sequence[int],
-                        m: int) -> tuple[jax.Array, list[int]]:
-        """Dispatch the device computation of experts `chosen` of MoE layer m (their slots pinned)."""
-        slots = [self.cache.slot_of(m, e) for e in chosen]
-        self.cache.pin(slots)  # type: ignore[arg-type]
-        gate_up, down = self.cache.arrays()
-        local = np.full(self.E, -1, np.int32)
-        local[list(chosen)] = np.arange(len(chosen), dtype=np.int32)
-        idx = np.where(experts >= 0, local[np.maximum(experts, 0)], -1)
-        gu = [gate_up[s] for s in slots] + [self._dummy[0]] * (self.E - len(slots))  # type: ignore[index]
-        dn = [down[s] for s in slots] + [self._dummy[1]] * (self.E - len(slots))  # type: ignore[index]
-        return self.kernels.experts(g, idx, weights, gu, dn), slots  # type: ignore[return-value]
+    def _job(self, item: QueuedTransfer) -> Job:
+        """A link job of the plan's queue, its cache slot reserved (a staged load takes a buffer when it starts)."""
+        slot = self.cache.reserve(item.layer, item.expert, staging=False) if item.retain else -1
+        return Job(item.layer, item.expert, slot, retain=item.retain, prefetch=item.prefetch)
 
-    def _moe_layer(self, layer: int, g: jax.Array, experts_d: jax.Array, weights_d: jax.Array, phase: Phase,
-                   valid_flat: np.ndarray, seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray, context_len: int,
-                   begin: float) -> tuple[list[jax.Array], list[int]]:
-        """Plan MoE layer `layer` (its gate has run) and compute its experts: (partial outputs, pinned slots).
+    def _start_cpu(self, run: LayerRun, plan: LayerPlan) -> None:
+        """The CPU side: the torch worker starts now, unless no on-demand load is to be waited for: then the main
+        thread computes it itself once the device work is dispatched (a hand-over costs ~0.2 ms here)."""
+        run.inline_cpu = bool(plan.cpu) and not plan.ondemand
+        if plan.cpu and not run.inline_cpu:
+            run.cpu_future = self.cpu.submit(run.layer, run.host, run.experts, run.weights, list(plan.cpu))
+        run.cpu_start = time.perf_counter()
 
-        `begin`: when the layer's attention call was dispatched; the wall time from there to the issued
-        plan, minus the modelled attention, is the layer's fixed host overhead (the Timer's sample)."""
-        m = self.moe_index[layer]
-        start = time.perf_counter()
-        experts = np.asarray(experts_d).astype(np.int64)  # the sync point of the layer
-        weights = np.asarray(weights_d).astype(np.float32)
-        experts = np.where(valid_flat[:, None], experts, -1)  # padding rows route nowhere
-        live = valid_flat
-        self.book.settle_live(m, experts[live])
-        np.add.at(self.expert_tokens[m], experts[live].reshape(-1), 1)
-        g_host = np.asarray(g).reshape(-1, self.cfg.hidden_size)
-        ctx = LayerContext(layer=m, step=self._pass, experts=experts[live], weights=weights[live],
-                           hidden=g_host[live].astype(np.float32), tokens=tokens[live], seq=seqs[live], pos=pos[live],
-                           rows=self.row_lookup(seqs[live], pos[live]) if self.row_lookup is not None else None)
-        self.book.begin_layer(ctx)
-        B, S = g.shape[:2]
-        parts: list[jax.Array] = []
-        pinned: list[int] = []
-        early: list[int] = []
-        gpu_start = time.perf_counter()
-        if self.scheduler.resident_on_device:  # the plan will keep these on the device: start them now
-            early = [int(e) for e in np.unique(experts[live]) if e >= 0 and self.cache.is_resident(m, int(e))]
-            if early:
-                y, slots = self._device_experts(g, experts, weights, early, m)
-                parts.append(y)
-                pinned += slots
-        with self.link.hold():  # the plan point: the link's queue stays as the scheduler sees it
-            state = self._state(m, phase, experts[live], weights[live], ctx, int(live.sum()), context_len, B, S)
-            plan = self.scheduler.plan(state)
-            if self.settings.validate_plans:
-                plan.validate(state)
-            if not set(early) <= set(plan.gpu):
-                raise RuntimeError(f"{self.scheduler.name}: resident_on_device, but the plan of MoE layer {m} moves "
-                                   f"resident experts {sorted(set(early) - set(plan.gpu))} off the device")
-            self._issue(m, plan)
-        if phase is Phase.decode:  # prefill's attention is far from its model; decode is what the overhead serves
-            self.timer.layer_overhead(time.perf_counter() - begin - state.t_attn_next_s)
-        available = state.available(m)
-        self.metrics.add_residency(phase is Phase.prefill, len(state.active), int(available[state.active].sum()))
-        prefetched = self._prefetched.pop(m, set())
-        self.metrics.add_prefetch_outcome(len(prefetched & set(state.active.tolist())), len(prefetched))
-
-        # CPU side: the torch worker starts now, unless no on-demand load is to be waited for: then the main
-        # thread computes it itself once the device work is dispatched (a hand-over costs ~0.2 ms here)
-        inline_cpu = bool(plan.cpu) and not plan.ondemand
-        cpu_future = self.cpu.submit(m, g_host, experts, weights, list(plan.cpu)) if plan.cpu and not inline_cpu \
-            else None
-        cpu_started = time.perf_counter()
+    def _compute_ready(self, run: LayerRun, plan: LayerPlan, early: list[int]) -> None:
+        """The device experts that need no load (landing prefetches are waited for; resident ones are there)."""
         skip = set(plan.ondemand) | set(early)
-        ready = [e for e in plan.gpu if e not in skip]
-        for e in ready:  # landing prefetches of this layer are waited for; resident ones are there
-            if not self.cache.is_resident(m, e):
-                self.link.wait(m, e)
+        ready = [expert for expert in plan.gpu if expert not in skip]
+        for expert in ready:
+            if not self.cache.is_resident(run.layer, expert):
+                self.link.wait(run.layer, expert)
         if not early:
-            gpu_start = time.perf_counter()
+            run.gpu_start = time.perf_counter()
         if ready:
-            y, slots = self._device_experts(g, experts, weights, ready, m)
-            parts.append(y)
-            pinned += slots
-        for e, retain in zip(plan.ondemand, plan.retain):
-            self.link.wait(m, e)  # OnIoDone for this expert
+            run.pinned += self._dispatch(run, ready)
+
+    def _compute_loads(self, run: LayerRun, plan: LayerPlan) -> None:
+        """Each on-demand load computed when it lands (OnIoDone); a staging buffer goes back to the link once
+        its compute is done."""
+        for expert, retain in zip(plan.ondemand, plan.retain):
+            self.link.wait(run.layer, expert)
             # a sample times the call alone: device calls run in order (earlier queued work would count), and
             # where the device is the host the CPU experts' worker shares its cores. Only decode calls are
             # samples: the cost model takes them as per-call dispatch, and a prefill call runs the grouped
             # kernel over every row of the pass (~2 ms against ~0.1 for a decode call of mixtral-tiny here)
-            timed = phase is Phase.decode and all(p.is_ready() for p in parts) and \
-                (cpu_future is None or cpu_future.done())
-            t = time.perf_counter()
-            y, slots = self._device_experts(g, experts, weights, [e], m)
-            parts.append(y)
+            timed = run.phase is Phase.decode and all(part.is_ready() for part in run.parts) and \
+                (run.cpu_future is None or run.cpu_future.done())
+            started = time.perf_counter()
+            slots = self._dispatch(run, [expert])
             if retain:
-                pinned += slots
-            else:  # the staging buffer goes back to the link once its compute is done
-                y.block_until_ready()
-                if timed:
-                    self.timer.gpu(int((experts == e).sum()), time.perf_counter() - t)
-                self.cache.unpin(slots)
-                self.cache.release(slots[0])
-        cpu_out, cpu_busy = None, 0.0
-        if inline_cpu:
-            cpu_started = time.perf_counter()
-            cpu_out = self.cpu.compute(m, g_host, experts, weights, list(plan.cpu))
-            cpu_busy = time.perf_counter() - cpu_started
-        gpu_busy = 0.0
-        if parts:  # (after an inline CPU side, the device side is seen done no earlier than the CPU side)
-            jax.block_until_ready(parts)
-            gpu_busy = time.perf_counter() - gpu_start
-        if cpu_future is not None:
-            cpu_out = cpu_future.result()  # OnCpuGpuDone: both sides of the layer are done
-            cpu_busy = time.perf_counter() - cpu_started
-        if cpu_out is not None:
-            parts.append(jnp.asarray(cpu_out))
-            for tokens_n, seconds in self.cpu.timings:
-                self.timer.cpu(tokens_n, seconds)
-            if cpu_busy > gpu_busy:  # the CPU side was the critical path: what it took beyond its compute
-                self.timer.cpu_dispatch(cpu_busy - sum(s for _, s in self.cpu.timings))  # is the hand-over
-            self.cpu.timings.clear()
-        if not parts:
-            parts.append(jnp.zeros((g_host.shape[0], self.cfg.hidden_size), jnp.float32))
-        while len(parts) > 1:  # one partial output: the fused residual call keeps one compiled signature
-            parts[:2] = [parts[0] + parts[1]]  # (its pytree would otherwise change with the plan's call count)
-        self.link.flush()  # no AsyncIO: prefetches finish inside the layer that issued them
-        seconds = time.perf_counter() - start
-        self._account(phase, m, plan, seconds, gpu_busy, cpu_busy, start, gpu_start, cpu_started)
-        return parts, pinned
+                run.pinned += slots
+                continue
+            run.parts[-1].block_until_ready()
+            if timed:
+                self.timer.gpu(int((run.experts == expert).sum()), time.perf_counter() - started)
+            self.cache.unpin(slots)
+            self.cache.release(slots[0])
 
-    def _account(self, phase: Phase, m: int, plan: LayerPlan, seconds: float, gpu_busy: float, cpu_busy: float,
-                 start: float, gpu_start: float, cpu_start: float) -> None:
-        self.metrics.add_layer(phase is Phase.prefill, m, seconds, gpu_busy, cpu_busy, n_cpu=len(plan.cpu),
-                               n_gpu=len(plan.gpu), n_ondemand=len(plan.ondemand), n_prefetch=len(plan.prefetch))
-        if self._record:
-            t = self._t0
-            if gpu_busy:
-                self.events.append(Event("gpu", gpu_start - t, gpu_start - t + gpu_busy, self._pass, m, -1, 0, "expert"))
-            if cpu_busy:
-                self.events.append(Event("cpu", cpu_start - t, cpu_start - t + cpu_busy, self._pass, m, -1, 0, "expert"))
+    def _dispatch(self, run: LayerRun, chosen: Sequence[int]) -> list[int]:
+        """Dispatch the device computation of experts `chosen`; returns their (pinned) slots."""
+        out, slots = self._device_experts(run.hidden, run.experts, run.weights, chosen, run.layer)
+        run.parts.append(out)
+        return slots
+
+    def _device_experts(self, hidden: jax.Array, experts: np.ndarray, weights: np.ndarray, chosen: Sequence[int],
+                        layer: int) -> tuple[jax.Array, list[int]]:
+        """Dispatch the device computation of experts `chosen` of MoE layer `layer` (their slots pinned)."""
+        slots = [self.cache.slot_of(layer, expert) for expert in chosen]
+        self.cache.pin(slots)  # type: ignore[arg-type]
+        gate_up, down = self.cache.arrays()
+        local = np.full(self.E, -1, np.int32)
+        local[list(chosen)] = np.arange(len(chosen), dtype=np.int32)
+        index = np.where(experts >= 0, local[np.maximum(experts, 0)], -1)
+        filler = self.E - len(slots)
+        gate_up_slots = [gate_up[slot] for slot in slots] + [self._dummy[0]] * filler  # type: ignore[index]
+        down_slots = [down[slot] for slot in slots] + [self._dummy[1]] * filler  # type: ignore[index]
+        out = self.kernels.experts(hidden, index, weights, gate_up_slots, down_slots)
+        return out, slots  # type: ignore[return-value]
+
+    def _join(self, run: LayerRun, plan: LayerPlan) -> tuple[float, float]:
+        """OnCpuGpuDone: both sides of the layer done; returns their busy times (device, CPU)."""
+        cpu_out, cpu_busy = None, 0.0
+        if run.inline_cpu:
+            run.cpu_start = time.perf_counter()
+            cpu_out = self.cpu.compute(run.layer, run.host, run.experts, run.weights, list(plan.cpu))
+            cpu_busy = time.perf_counter() - run.cpu_start
+        gpu_busy = 0.0
+        if run.parts:  # (after an inline CPU side, the device side is seen done no earlier than the CPU side)
+            jax.block_until_ready(run.parts)
+            gpu_busy = time.perf_counter() - run.gpu_start
+        if run.cpu_future is not None:
+            cpu_out = run.cpu_future.result()
+            cpu_busy = time.perf_counter() - run.cpu_start
+        if cpu_out is not None:
+            run.parts.append(jnp.asarray(cpu_out))
+            self._time_cpu(cpu_busy, gpu_busy)
+        return gpu_busy, cpu_busy
+
+    def _time_cpu(self, cpu_busy: float, gpu_busy: float) -> None:
+        """The Timer's CPU samples of the layer, and its hand-over when the CPU side was the critical path."""
+        for token_count, seconds in self.cpu.timings:
+            self.timer.cpu(token_count, seconds)
+        if cpu_busy > gpu_busy:  # the CPU side was the critical path: what it took beyond its compute
+            self.timer.cpu_dispatch(cpu_busy - sum(seconds for _, seconds in self.cpu.timings))  # is the hand-over
+        self.cpu.timings.clear()
+
+    def _combine(self, run: LayerRun) -> list[jax.Array]:
+        """The layer's partial outputs as one: the fused residual call keeps one compiled signature (its pytree
+        would otherwise change with the plan's call count)."""
+        parts = run.parts
+        if not parts:
+            parts.append(jnp.zeros((run.host.shape[0], self.cfg.hidden_size), jnp.float32))
+        while len(parts) > 1:
+            parts[:2] = [parts[0] + parts[1]]
+        return parts
+
+    def _close_layer(self, run: LayerRun, plan: LayerPlan, gpu_busy: float, cpu_busy: float) -> None:
+        """The layer's metrics and, in recorded passes, its device and CPU busy intervals."""
+        seconds = time.perf_counter() - run.start
+        self.accounting.close_layer(run.phase is Phase.prefill, run.layer, plan, seconds, gpu_busy, cpu_busy)
+        origin = self._t0
+        if gpu_busy:
+            self.accounting.record("gpu", run.gpu_start - origin, run.gpu_start - origin + gpu_busy, run.layer,
+                                   kind="expert")
+        if cpu_busy:
+            self.accounting.record("cpu", run.cpu_start - origin, run.cpu_start - origin + cpu_busy, run.layer,
+                                   kind="expert")
 
     # ---- a forward pass --------------------------------------------------------------------------------
     def _can_fuse(self) -> bool:
@@ -385,24 +445,21 @@ class OffloadExecutor:
 
     def _account_fused(self, prefill: bool, experts: np.ndarray) -> None:
         """Counter and residency metrics of fused passes: experts [passes, L, tokens, k] (all resident)."""
-        P = experts.shape[0]
-        for m in range(self.L):
-            np.add.at(self.expert_tokens[m], experts[:, m].reshape(-1), 1)
-        used = np.zeros((P, self.L, self.E), bool)
-        used[np.arange(P)[:, None, None, None], np.arange(self.L)[None, :, None, None], experts] = True
-        active = int(used.sum())
-        self.metrics.add_residency(prefill, active, active)
-        self.metrics.add_fused_passes(prefill, P)
+        passes = experts.shape[0]
+        for layer in range(self.L):
+            np.add.at(self.expert_tokens[layer], experts[:, layer].reshape(-1), 1)
+        used = np.zeros((passes, self.L, self.E), bool)
+        used[np.arange(passes)[:, None, None, None], np.arange(self.L)[None, :, None, None], experts] = True
+        self.accounting.fused_passes(prefill, passes, int(used.sum()))
 
     def _fused_forward(self, kv: Any, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
                        phase: Phase) -> tuple[jax.Array, Any]:
         """A pass over a full cache as one device call; its routing is accounted afterwards."""
-        self._pass += 1
+        self.accounting.pass_index += 1
         t = time.perf_counter()
         logits, kv, routed = self.kernels.resident_pass(*self._resident_slots(), kv, tokens, positions, valid)
         self._account_fused(phase is Phase.prefill, np.asarray(routed)[None, :, valid.reshape(-1)])
-        if self._record:
-            self.events.append(Event("gpu", t - self._t0, self._now(), self._pass, -1, -1, int(valid.sum()), "fused"))
+        self.accounting.record("gpu", t - self._t0, self._now(), -1, -1, int(valid.sum()), "fused")
         return logits, kv
 
     def _fused_decode(self, kv: Any, tokens: np.ndarray, next_pos: np.ndarray, done: np.ndarray, n_steps: int,
@@ -416,16 +473,15 @@ class OffloadExecutor:
         out = np.asarray(out)[:, 1:n + 1]
         seconds = time.perf_counter() - t
         self._account_fused(False, np.asarray(routed)[:n])
-        if self._record:
-            self.events.append(Event("gpu", t - self._t0, self._now(), self._pass + 1, -1, -1, len(tokens) * n,
-                                     "fused decode"))
-        self._pass += n
+        self.accounting.pass_index += 1  # the loop's first pass: its event stands for the whole loop
+        self.accounting.record("gpu", t - self._t0, self._now(), -1, -1, len(tokens) * n, "fused decode")
+        self.accounting.pass_index += n - 1
         return out, [seconds / n] * n, None if logits is None else np.asarray(logits)[:n]
 
     def _forward(self, kv: Any, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray, phase: Phase,
                  seqs: np.ndarray, context_len: int) -> tuple[jax.Array, Any]:
         """One forward pass; a MoE layer's residual is finished in the same call as the next layer's gate."""
-        self._pass += 1
+        self.accounting.pass_index += 1
         self._moe_wall = 0.0
         B, S = tokens.shape
         ai, kv = self.kernels.prepare(kv, jnp.asarray(positions), jnp.asarray(valid))
@@ -447,9 +503,9 @@ class OffloadExecutor:
                 x, layers[i], g, experts, weights = self.kernels.back_front(pending[0], x, pending[1], pending[2], i,
                                                                             ai, layers[i])
                 pending = self._release(pending, experts)
-            if self._record:
+            if self.accounting.recording:
                 experts.block_until_ready()
-                self.events.append(Event("gpu", t - self._t0, self._now(), self._pass, self.moe_index[i], -1, 0, "attn"))
+                self.accounting.record("gpu", t - self._t0, self._now(), self.moe_index[i], kind="attn")
             parts, pinned = self._moe_layer(i, g, experts, weights, phase, *flat, context_len, t)
             self._moe_wall += time.perf_counter() - t
             pending = (i, g, parts, pinned)
@@ -493,12 +549,11 @@ class OffloadExecutor:
         positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
         kv = init_cache(self.model, B, capacity, self.model.embed[...].dtype)
         seqs = np.arange(B) + self.seq_offset
-        self.metrics = RunMetrics(num_layers=self.L)
-        self.events = []  # this call's passes only
+        self.accounting.new_run()  # this call's metrics and passes only
         out = np.full((B, max_new_tokens), pad, np.int32)
         all_logits = []
         t_start = time.perf_counter()
-        self._record = self.settings.timeline_passes > 0
+        self.accounting.recording = self.settings.timeline_passes > 0
         with self.timer.window():  # each pass is one window of Timer samples (dropped if it compiled)
             if self._can_fuse():  # nothing to plan: the prefill as one device call
                 logits, kv = self._fused_forward(kv, tokens, positions, valid, Phase.prefill)
@@ -506,9 +561,9 @@ class OffloadExecutor:
                 logits, kv = self._forward(kv, tokens, positions, valid, Phase.prefill, seqs, longest)
             host = np.asarray(logits)
         first_logits = host
-        prefill_pass = self._pass
+        prefill_pass = self.accounting.pass_index
         prefill_s = time.perf_counter() - t_start
-        self.metrics.add_pass(True, prefill_s)
+        self.accounting.metrics.add_pass(True, prefill_s)
         nxt = host.argmax(-1).astype(np.int32)
         out[:, 0] = nxt
         done = nxt == eos
@@ -521,14 +576,14 @@ class OffloadExecutor:
                 break
             if keep_logits:
                 all_logits.append(host)
-            self._record = step <= self.settings.timeline_passes
+            self.accounting.recording = step <= self.settings.timeline_passes
             if self._can_fuse() and forced is None:  # the rest of the decode has nothing to plan: one device loop
                 tokens_run, seconds, logits_run = self._fused_decode(kv, nxt, next_pos, done, max_new_tokens - step,
                                                                      eos, pad, keep_logits)
                 out[:, step:step + len(seconds)] = tokens_run
                 steps += seconds
                 for s in seconds:
-                    self.metrics.add_pass(False, s)
+                    self.accounting.metrics.add_pass(False, s)
                 if logits_run is not None:
                     all_logits += list(logits_run[:-1])
                     host = logits_run[-1]
@@ -546,21 +601,20 @@ class OffloadExecutor:
                 if not fused:
                     outside = self._modelled_outside_moe(B, int(next_pos.mean()))
                     self.timer.pass_overhead(steps[-1] - self._moe_wall - outside)
-            self.metrics.add_pass(False, steps[-1])
+            self.accounting.metrics.add_pass(False, steps[-1])
             nxt = np.where(done, pad, host.argmax(-1)).astype(np.int32)
             out[:, step] = nxt
             done |= nxt == eos
             if forced is not None:
                 nxt = np.asarray(forced[:, step], np.int32)
             next_pos = next_pos + 1
-        self._record = False
+        self.accounting.recording = False
         if keep_logits:
             all_logits.append(host)
         total = time.perf_counter() - t_start
-        self.metrics.finish(total, self.book.measured_hit_rates())
+        self.accounting.metrics.finish(total, self.book.measured_hit_rates())
         hit = out == eos
         lengths = np.where(hit.any(1), hit.argmax(1) + 1, max_new_tokens)
         return OffloadOutput(tokens=out, lengths=lengths, prefill_s=prefill_s, decode_s=sum(steps), step_s=steps,
-                             metrics=self.metrics, events=list(self.events), prefill_pass=prefill_pass,
-                             last_logits=first_logits,
-                             all_logits=all_logits)
+                             metrics=self.accounting.metrics, events=list(self.accounting.events),
+                             prefill_pass=prefill_pass, last_logits=first_logits, all_logits=all_logits)

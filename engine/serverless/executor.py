@@ -36,7 +36,7 @@ from models.config import ModelConfig
 from models.moe import RoutedExperts, Routing
 from predictors.base import LayerContext
 from schedulers.ep_placement import Placement, balancedness
-from schedulers.oracle_balance import balanced_reroute
+from schedulers.serverless.oracle_balance import balanced_reroute
 
 
 def _pow2(n: int) -> int:

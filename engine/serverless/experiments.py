@@ -6,7 +6,8 @@
 - ablation (Fig. 21): MoEless without its load predictor (history forecasts), without the scaler
   (one replica per expert), without the placer (fixed devices, no warm starts).
 
-Systems that behave identically (same policy settings and forecasts) are simulated once.
+Systems are named by their registered policy (`systems`, `serverless.policies.<kind>`); the studies name
+the paper's four. Systems that behave identically (same policy settings and forecasts) are simulated once.
 """
 
 from __future__ import annotations
@@ -14,14 +15,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Optional
 
-from engine.serverless.policies import ForecastKind, PolicyKind, SystemSpec
+from engine.serverless.policies import ForecastKind, SystemSpec
 from engine.serverless.serving_trace import ServingTrace
 from engine.serverless.simulator import SystemResult, forecasts_for, simulate_system
 from engine.serverless.latency_model import ServerlessCostModel
 from predictors.base import Predictor
-
-LABELS = {PolicyKind.static_ep: "Megatron-LM", PolicyKind.eplb: "EPLB", PolicyKind.oracle: "Oracle (lossy)",
-          PolicyKind.moeless: "MoEless"}
+from schedulers.ep_placement import SERVERLESS
 
 PAPER = {  # MoEless §6.2, averaged over models and datasets
     "latency_reduction_vs_megatron": 0.4319, "latency_reduction_vs_eplb": 0.2189,
@@ -35,34 +34,41 @@ def eplb_redundant(per_expert: int, num_experts: int, num_devices: int) -> int:
     return -(-total // num_devices) * num_devices - num_experts
 
 
-def experiment_systems(experiment: str, base: dict[PolicyKind, SystemSpec], systems: list[PolicyKind],
+def system(base: dict[str, SystemSpec], kind: str, key: str = "systems") -> SystemSpec:
+    """The configured system of policy `kind`; a one-line error naming `key` and the known ones otherwise."""
+    if kind not in base:
+        SERVERLESS.get(kind, key=key)  # not registered at all: names every registered policy
+        raise ValueError(f"{key}: {kind!r} has no settings in serverless.policies (configured: {', '.join(base)})")
+    return base[kind]
+
+
+def experiment_systems(experiment: str, base: dict[str, SystemSpec], systems: list[str],
                        sweeps, num_experts: int, num_devices: int) -> list[SystemSpec]:
     """The systems one experiment compares (labels unique within it)."""
-    moeless = base[PolicyKind.moeless]
     if experiment == "compare":
-        return [base[kind] for kind in systems]
+        return [system(base, kind) for kind in systems]
+    moeless = system(base, "moeless", f"experiments={experiment}")
     if experiment == "memory":
-        out = [base[PolicyKind.static_ep], base[PolicyKind.oracle], moeless]
+        out = [system(base, "static_ep", "experiments=memory"), system(base, "oracle", "experiments=memory"), moeless]
+        eplb = system(base, "eplb", "experiments=memory")
         for r in sweeps.eplb_redundant_per_expert:
             n = eplb_redundant(int(r), num_experts, num_devices)
-            eplb = replace(base[PolicyKind.eplb].eplb, num_redundant=n)
-            out.append(replace(base[PolicyKind.eplb], eplb=eplb, label=f"EPLB +{r}/expert"))
+            out.append(eplb.with_settings(num_redundant=n, label=f"EPLB +{r}/expert"))
         return out
     if experiment == "distance":
-        return [replace(moeless, distance=int(d), label=f"MoEless d={d}") for d in sweeps.distances]
+        return [replace(moeless, distance=int(d)).with_label(f"MoEless d={d}") for d in sweeps.distances]
     if experiment == "cv_threshold":
-        return [replace(moeless, moeless=replace(moeless.moeless, cv_threshold=float(v)), label=f"MoEless V={v:g}")
-                for v in sweeps.cv_thresholds]
+        return [moeless.with_settings(cv_threshold=float(v), label=f"MoEless V={v:g}") for v in sweeps.cv_thresholds]
     if experiment == "ablation":
         return [moeless,
-                replace(moeless, forecast=ForecastKind.history, label="MoEless w/o predictor"),
-                replace(moeless, moeless=replace(moeless.moeless, use_scaler=False), label="MoEless w/o scaler"),
-                replace(moeless, moeless=replace(moeless.moeless, use_placer=False), label="MoEless w/o placer")]
+                replace(moeless, forecast=ForecastKind.history).with_label("MoEless w/o predictor"),
+                moeless.with_settings(use_scaler=False, label="MoEless w/o scaler"),
+                moeless.with_settings(use_placer=False, label="MoEless w/o placer")]
     raise ValueError(f"experiments: unknown experiment {experiment!r}")
 
 
 def run_experiments(trace: ServingTrace, cost_model: ServerlessCostModel, experiments: list[str],
-                    base: dict[PolicyKind, SystemSpec], systems: list[PolicyKind], sweeps,
+                    base: dict[str, SystemSpec], systems: list[str], sweeps,
                     make_predictor: Callable[[int], Optional[Predictor]], history_decay: float = 1.0,
                     progress: Callable = lambda it, desc: it
                     ) -> tuple[dict[str, list[tuple[SystemSpec, SystemResult]]], dict]:
@@ -90,10 +96,9 @@ def versus(results: dict[str, dict], label: str, other: str, metric: str) -> Opt
     return 1.0 - a / b
 
 
-def compare_with_paper(summaries: dict[str, dict]) -> dict:
-    """MoEless's reductions beside the paper's."""
-    m, meg, eplb, orc = LABELS[PolicyKind.moeless], LABELS[PolicyKind.static_ep], LABELS[PolicyKind.eplb], \
-        LABELS[PolicyKind.oracle]
+def compare_with_paper(summaries: dict[str, dict], labels: dict[str, str]) -> dict:
+    """MoEless's reductions beside the paper's (labels: policy kind -> label in `summaries`)."""
+    m, meg, eplb, orc = (labels.get(kind) for kind in ("moeless", "static_ep", "eplb", "oracle"))
     ours = {
         "latency_reduction_vs_megatron": versus(summaries, m, meg, "mean_moe_ms"),
         "latency_reduction_vs_eplb": versus(summaries, m, eplb, "mean_moe_ms"),
@@ -107,22 +112,14 @@ def compare_with_paper(summaries: dict[str, dict]) -> dict:
     return {"ours": ours, "paper": dict(PAPER)}
 
 
-def default_specs(serverless, num_experts: int, num_devices: int, distance: int = 1) -> dict[PolicyKind, SystemSpec]:
-    """The four systems of MoEless §6.1 from a typed `serverless` config (MoEless predicts `distance` ahead)."""
-    from schedulers.eplb import EPLBSettings
-    from schedulers.moeless import MoElessSettings
-
-    s = serverless
-    moeless = MoElessSettings(cv_threshold=s.scaler.cv_threshold, memory_cap_replicas=s.scaler.memory_cap_replicas,
-                              max_replicas_per_expert=s.scaler.max_replicas_per_expert, warm_start=s.placer.warm_start)
-    forecast = ForecastKind.predictor if s.forecast.use_predictor else ForecastKind.history
-    eplb = EPLBSettings(num_redundant=s.eplb.num_redundant, rebalance_interval_s=s.eplb.rebalance_interval_s,
-                        history_window_s=s.eplb.history_window_s, num_groups=s.eplb.num_groups, num_nodes=s.eplb.num_nodes)
-    return {
-        PolicyKind.static_ep: SystemSpec(PolicyKind.static_ep, LABELS[PolicyKind.static_ep]),
-        PolicyKind.eplb: SystemSpec(PolicyKind.eplb, LABELS[PolicyKind.eplb], eplb=eplb),
-        PolicyKind.oracle: SystemSpec(PolicyKind.oracle, LABELS[PolicyKind.oracle]),
-        PolicyKind.moeless: SystemSpec(PolicyKind.moeless, LABELS[PolicyKind.moeless], moeless=moeless,
-                                       forecast=forecast, distance=distance,
-                                       capacity_slots=s.capacity_slots),
-    }
+def default_specs(serverless, num_experts: int, num_devices: int, distance: int = 1) -> dict[str, SystemSpec]:
+    """Every configured policy's system from a composed `serverless` config (`serverless.policies.<kind>`, each
+    checked against that policy's settings); those that plan from forecasts get the configured forecast at
+    `distance` (MoEless predicts `distance` layers ahead)."""
+    forecast = ForecastKind.predictor if serverless.forecast.use_predictor else ForecastKind.history
+    specs: dict[str, SystemSpec] = {}
+    for kind, node in serverless.policies.items():
+        settings = SERVERLESS.settings_from(node, where=f"serverless.policies.{kind}")
+        uses_forecast = SERVERLESS.entry_for(settings).policy.uses_forecast
+        specs[kind] = SystemSpec(settings, forecast, distance) if uses_forecast else SystemSpec(settings)
+    return specs

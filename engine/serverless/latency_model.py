@@ -44,7 +44,7 @@ from typing import Optional
 
 import numpy as np
 
-from conf.schemas.hardware import HardwareProfile
+from schedulers.hardware import HardwareProfile
 from models.config import ModelConfig
 from schedulers.cost import CostModel, non_expert_params
 from schedulers.ep_placement import Placement

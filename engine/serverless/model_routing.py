@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engine.trace import RoutingTrace, TraceRecorder
+from core.trace import RoutingTrace, TraceRecorder
 
 
 def record_replay_routing(checkpoint: str, workload: Any, max_batches: int | None = None, seed: int = 0,

@@ -58,7 +58,7 @@ def self_check(seed: int = 0) -> dict[str, Any]:
         tables_from_slots
     from engine.serverless.real_serving import ep_mesh
     from engine.serverless.replica_store import DeviceReplicaStore
-    from schedulers.moeless import MoElessPolicy
+    from schedulers.serverless.moeless import MoElessPolicy
 
     mesh = ep_mesh()
     G = int(np.asarray(mesh.devices).size)

@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from engine.synthetic_routing import SyntheticRouter
-from engine.trace import DECODE, PREFILL, RoutingTrace, TraceMeta, TraceRecorder
+from core.trace import DECODE, PREFILL, RoutingTrace, TraceMeta, TraceRecorder
 from engine.workloads.azure import RequestBatch
 
 

@@ -22,7 +22,7 @@ from engine.serverless.latency_model import ServerlessCostModel
 from engine.serverless.policies import ForecastKind, SystemSpec, build_policy, slots_per_device
 from engine.serverless.serving_trace import ServingTrace
 from engine.serverless.slots import SlotMap, Source
-from engine.trace import PREFILL
+from core.trace import PREFILL
 from predictors.base import LayerContext, Predictor, topk_experts
 from predictors.historical_load import HistoricalLoadForecaster
 from schedulers.ep_placement import balancedness
@@ -216,7 +216,7 @@ def simulate_system(trace: ServingTrace, spec: SystemSpec, forecasts: np.ndarray
                 billed[s, layer] = resident
             cost[s, layer] = cost_model.layer_cost(moe[s, layer], misc[s], billed[s, layer],
                                                    serverless=policy.serverless and not cost_model.settings.bill_keep_alive)
-    return SystemResult(label=spec.label, kind=spec.kind.value, lossy=policy.lossy, serverless=policy.serverless,
+    return SystemResult(label=spec.label, kind=spec.kind, lossy=policy.lossy, serverless=policy.serverless,
                         slots_per_device=slots, weight=trace.weight.astype(np.float64), phase=trace.phase,
                         moe_s=moe, moe_other_s=other, compute_s=comp, comm_s=comm, misc_s=misc, replicas=reps, balancedness=bal,
                         cost=cost, billed_bytes=billed, moves=moves, moves_after_first=later, expert_bytes=M_e,

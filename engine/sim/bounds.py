@@ -30,7 +30,7 @@ import numpy as np
 
 from engine.sim.pipeline import PipelineSim, SimOptions
 from engine.sim.workload import ForwardPass
-from engine.trace import RoutingTrace
+from core.trace import RoutingTrace
 from models.config import ModelConfig
 from schedulers.base import LayerPlan, LayerState, SchedulerSettings
 from schedulers.cost import CostModel

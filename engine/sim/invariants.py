@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from engine.sim.pipeline import Event, InvariantError
+from engine.offload.accounting import Event
+from engine.sim.pipeline import InvariantError
 from engine.sim.workload import ForwardPass
 
 EPS = 1e-12

@@ -8,7 +8,9 @@ the link -> the GPU runs its experts as their weights become available (resident
 in arrival order, a staging buffer reused once its previous expert is done), the CPU runs its
 experts one after another -> the layer ends when both are done. Dense decoder layers and the LM
 head run on the GPU. Without AsyncIO every copy is synchronous: it blocks the GPU stream, takes
-`t_io_sync`, and prefetches finish inside the layer that issued them.
+`t_io_sync`, and prefetches finish inside the layer that issued them. What a plan does to the cache,
+the link queue and the metrics is `engine.offload.accounting`, shared with the real executor; this
+module only models how long things take.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from typing import Optional
 
 import numpy as np
 
-from engine.sim.metrics import RunMetrics
-from engine.sim.predictions import ForecastBook, LazyForecasts
+from engine.offload.accounting import Event, LayerAccounting, QueuedTransfer, ResidencyTable
+from engine.offload.forecasts import ForecastBook, LazyForecasts
+from engine.offload.metrics import RunMetrics
 from engine.sim.workload import ForwardPass, microbatch_loads
-from engine.trace import RoutingTrace
+from core.trace import RoutingTrace
 from models.config import ModelConfig
 from schedulers.base import LayerPlan, LayerState, OffloadScheduler, Phase, Transfer
 from schedulers.cost import CostModel
@@ -46,17 +49,15 @@ class Job:
 
 
 @dataclass
-class Event:
-    """One busy interval of a lane, recorded for timelines and invariant checks."""
+class LayerClock:
+    """The lanes of one simulated MoE layer while its plan runs."""
 
-    lane: str  # "gpu" | "cpu" | "link"
-    start: float
-    end: float
-    pass_index: int
-    layer: int  # MoE layer (-1: dense layer / head)
-    expert: int = -1  # -1: attention, dense MLP, head
-    tokens: int = 0
-    kind: str = ""  # gpu: attn | shared | expert | dense | head; link: ondemand (cached) | staged | prefetch
+    gate: float  # the plan point (the first micro-batch's gate)
+    gpu_free: float  # the GPU stream is free from here
+    gpu_busy: float  # GPU time of the layer's experts (shared experts included)
+    link_free: float  # the link can start the next transfer from here
+    t_io: float  # one transfer as the link runs it now
+    jobs: list[Job] = field(default_factory=list)  # the transfers the plan issued, in link order
 
 
 @dataclass
@@ -99,19 +100,16 @@ class PipelineSim:
                              f"model {self.L} x {self.E}")
         if self.staging_slots < 1:
             raise ValueError("staging_slots must be >= 1 (on-demand loads need a buffer)")
-        self.resident = np.asarray(self.scheduler.initial_residency(), dtype=bool).copy()
+        self.residency = ResidencyTable(self.scheduler.initial_residency())
         if self.resident.shape != (self.L, self.E):
             raise ValueError(f"initial residency has shape {self.resident.shape}, expected ({self.L}, {self.E})")
-        if int(self.resident.sum()) > self.cache_slots:
-            raise ValueError(f"{self.scheduler.name}: initial residency of {int(self.resident.sum())} experts exceeds "
+        if self.n_resident > self.cache_slots:
+            raise ValueError(f"{self.scheduler.name}: initial residency of {self.n_resident} experts exceeds "
                              f"the cache of {self.cache_slots}")
-        self.n_resident = int(self.resident.sum())
         self.jobs: list[Job] = []  # scheduled on the link, in start order
         self.link_end = 0.0  # end of the last transfer that ran
         self.now = 0.0
-        self.events: list[Event] = []
-        self.metrics = RunMetrics(num_layers=self.L)
-        self._prefetched: dict[int, set[int]] = {}
+        self.accounting = LayerAccounting(self.L, self.cost.expert_bytes)
         # decoder layers between MoE layers: dense[i] dense layers run before MoE layer i, dense[L] after the last
         dense = [0] * (self.L + 1)
         moe = set(self.cfg.moe_layers)
@@ -123,12 +121,33 @@ class PipelineSim:
                 dense[i] += 1
         self._dense_before = dense
         self.micro_batches = max(1, int(getattr(self.scheduler, "micro_batches", 1)))
-        self._recording = False
-        self._pass = -1
+
+    @property
+    def resident(self) -> np.ndarray:
+        """bool [L, E]: experts landed in the cache."""
+        return self.residency.mask
+
+    @property
+    def n_resident(self) -> int:
+        return self.residency.count
+
+    @property
+    def metrics(self) -> RunMetrics:
+        return self.accounting.metrics
+
+    @property
+    def events(self) -> list[Event]:
+        return self.accounting.events
+
+    def _records(self, pass_index: int) -> bool:
+        """Whether the events of pass `pass_index` are kept."""
+        opts = self.options
+        return opts.record and (opts.record_passes is None or pass_index in opts.record_passes)
 
     # ---- link --------------------------------------------------------------------------------
     def _settle(self, now: float) -> list[Job]:
-        """Land finished transfers, keep started ones, drop those not started by `now` (returned)."""
+        """The plan point at `now`: land finished transfers, keep started ones, drop those not started
+        (returned)."""
         keep, dropped = [], []
         for job in self.jobs:
             if job.start < now:
@@ -142,40 +161,35 @@ class PipelineSim:
             else:
                 dropped.append(job)
         self.jobs = keep
+        self.accounting.settle_prefetches(dropped)
         return dropped
 
     def _commit(self, job: Job) -> None:
+        """A transfer has started: it will run to its end (Premise 3)."""
         if job.counted:
             return
         job.counted = True
         self.link_end = max(self.link_end, job.end)
-        self.metrics.add_transfer(job.end - job.start, job.prefetch, self.cost.expert_bytes)
-        if job.prefetch:
-            self._prefetched.setdefault(job.layer, set()).add(job.expert)
-        opts = self.options
-        if opts.record and (opts.record_passes is None or job.pass_index in opts.record_passes):
-            kind = "prefetch" if job.prefetch else ("ondemand" if job.retain else "staged")
-            self.events.append(Event("link", job.start, job.end, job.pass_index, job.layer, job.expert, kind=kind))
+        self.accounting.transfer(job, job.start, job.end, job.pass_index, self._records(job.pass_index))
 
     def _land(self, job: Job) -> None:
-        if job.retain and not self.resident[job.layer, job.expert]:
-            self.resident[job.layer, job.expert] = True
-            self.n_resident += 1
+        if job.retain:
+            self.residency.land(job.layer, job.expert)
 
     def _reserved(self) -> int:
-        return sum(1 for j in self.jobs if j.retain)
+        return sum(1 for job in self.jobs if job.retain)
 
     # ---- one MoE layer -------------------------------------------------------------------------
     def _state(self, fp: ForwardPass, layer: int, dropped: list[Job], tokens: np.ndarray, t_attn_next: float,
                t_io: float, mb: Optional[np.ndarray]) -> LayerState:
         now = self.now
-        inflight = tuple(Transfer(j.layer, j.expert, j.end - now, j.retain) for j in self.jobs)
-        queued = tuple(Transfer(j.layer, j.expert, 0.0, j.retain) for j in dropped)
-        alpha = max((j.end - now for j in self.jobs), default=0.0)
+        inflight = tuple(Transfer(job.layer, job.expert, job.end - now, job.retain) for job in self.jobs)
+        queued = tuple(Transfer(job.layer, job.expert, 0.0, job.retain) for job in dropped)
+        alpha = max((job.end - now for job in self.jobs), default=0.0)
         predicted = LazyForecasts(self.forecasts, layer, fp.index, fp.rows, self.L) \
             if self.forecasts is not None else {}
         hit = self.forecasts.hit_rates() if self.forecasts is not None else {}
-        reserved = sum(1 for j in self.jobs if j.retain)
+        reserved = self._reserved()
         return LayerState(
             layer=layer, num_layers=self.L, phase=Phase.prefill if fp.prefill else Phase.decode,
             tokens=tokens, scores=fp.scores[layer], predicted=predicted, resident=self.resident,
@@ -186,158 +200,191 @@ class PipelineSim:
 
     def _run_layer(self, fp: ForwardPass, layer: int, t_attn_parts: list[float], t_shared: float,
                    t_attn_next: float, mb: Optional[np.ndarray]) -> None:
+        """MoE layer `layer` of pass `fp` from `self.now`: attention, the plan point, the plan on the lanes."""
         start = self.now
+        gates = self._attention(layer, start, t_attn_parts)
+        gate, gate_last = float(gates[0]), float(gates[-1])
+        state = self._plan_point(fp, layer, gate, t_attn_next, mb)
+        plan = self.accounting.plan(self.scheduler, state, validate=self.options.check_invariants)
+        queue = self.accounting.issue(layer, plan, self.residency)
+        clock = LayerClock(gate=gate, gpu_free=gate_last + t_shared, gpu_busy=t_shared,
+                           link_free=self._link_free(gate), t_io=state.t_io_s)
+        if t_shared > 0:
+            self.accounting.record("gpu", gate_last, clock.gpu_free, layer, kind="shared")
+        self._compute_available(clock, layer, plan, state.tokens)
+        self._load(clock, layer, [item for item in queue if not item.prefetch], state.tokens,
+                   self._issue_times(layer, plan, gates, mb))
+        self._prefetch(clock, [item for item in queue if item.prefetch])
+        self._queue(clock.jobs)
+        cpu_free = self._compute_cpu(layer, plan, state.tokens, gate_last)
+        end = max(clock.gpu_free, cpu_free)
+        if self.options.check_invariants:
+            self._check_capacity(layer)
+        self.accounting.close_layer(fp.prefill, layer, plan, end - start, clock.gpu_busy + sum(t_attn_parts),
+                                    cpu_free - gate_last)
+        self.now = end
+
+    def _attention(self, layer: int, start: float, parts: list[float]) -> np.ndarray:
+        """The attention calls (one per micro-batch) from `start`; returns the gates, one per micro-batch."""
+        if self.accounting.recording:
+            begin = start
+            for part in parts:
+                self.accounting.record("gpu", begin, begin + part, layer, kind="attn")
+                begin += part
         # the executor's fixed host time per MoE layer (router output to the host, planning) delays the plan
-        gates = np.cumsum(t_attn_parts) + start + self.cost.layer_overhead_s
-        gate0, gate_last = float(gates[0]), float(gates[-1])
-        rec = self._recording
-        if rec:
-            t = start
-            for part in t_attn_parts:
-                self.events.append(Event("gpu", t, t + part, self._pass, layer, kind="attn"))
-                t += part
-        self.now = gate0
-        dropped = self._settle(gate0)
-        tokens = fp.loads[layer]
+        return np.cumsum(parts) + start + self.cost.layer_overhead_s
+
+    def _plan_point(self, fp: ForwardPass, layer: int, gate: float, t_attn_next: float,
+                    mb: Optional[np.ndarray]) -> LayerState:
+        """The gate of MoE layer `layer`: the link settles, the forecasts for the layer are scored, and the
+        state the scheduler sees is built and accounted (residency, prefetch outcome)."""
+        self.now = gate
+        dropped = self._settle(gate)
         if self.forecasts is not None:
             self.forecasts.settle(layer, fp.rows)
         t_io = self.cost.t_io if self.options.async_io else self.cost.t_io_sync
-        state = self._state(fp, layer, dropped, tokens, t_attn_next, t_io, mb)
-        active_mask = tokens > 0
-        available = state.available(layer)
-        self.metrics.add_residency(fp.prefill, int(active_mask.sum()), int((available & active_mask).sum()))
-        used = self._prefetched.pop(layer, set())
-        if used:
-            self.metrics.add_prefetch_outcome(sum(1 for e in used if tokens[e] > 0), len(used))
-        plan = self.scheduler.plan(state)
-        if not isinstance(plan, LayerPlan):
-            raise TypeError(f"{self.scheduler.name}.plan returned {type(plan).__name__}, expected LayerPlan")
-        if self.options.check_invariants:
-            plan.validate(state)
-        elif len(plan.cpu) + len(plan.gpu) != int(active_mask.sum()):
-            plan.validate(state)  # raises with the reason
+        state = self._state(fp, layer, dropped, fp.loads[layer], t_attn_next, t_io, mb)
+        self.accounting.open_layer(state)
+        return state
 
-        for lay, e in plan.evict:
-            self.resident[lay, e] = False
-            self.n_resident -= 1
-        issue = {}
-        if mb is not None and len(t_attn_parts) > 1 and plan.ondemand:
-            needs = mb[:, layer, list(plan.ondemand)] > 0  # [M, loads]
-            first = np.where(needs.any(axis=0), needs.argmax(axis=0), len(gates) - 1)
-            issue = dict(zip(plan.ondemand, gates[first].tolist()))
+    def _link_free(self, gate: float) -> float:
+        """When the link can start the plan's first transfer (after the started ones)."""
+        return max(gate, max((job.end for job in self.jobs), default=self.link_end))
+
+    def _issue_times(self, layer: int, plan: LayerPlan, gates: np.ndarray,
+                     mb: Optional[np.ndarray]) -> dict[int, float]:
+        """Micro-batched layers: each load is issued at the gate of the first micro-batch routed to it."""
+        if mb is None or len(gates) < 2 or not plan.ondemand:
+            return {}
+        needs = mb[:, layer, list(plan.ondemand)] > 0  # [micro-batches, loads]
+        first = np.where(needs.any(axis=0), needs.argmax(axis=0), len(gates) - 1)
+        return dict(zip(plan.ondemand, gates[first].tolist()))
+
+    def _compute_available(self, clock: "LayerClock", layer: int, plan: LayerPlan, tokens: np.ndarray) -> None:
+        """The GPU experts whose weights are there: the resident ones in one device call, then those landing
+        from started transfers, in arrival order."""
+        landing = {job.expert: job.end for job in self.jobs if job.layer == layer}
+        resident = self._resident_experts(plan, landing)
+        if resident:
+            counts = tokens[resident]
+            spans = self.cost.t_g_group(counts)  # the resident experts run in one device call
+            if self.accounting.recording:
+                begin = clock.gpu_free
+                for expert, span, count in zip(resident, np.atleast_1d(spans), counts):
+                    self.accounting.record("gpu", begin, begin + span, layer, expert, int(count), "expert")
+                    begin += span
+            clock.gpu_free += float(np.sum(spans))
+            clock.gpu_busy += float(np.sum(spans))
+        for expert in sorted((expert for expert in plan.gpu if expert in landing), key=landing.__getitem__):
+            begin = max(clock.gpu_free, landing[expert])
+            span = self.cost.t_g(int(tokens[expert]))
+            clock.gpu_free = begin + span
+            clock.gpu_busy += span
+            self.accounting.record("gpu", begin, clock.gpu_free, layer, expert, int(tokens[expert]), "expert")
+
+    @staticmethod
+    def _resident_experts(plan: LayerPlan, landing: dict[int, float]) -> list[int]:
+        """The plan's GPU experts neither loaded now nor landing (plans list them first)."""
+        loads = set(plan.ondemand)
+        ready = len(plan.gpu) - len(plan.ondemand)
+        if landing or set(plan.gpu[ready:]) != loads:
+            return [expert for expert in plan.gpu if expert not in loads and expert not in landing]
+        return list(plan.gpu[:ready])
+
+    def _load(self, clock: "LayerClock", layer: int, loads: list[QueuedTransfer], tokens: np.ndarray,
+              issue_times: dict[int, float]) -> None:
+        """The plan's on-demand loads on the link, each computed on the GPU once it has landed."""
+        if not loads:
+            return
+        counts = tokens[[item.expert for item in loads]]
+        spans = np.atleast_1d(self.cost.t_g(counts)).tolist()
+        if len(loads) > 8 and self.options.async_io and not issue_times and not self.accounting.recording \
+                and self._load_back_to_back(clock, loads, spans):
+            return
+        self._load_one_by_one(clock, layer, loads, counts.tolist(), spans, issue_times)
+
+    def _load_back_to_back(self, clock: "LayerClock", loads: list[QueuedTransfer], spans: list[float]) -> bool:
+        """Loads back to back in one go (the GPU end of load k is a running max); False, with nothing done,
+        when a staged load would have to wait for a staging buffer (`_load_one_by_one` models that)."""
+        t_io = clock.t_io
+        first = clock.link_free if clock.link_free > clock.gate else clock.gate
+        ends = first + t_io * np.arange(1, len(loads) + 1)
+        span = np.asarray(spans)
+        done = np.cumsum(span)
+        finish = done + np.maximum.accumulate(np.maximum(ends - (done - span), clock.gpu_free))
+        staged = np.flatnonzero([not item.retain for item in loads])
+        buffers = self.staging_slots
+        # a staged load may start only once the load `buffers` staged loads earlier finished on the GPU
+        if staged.size > buffers and np.any(ends[staged[buffers:]] - t_io < finish[staged[:-buffers]] - 1e-15):
+            return False
+        pass_index = self.accounting.pass_index
+        for item, end in zip(loads, ends.tolist()):
+            clock.jobs.append(Job(item.layer, item.expert, end - t_io, end, item.retain, item.prefetch, pass_index))
+        clock.link_free = float(ends[-1])
+        clock.gpu_free = float(finish[-1])
+        clock.gpu_busy += float(done[-1])
+        return True
+
+    def _load_one_by_one(self, clock: "LayerClock", layer: int, loads: list[QueuedTransfer], counts: list[int],
+                         spans: list[float], issue_times: dict[int, float]) -> None:
+        """Loads one after another: a staged load waits for its staging buffer, a micro-batched one for its
+        gate, a synchronous one for the GPU stream."""
+        buffers = self.staging_slots
+        buffer_free = [0.0] * buffers
+        staged = 0
         sync = not self.options.async_io
-        cursor = max(gate0, max((j.end for j in self.jobs), default=self.link_end))
+        pass_index = self.accounting.pass_index
+        for item, count, span in zip(loads, counts, spans):
+            begin = clock.link_free if clock.link_free > clock.gate else clock.gate
+            if issue_times:
+                begin = max(begin, issue_times.get(item.expert, clock.gate))
+            buffer = staged % buffers
+            if not item.retain and buffer_free[buffer] > begin:
+                begin = buffer_free[buffer]
+            if sync and clock.gpu_free > begin:
+                begin = clock.gpu_free
+            end = begin + clock.t_io
+            clock.link_free = end
+            clock.jobs.append(Job(item.layer, item.expert, begin, end, item.retain, item.prefetch, pass_index))
+            compute = clock.gpu_free if clock.gpu_free > end else end
+            clock.gpu_free = compute + span
+            clock.gpu_busy += span
+            self.accounting.record("gpu", compute, clock.gpu_free, layer, item.expert, count, "expert")
+            if not item.retain:
+                buffer_free[buffer] = clock.gpu_free
+                staged += 1
 
-        # GPU: shared experts, resident experts, experts landing from started transfers, then loads
-        gpu_t = gate_last + t_shared
-        busy = t_shared
-        if rec and t_shared > 0:
-            self.events.append(Event("gpu", gate_last, gpu_t, self._pass, layer, kind="shared"))
-        gpu_set = plan.gpu
-        landing = {j.expert: j.end for j in self.jobs if j.layer == layer}
-        n_ready = len(gpu_set) - len(plan.ondemand)  # plans list resident / landing experts first
-        if landing or any(e in landing for e in plan.ondemand) or set(gpu_set[n_ready:]) != set(plan.ondemand):
-            loads = set(plan.ondemand)
-            ready_now = [e for e in gpu_set if e not in loads and e not in landing]
-        else:
-            ready_now = list(gpu_set[:n_ready])
-        if ready_now:
-            m = tokens[ready_now]
-            tg = self.cost.t_g_group(m)  # the resident experts run in one device call
-            if rec:
-                t = gpu_t
-                for e, dt, mm in zip(ready_now, np.atleast_1d(tg), m):
-                    self.events.append(Event("gpu", t, t + dt, self._pass, layer, e, int(mm), "expert"))
-                    t += dt
-            gpu_t += float(np.sum(tg))
-            busy += float(np.sum(tg))
-        for e in sorted((e for e in gpu_set if e in landing), key=lambda x: landing[x]):
-            begin = max(gpu_t, landing[e])
-            dt = self.cost.t_g(int(tokens[e]))
-            gpu_t = begin + dt
-            busy += dt
-            if rec:
-                self.events.append(Event("gpu", begin, gpu_t, self._pass, layer, e, int(tokens[e]), "expert"))
-        n_loads = len(plan.ondemand)
-        if n_loads:
-            load_m = tokens[list(plan.ondemand)]
-            load_tg = np.atleast_1d(self.cost.t_g(load_m)).tolist()
-            load_m = load_m.tolist()
-        new_jobs: list[Job] = []
-        fast = n_loads > 8 and not sync and not issue and not rec
-        if fast:  # back-to-back loads: the GPU end of load k is a running max; valid if no buffer stalls
-            start0 = cursor if cursor > gate0 else gate0
-            ends = start0 + t_io * np.arange(1, n_loads + 1)
-            g = np.asarray(load_tg)
-            cum = np.cumsum(g)
-            finish = cum + np.maximum.accumulate(np.maximum(ends - (cum - g), gpu_t))
-            staged = ~np.asarray(plan.retain, dtype=bool)
-            order = np.flatnonzero(staged)
-            S = self.staging_slots
-            # a staged load may start only once the load S staged loads earlier finished on the GPU
-            if order.size > S and np.any(ends[order[S:]] - t_io < finish[order[:-S]] - 1e-15):
-                fast = False
-            else:
-                ends_l = ends.tolist()
-                for idx, (e, keep) in enumerate(zip(plan.ondemand, plan.retain)):
-                    new_jobs.append(Job(layer, e, ends_l[idx] - t_io, ends_l[idx], keep, False, self._pass))
-                cursor = float(ends[-1])
-                gpu_t = float(finish[-1])
-                busy += float(cum[-1])
-        staging_free = [0.0] * self.staging_slots
-        n_staged = 0
-        n_slots = self.staging_slots
-        for idx in range(0 if fast else n_loads):
-            e, keep = plan.ondemand[idx], plan.retain[idx]
-            begin = cursor if cursor > gate0 else gate0
-            if issue:
-                begin = max(begin, issue.get(e, gate0))
-            if not keep and staging_free[n_staged % n_slots] > begin:
-                begin = staging_free[n_staged % n_slots]
-            if sync and gpu_t > begin:
-                begin = gpu_t
-            end = begin + t_io
-            cursor = end
-            new_jobs.append(Job(layer, e, begin, end, keep, False, self._pass))
-            g0 = gpu_t if gpu_t > end else end
-            dt = load_tg[idx]
-            gpu_t = g0 + dt
-            busy += dt
-            if rec:
-                self.events.append(Event("gpu", g0, gpu_t, self._pass, layer, e, load_m[idx], "expert"))
-            if not keep:
-                staging_free[n_staged % n_slots] = gpu_t
-                n_staged += 1
-        for target, e in plan.prefetch:
-            begin = max(cursor, gate0, gpu_t) if sync else max(cursor, gate0)
-            end = begin + t_io
-            cursor = end
-            new_jobs.append(Job(target, e, begin, end, True, True, self._pass))
+    def _prefetch(self, clock: "LayerClock", prefetches: list[QueuedTransfer]) -> None:
+        """The prefetches behind the loads; a synchronous copy holds the GPU stream and the host thread."""
+        sync = not self.options.async_io
+        pass_index = self.accounting.pass_index
+        for item in prefetches:
+            begin = max(clock.link_free, clock.gate, clock.gpu_free) if sync else max(clock.link_free, clock.gate)
+            end = begin + clock.t_io
+            clock.link_free = end
+            clock.jobs.append(Job(item.layer, item.expert, begin, end, item.retain, item.prefetch, pass_index))
             if sync:
-                gpu_t = end  # a blocking copy holds the stream and the host thread
-        self.jobs.extend(new_jobs)
-        if sync:  # synchronous copies complete inside this layer
-            for job in new_jobs:
+                clock.gpu_free = end
+
+    def _queue(self, jobs: list[Job]) -> None:
+        """The plan's transfers go on the link; synchronous copies complete inside this layer."""
+        self.jobs.extend(jobs)
+        if not self.options.async_io:
+            for job in jobs:
                 self._commit(job)
 
-        # CPU experts, one after another on the pool
-        cpu_t = gate_last
-        if plan.cpu:
-            m = tokens[list(plan.cpu)]
-            tc = np.atleast_1d(self.cost.t_c(m))
-            if rec:
-                t = cpu_t
-                for e, dt, mm in zip(plan.cpu, tc, m):
-                    self.events.append(Event("cpu", t, t + dt, self._pass, layer, e, int(mm), "expert"))
-                    t += dt
-            cpu_t += float(tc.sum()) + self.cost.cpu_dispatch_s  # one hand-over of the layer's CPU side
-        end = max(gpu_t, cpu_t)
-        if self.options.check_invariants:
-            self._check_capacity(layer)
-        self.metrics.add_layer(fp.prefill, layer, end - start, busy + sum(t_attn_parts), cpu_t - gate_last,
-                               n_cpu=len(plan.cpu), n_gpu=len(gpu_set), n_ondemand=len(plan.ondemand),
-                               n_prefetch=len(plan.prefetch))
-        self.now = end
+    def _compute_cpu(self, layer: int, plan: LayerPlan, tokens: np.ndarray, start: float) -> float:
+        """The CPU experts one after another on the pool from `start`; returns when the CPU side is done."""
+        if not plan.cpu:
+            return start
+        counts = tokens[list(plan.cpu)]
+        spans = np.atleast_1d(self.cost.t_c(counts))
+        if self.accounting.recording:
+            begin = start
+            for expert, span, count in zip(plan.cpu, spans, counts):
+                self.accounting.record("cpu", begin, begin + span, layer, expert, int(count), "expert")
+                begin += span
+        return start + (float(spans.sum()) + self.cost.cpu_dispatch_s)  # one hand-over of the layer's CPU side
 
     def _check_capacity(self, layer: int) -> None:
         used = self.n_resident + self._reserved()
@@ -346,15 +393,14 @@ class PipelineSim:
 
     # ---- passes --------------------------------------------------------------------------------
     def _gpu_block(self, duration: float, layer: int, kind: str) -> None:
-        if self._recording and duration > 0:
-            self.events.append(Event("gpu", self.now, self.now + duration, self._pass, layer, kind=kind))
+        if duration > 0:
+            self.accounting.record("gpu", self.now, self.now + duration, layer, kind=kind)
         self.now += duration
 
     def start_pass(self, fp: ForwardPass) -> "PassContext":
         """Per-pass constants (attention per micro-batch, dense layers, shared experts)."""
-        self._pass = fp.index
-        opts = self.options
-        self._recording = opts.record and (opts.record_passes is None or fp.index in opts.record_passes)
+        self.accounting.pass_index = fp.index
+        self.accounting.recording = self._records(fp.index)
         cost = self.cost
         if fp.prefill:
             attn_one = lambda seqs: cost.t_attn(seqs, 0, prefill=True, prompt_len=fp.context_len)  # noqa: E731
@@ -396,19 +442,18 @@ class PipelineSim:
 
     def snapshot(self) -> tuple:
         """The mutable mechanism state (for search: restore with `restore`)."""
-        return (self.resident.copy(), self.n_resident, [Job(**vars(j)) for j in self.jobs], self.link_end, self.now,
-                {k: set(v) for k, v in self._prefetched.items()})
+        return (self.residency.copy(), [Job(**vars(job)) for job in self.jobs], self.link_end, self.now,
+                self.accounting.snapshot())
 
     def restore(self, snap: tuple) -> None:
-        resident, self.n_resident, jobs, self.link_end, self.now, prefetched = snap
-        self.resident = resident.copy()
-        self.jobs = [Job(**vars(j)) for j in jobs]
-        self._prefetched = {k: set(v) for k, v in prefetched.items()}
+        residency, jobs, self.link_end, self.now, accounting = snap
+        self.residency = residency.copy()
+        self.jobs = [Job(**vars(job)) for job in jobs]
+        self.accounting.restore(accounting)
 
     def run(self, passes: list[ForwardPass]) -> RunMetrics:
         for fp in passes:
             self.run_pass(fp)
-        self._recording = self.options.record
         for job in self.jobs:  # the last layer's loads, never settled by a later gate
             self._commit(job)
         self.metrics.finish(self.now, self.forecasts.measured_hit_rates() if self.forecasts is not None else {})

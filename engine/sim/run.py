@@ -11,15 +11,15 @@ from typing import Any, Optional
 
 import numpy as np
 
-from conf.schemas.hardware import HardwareProfile, composed_profile
+from schedulers.hardware import HardwareProfile, composed_profile
 from engine.sim.pipeline import PipelineSim, SimOptions
-from engine.sim.predictions import ForecastBook
+from engine.offload.forecasts import ForecastBook
 from engine.sim.workload import ForwardPass, batch_sequences, forward_passes, profile_loads, sequences_per_batch
 from engine.synthetic_routing import SyntheticRouter, SyntheticRoutingParams
-from engine.trace import RoutingTrace
+from core.trace import RoutingTrace
 from models.config import ModelConfig
 from predictors.oracle import NoisyOraclePredictor
-from schedulers.base import SchedulerKind, SchedulerSettings, SchedulerSetup, build_scheduler
+from schedulers.base import SchedulerSettings, SchedulerSetup, build_scheduler, scheduler_settings
 from schedulers.cost import CostModel, MemoryPlan, memory_plan
 
 
@@ -103,14 +103,14 @@ def prepare_routing(spec: RunSpec) -> PreparedRouting:
 
 def load_routing_file(r: RoutingSpec, cfg: ModelConfig) -> RoutingTrace:
     """A recorded (.npz) or imported (JSONL) trace, checked against the model's shape."""
-    from conf import resolve_path
-    from engine.trace import load_trace
+    from core.config import resolve_path
+    from core.trace import load_trace
 
     if r.path is None:
         raise ValueError(f"routing.path: required for routing.source={r.source}")
     path = resolve_path(r.path)
     if r.source == "jsonl":
-        from engine.trace_import import import_vllm_jsonl
+        from core.trace_import import import_vllm_jsonl
 
         trace = import_vllm_jsonl(path, num_experts=cfg.num_experts)
     else:
@@ -126,7 +126,7 @@ def load_routing_file(r: RoutingSpec, cfg: ModelConfig) -> RoutingTrace:
 def tile_layers(trace: RoutingTrace, num_layers: int) -> RoutingTrace:
     """A trace with `num_layers` MoE layers made by cycling the recorded layers (a shallow model's
     routing replayed on a deeper model of the same expert count and top-k); meta notes it."""
-    from engine.trace import TraceMeta
+    from core.trace import TraceMeta
 
     idx = np.arange(num_layers) % trace.num_layers
     meta = TraceMeta(model=trace.meta.model, num_experts=trace.meta.num_experts, top_k=trace.meta.top_k,
@@ -142,7 +142,7 @@ def make_predictors(spec: RunSpec, trace: RoutingTrace) -> dict[int, Any]:
     p, s = spec.predictor, spec.scheduler
     if p.kind == "none" or not s.use_predictor:
         return {}
-    window = max(s.max_window, 1) if s.kind is SchedulerKind.presched else 1
+    window = s.forecast_window
     if spec.predictor_config is not None:
         from predictors import load_predictor
 
@@ -199,14 +199,14 @@ def spec_from_config(cfg: Any) -> RunSpec:
     """A `RunSpec` from a composed `simulate` config (DictConfig)."""
     from omegaconf import OmegaConf
 
-    from conf import to_frozen
+    from core.config import to_frozen
     from models.loading import resolve_model_config
 
     routing = cfg.routing
     source = routing.source.value if hasattr(routing.source, "value") else str(routing.source)
     return RunSpec(
         model=resolve_model_config(cfg.model), model_name=str(cfg.model.name),
-        hardware=composed_profile(cfg.hardware)[0], scheduler=to_frozen(cfg.scheduler, SchedulerSettings),
+        hardware=composed_profile(cfg.hardware)[0], scheduler=scheduler_settings(cfg.scheduler),
         routing=RoutingSpec(source=source, name=str(routing.name), path=routing.path, model_seed=int(routing.model_seed),
                             synthetic=to_frozen(routing.synthetic, SyntheticRoutingParams)),
         batch_size=int(cfg.batch_size), prompt_len=int(cfg.prompt_len), gen_len=int(cfg.gen_len),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from engine.sim.pipeline import Event
+from engine.offload.accounting import Event
 
 _COLORS = {"attn": "#9e9e9e", "shared": "#bdbdbd", "dense": "#757575", "head": "#616161", "expert": "#1f77b4",
            "cpu": "#ff7f0e", "ondemand": "#d62728", "staged": "#d62728", "prefetch": "#2ca02c"}

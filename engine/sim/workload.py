@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine.trace import DECODE, PREFILL, RoutingTrace
+from core.trace import DECODE, PREFILL, RoutingTrace
 
 
 @dataclass
@@ -22,7 +22,7 @@ class ForwardPass:
 
     index: int
     batch_id: int
-    phase: int  # engine.trace.PREFILL / DECODE
+    phase: int  # core.trace.PREFILL / DECODE
     rows: np.ndarray  # int64 [T] trace rows
     num_seqs: int
     context_len: int  # decode: mean KV length attended to; prefill: prompt length (mean)

@@ -19,12 +19,12 @@ Public API (import from `engine.workloads`):
 """
 
 from engine.workloads.azure import AzureTrace, RequestBatch, RequestBatches, load_azure_trace
-from engine.workloads.base import TextPrompt, WorkloadFormatError, encode_ids
+from core.texts import TextPrompt, WorkloadFormatError, encode_ids
 from engine.workloads.build import azure_trace, build_workload, load_prompts
 from engine.workloads.prompts import LengthPolicy, PromptBatch, PromptSampler, TokenStream
 from engine.workloads.replay import ReplayBatch, TraceReplay
-from engine.workloads.sharegpt import load_sharegpt
-from engine.workloads.stdlib import code_prompts, pydoc_topics, stdlib_docstrings, stdlib_fingerprint
+from core.sharegpt import load_sharegpt
+from core.stdlib_texts import code_prompts, pydoc_topics, stdlib_docstrings, stdlib_fingerprint
 
 __all__ = ["AzureTrace", "RequestBatch", "RequestBatches", "load_azure_trace", "TextPrompt", "WorkloadFormatError",
            "encode_ids", "azure_trace", "build_workload", "load_prompts", "LengthPolicy", "PromptBatch",

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from engine.workloads.base import AZURE_DIR, WorkloadFormatError
+from core.texts import AZURE_DIR, WorkloadFormatError
 
 SERVICES = ("code", "conv")
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")

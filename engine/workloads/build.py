@@ -6,14 +6,14 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from conf import resolve_path
-from conf.schemas.workload import AzureWorkloadConfig, PromptSource, WorkloadConfig, WorkloadKind
+from core.config import resolve_path
+from engine.workloads.config import AzureWorkloadConfig, PromptSource, WorkloadConfig, WorkloadKind
 from engine.workloads.azure import AzureTrace, load_azure_trace
-from engine.workloads.base import SHAREGPT_PATH, TextPrompt, Tokenizer
+from core.texts import SHAREGPT_PATH, TextPrompt, Tokenizer
 from engine.workloads.prompts import PromptSampler
 from engine.workloads.replay import TraceReplay
-from engine.workloads.sharegpt import load_sharegpt
-from engine.workloads.stdlib import code_prompts
+from core.sharegpt import load_sharegpt
+from core.stdlib_texts import code_prompts
 
 
 def workload_config(node: Any) -> WorkloadConfig:

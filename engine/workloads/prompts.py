@@ -17,8 +17,8 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from conf.schemas.workload import LengthPolicy
-from engine.workloads.base import TextPrompt, Tokenizer, encode_ids
+from engine.workloads.config import LengthPolicy
+from core.texts import TextPrompt, Tokenizer, encode_ids
 
 log = logging.getLogger(__name__)
 

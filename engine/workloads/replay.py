@@ -19,7 +19,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from engine.workloads.azure import AzureTrace, RequestBatch, RequestBatches
-from engine.workloads.base import TextPrompt, Tokenizer
+from core.texts import TextPrompt, Tokenizer
 from engine.workloads.prompts import TokenStream
 
 

@@ -1,0 +1,130 @@
+"""moescope (in memory) and llama.cpp in one process on the same weights, decode bursts alternated.
+
+    python -m engine.bench.peers.interleaved CHECKPOINT MODEL.gguf --llama-site SITE [--batch 1] [--bursts 16]
+
+Why: this VM's memory read rate moves up to 2x within seconds (where the host places the two vCPUs), and a
+decode step at batch 1 reads the weights once, so two systems timed one after the other in separate processes
+differ by whatever the read rate did in between (the 0.69x "moescope vs llama.cpp" of an earlier bench was
+that). Here both run in one process, in bursts of `--new` greedy decode steps on the same random prompt,
+alternating (and swapping which goes first every other burst), with `--settle` seconds between bursts so the
+other runtime's idle threads stop spinning before a burst starts. Each burst pair gives a ratio of decode
+speeds measured seconds apart; the median ratio and its quartiles are the result.
+
+SITE is the site-packages folder of a venv holding llama-cpp-python (the project venv does not); it is
+appended to sys.path. moescope runs as `models.generate` does (bf16, native kernels); llama.cpp through
+`engine.bench.peers.llama_peer.LlamaCpp` on every CPU (`--threads`). Timing: moescope's `decode_s` of a
+generation of `new + 1` tokens (the prefill's token excluded); llama.cpp's decode steps after its first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from engine.bench.peers.common import prompt_ids
+
+
+def moescope_burst(checkpoint: str, prompts: np.ndarray, new: int) -> Callable[[], float]:
+    """Loads the checkpoint in its own dtype and returns a function timing one burst (seconds per step)."""
+    from omegaconf import OmegaConf
+
+    from models.generation import Generator, SamplingParams
+    from models.loading import load_model, model_dtype, open_model_checkpoint
+
+    spec = OmegaConf.create({"checkpoint": checkpoint, "arch": None, "name": "interleaved"})
+    opened = open_model_checkpoint(spec)
+    cfg, model, _ = load_model(spec, dtype=model_dtype("auto", opened), opened=opened)
+    gen = Generator(model)
+    greedy = SamplingParams(0.0, 1.0, 0)
+
+    def burst() -> float:
+        out = gen.generate(prompts.tolist(), new + 1, greedy, None, cfg.pad_token_id)
+        return out.decode_s / new
+
+    burst()  # compiles
+    return burst
+
+
+def llama_burst(gguf: str, prompts: np.ndarray, new: int, threads: int) -> Callable[[], float]:
+    from engine.bench.peers.llama_peer import LlamaCpp
+
+    llm = LlamaCpp(gguf, threads)
+    B, P = prompts.shape
+    llm.context(B, P + new + 16, B * P)
+
+    def burst() -> float:
+        steps = llm.generate(prompts, new)["step_s"][1:]
+        return float(np.sum(steps)) / len(steps)
+
+    burst()
+    return burst
+
+
+def alternate(ours: Callable[[], float], theirs: Callable[[], float], bursts: int, settle: float
+              ) -> list[tuple[float, float]]:
+    """(moescope, llama.cpp) seconds per step of each burst pair, the first system swapped every other pair."""
+    pairs = []
+    for i in range(bursts):
+        order = (ours, theirs) if i % 2 == 0 else (theirs, ours)
+        times = {}
+        for fn in order:
+            time.sleep(settle)
+            times[fn] = fn()
+        pairs.append((times[ours], times[theirs]))
+        print(f"  burst {i:2d}: moescope {times[ours] * 1e3:6.1f} ms/step, llama.cpp {times[theirs] * 1e3:6.1f} "
+              f"ms/step", flush=True)
+    return pairs
+
+
+def summarise(pairs: list[tuple[float, float]], batch: int) -> dict:
+    ours = np.array([p[0] for p in pairs])
+    theirs = np.array([p[1] for p in pairs])
+    ratio = theirs / ours  # moescope's decode speed over llama.cpp's, burst by burst
+    return {"batch": batch, "bursts": len(pairs), "moescope_ms_per_step": (ours * 1e3).tolist(),
+            "llama_ms_per_step": (theirs * 1e3).tolist(),
+            "moescope_over_llama_median": float(np.median(ratio)),
+            "moescope_over_llama_q1": float(np.percentile(ratio, 25)),
+            "moescope_over_llama_q3": float(np.percentile(ratio, 75)),
+            "bursts_moescope_faster": int(np.sum(ratio > 1.0)),
+            "moescope_tok_s_median": float(batch / np.median(ours)), "llama_tok_s_median": float(batch / np.median(theirs))}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("gguf")
+    ap.add_argument("--llama-site", required=True, help="site-packages of a venv with llama-cpp-python")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=16, help="decode steps per burst")
+    ap.add_argument("--bursts", type=int, default=16)
+    ap.add_argument("--settle", type=float, default=0.5, help="seconds between bursts")
+    ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: every CPU)")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    if not (Path(a.llama_site) / "llama_cpp").is_dir():
+        raise SystemExit(f"--llama-site: no llama_cpp package in {a.llama_site}")
+    sys.path.append(a.llama_site)
+    from models.hf import read_config
+    from models.memory import cpu_count
+
+    prompts = prompt_ids(a.batch, a.prompt, read_config(a.checkpoint).vocab_size)
+    ours = moescope_burst(a.checkpoint, prompts, a.new)
+    theirs = llama_burst(a.gguf, prompts, a.new, a.threads or cpu_count())
+    result = summarise(alternate(ours, theirs, a.bursts, a.settle), a.batch)
+    print(f"moescope / llama.cpp decode speed at b{a.batch}: median {result['moescope_over_llama_median']:.2f} "
+          f"(quartiles {result['moescope_over_llama_q1']:.2f}-{result['moescope_over_llama_q3']:.2f}; moescope "
+          f"faster in {result['bursts_moescope_faster']} of {result['bursts']} bursts)", flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

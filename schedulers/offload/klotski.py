@@ -1,0 +1,60 @@
+"""Klotski (Fang et al., 2025) in LayerScope's setting: GPU-only expert execution over two
+micro-batches pipelined per layer (one micro-batch's attention runs while the experts the other
+needs are loading: the mechanism issues a micro-batch's loads at its own gate); the experts one
+micro-batch needs are loaded first, hottest first; after the layer's loads, a fixed number of the
+next layer's statistically hottest experts (token counts from profiling plus everything served so
+far, no gate prediction) are prefetched into the dynamic cache region. Loads are not kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from schedulers.base import LayerPlan, LayerState, SchedulerSettings, SchedulerSetup, register
+from schedulers.policy import OffloadPolicy, by_tokens, split_by_availability
+
+
+@dataclass(frozen=True)
+class KlotskiSettings(SchedulerSettings):
+    kind: str = "klotski"
+    label: str = "Klotski"
+    micro_batches: int = 2  # micro-batches pipelined per layer
+    prefetch_count: int = 2  # the next layer's statistically hottest experts prefetched per layer
+
+
+@register("klotski", settings=KlotskiSettings)
+class Klotski(OffloadPolicy):
+    def __init__(self, settings: KlotskiSettings, setup: SchedulerSetup):
+        super().__init__(settings, setup)
+        self.counts = self.profile.astype(np.float64).copy()
+
+    @property
+    def micro_batches(self) -> int:
+        return max(1, self.settings.micro_batches)
+
+    def plan(self, state: LayerState) -> LayerPlan:
+        layer, tokens = state.layer, state.tokens
+        self.counts[layer] += tokens
+        ready, missing = split_by_availability(state)
+        if state.tokens_by_microbatch is not None:
+            first = state.tokens_by_microbatch[0]
+            early = by_tokens(missing[first[missing] > 0], tokens, descending=True)
+            late = by_tokens(missing[first[missing] == 0], tokens, descending=True)
+            loads = np.concatenate([early, late])
+        else:
+            loads = by_tokens(missing, tokens, descending=True)
+        gpu = tuple(int(e) for e in ready) + tuple(int(e) for e in loads)
+        self.touch(layer, gpu)
+        prefetch: list[tuple[int, int]] = []
+        target = layer + 1
+        if target < state.num_layers and self.settings.prefetch_count > 0:
+            avail = state.available(target)
+            hot = by_tokens(np.flatnonzero(~avail), self.counts[target], descending=True)
+            hot = hot[:self.settings.prefetch_count].tolist()
+            prefetch = [(target, e) for e in hot]
+        granted, evict = self.room_for(state, len(prefetch), {(layer, e) for e in gpu})
+        prefetch = prefetch[:granted]
+        for t, e in prefetch:
+            self.last_used[t, e] = self._clock
+        return LayerPlan(gpu=gpu, ondemand=tuple(int(e) for e in loads), prefetch=tuple(prefetch), evict=tuple(evict))

@@ -1,0 +1,17 @@
+"""The dependency order of pyproject.toml's import-linter contract holds: imports point down only (entry points >
+conf > engine > predictors | schedulers > models > core). A new import that runs back up fails here, naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_imports_point_down() -> None:
+    lint = Path(sys.executable).with_name("lint-imports")
+    proc = subprocess.run([str(lint), "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "1 kept, 0 broken" in proc.stdout
