@@ -15,8 +15,10 @@ memory is per system:
   llama.cpp            engine/bench/peers/llama_peer.py under `--llama-python`, a BF16 GGUF written by
                        engine/bench/peers/to_gguf.py, every CPU as torch and XLA use (both batch sizes)
 
-and one table per family gives load time, peak anonymous memory and peak RSS over the checkpoint's
-bytes, decode tokens/s at each batch size with its ratio to transformers, and "others busy": the CPUs
+and one table per family gives load time (each system starts with its weight files in the page cache: the
+bench reads them first, so a system does not load from what the previous one left there), peak anonymous
+memory and peak RSS over the checkpoint's bytes, decode tokens/s at each batch size with its ratio to
+transformers, and "others busy": the CPUs
 other processes (and kernel writeback) kept busy on average during the system's worst run, measured
 from /proc/stat. Ratios matter more than absolute times on this shared machine, and a figure taken
 while others were busy is not comparable (on 2 cores a third busy process slows torch and XLA
@@ -112,6 +114,19 @@ def _cpu_seconds() -> tuple[float, float]:
     return busy, me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def warm_page_cache(weights: Path) -> None:
+    """Reads every file of `weights` (a folder or a file) once, when they fit in the available memory."""
+    files = sorted(weights.glob("*.safetensors")) if weights.is_dir() else [weights]
+    avail = host_memory()[1]
+    if avail is not None and sum(f.stat().st_size for f in files) > 0.8 * avail:
+        return
+    buf = bytearray(64 << 20)
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+
+
 def last_line(path: Path) -> str:
     try:
         lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -195,8 +210,12 @@ class Bench:
         self.summary: dict[str, Any] = {"args": vars(args), "families": {}}
         self.probe = ReadProbe() if native.available() else None
 
-    def timed(self, cmd: list[str], log: Path) -> Outcome:
-        """run_logged, with the memory read rate measured right before and after (all cores)."""
+    def timed(self, cmd: list[str], log: Path, weights: Optional[Path] = None) -> Outcome:
+        """run_logged, with the memory read rate measured right before and after (all cores); `weights` (a
+        checkpoint folder or a GGUF file) are read through the page cache first, so that every system loads
+        from a warm cache and not from whatever the previous system left there."""
+        if weights is not None:
+            warm_page_cache(weights)
         before = self.probe.read_now(0) if self.probe else None
         res = run_logged(cmd, log, self.a.timeout, self.env)
         if self.probe:
@@ -222,7 +241,7 @@ class Bench:
             cmd = [sys.executable, "-m", "engine.run", *common, "compare_in_memory=false",
                    f"offload.budget_fraction={budget}", f"workload.batch_size={B}",
                    f"workload.prompt_len={self.a.prompt}", f"workload.gen_len={n}", "workload.num_batches=1"]
-        res = self.timed(cmd, self.out / fam / f"moescope-{label}-b{B}.log")
+        res = self.timed(cmd, self.out / fam / f"moescope-{label}-b{B}.log", ckpt)
         path = run_dir / "results.json"
         if res.ok:
             if not path.is_file():
@@ -251,11 +270,11 @@ class Bench:
         return row
 
     # -- peers --
-    def peer_row(self, name: str, cmd: list[str], result: Path, log: Path) -> Row:
+    def peer_row(self, name: str, cmd: list[str], result: Path, log: Path, weights: Optional[Path] = None) -> Row:
         row = Row(name)
         if result.exists():
             result.unlink()
-        res = self.timed(cmd, log)
+        res = self.timed(cmd, log, weights)
         row.merge_others(res.others_cores)
         if not res.ok or not result.is_file():
             row.errors.append(res.error or f"no {result}")
@@ -332,7 +351,7 @@ class Bench:
                    "--prompt", str(self.a.prompt), "--new", str(self.a.new), "--repeats", str(self.a.repeats),
                    "--out", str(fam_dir / "transformers.json")]
             jobs.append(("transformers bf16", lambda: self.peer_row("transformers bf16", cmd, fam_dir / "transformers.json",
-                                                                    fam_dir / "transformers.log")))
+                                                                    fam_dir / "transformers.log", ckpt)))
         if not self.skipped("llama.cpp"):
             jobs.append(("llama.cpp bf16", self.llama_job(fam, cfg, ckpt, info)))
         if not self.skipped("moescope-mem"):
@@ -362,7 +381,7 @@ class Bench:
                *map(str, self.a.batches), "--prompt", str(self.a.prompt), "--new", str(self.a.new),
                "--threads", str(self.a.llama_threads), *mmap, "--repeats", str(self.a.repeats),
                "--out", str(fam_dir / "llama.json")]
-        return lambda: self.peer_row("llama.cpp bf16", cmd, fam_dir / "llama.json", fam_dir / "llama.log")
+        return lambda: self.peer_row("llama.cpp bf16", cmd, fam_dir / "llama.json", fam_dir / "llama.log", gguf)
 
     def interleaved(self, fam: str, ckpt: Path, gguf: Path) -> dict:
         """moescope in memory and llama.cpp in one process, decode bursts alternated (peers/interleaved.py), per
