@@ -13,6 +13,11 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+import hydra
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+
+from conf import schemas
 from core.config import CONF_DIR, USER_ERRORS, register_resolvers, report_user_error
 from core.telemetry import Telemetry
 
@@ -20,10 +25,6 @@ from core.telemetry import Telemetry
 def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[], Any]]:
     """`hydra.main` over this package's config tree, version_base 1.3, schemas registered; a user error ends
     the process with one line and exit status 2 (the full traceback with HYDRA_FULL_ERROR=1)."""
-    import hydra
-
-    from conf import schemas
-
     schemas.register_all()
     register_resolvers()
 
@@ -80,11 +81,6 @@ def hydra_task(config_name: str, title: str | Callable[[dict], str] | None = Non
 
 def compose(config_name: str, overrides: Optional[list[str]] = None) -> Any:
     """Compose a task config outside a Hydra app (tests, notebooks)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from conf import schemas
-
     schemas.register_all()
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -14,6 +14,9 @@ import typing
 from pathlib import Path
 from typing import Any, Optional, TypeVar
 
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"  # the YAML tree (conf/<group>/<choice>.yaml)
 T = TypeVar("T")
@@ -77,8 +80,6 @@ def _unfreeze_type(tp: Any) -> Any:
 
 def to_frozen(node: Any, cls: type[T]) -> T:
     """Build the frozen dataclass `cls` from a DictConfig / dict / schema instance."""
-    from omegaconf import DictConfig, OmegaConf
-
     if isinstance(node, cls):
         return node
     if isinstance(node, DictConfig):
@@ -138,8 +139,6 @@ def run_tag() -> str:
 
 def register_resolvers() -> None:
     """OmegaConf resolvers the YAML uses (`${run_tag:}` in runs_layout.yaml)."""
-    from omegaconf import OmegaConf
-
     if not OmegaConf.has_resolver("run_tag"):
         OmegaConf.register_new_resolver("run_tag", run_tag)
 
@@ -155,6 +154,4 @@ def report_user_error(task: str, exc: BaseException) -> None:
 def store(node: Any, name: str, group: str | None = None) -> None:
     """Register the schema `node` under `name` (in `group` when given) in Hydra's ConfigStore; every module
     owning a config calls this on import, and `conf.schemas.register_all` imports them."""
-    from hydra.core.config_store import ConfigStore
-
     ConfigStore.instance().store(group=group, name=name, node=node)

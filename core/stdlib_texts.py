@@ -103,7 +103,7 @@ def _stdlib_docstrings(root: Optional[Path]) -> tuple[TextPrompt, ...]:
 
 def pydoc_topics() -> list[TextPrompt]:
     """The Python language-reference topics that ship with `pydoc` (plain text), sorted by topic."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # a large module: loaded only when the code workload is built
 
     return [TextPrompt(f"topic:{name}", topics[name]) for name in sorted(topics)]
 

@@ -31,7 +31,7 @@ console = Console(stderr=False)
 def hydra_run_dir() -> Optional[Path]:
     """The current Hydra job's output folder, or None outside a Hydra app."""
     try:
-        from hydra.core.hydra_config import HydraConfig
+        from hydra.core.hydra_config import HydraConfig  # hydra: core stays importable outside a Hydra app
 
         if HydraConfig.initialized():
             return Path(HydraConfig.get().runtime.output_dir)
@@ -132,7 +132,7 @@ class Telemetry:
         mode = str(wcfg.get("mode", "offline"))
         if mode == "disabled":
             return
-        import wandb
+        import wandb  # heavy and optional: only when a run logs to wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
         self._wandb_run = wandb.init(
@@ -181,7 +181,7 @@ class Telemetry:
         path = self.run_dir / name
         fig.savefig(path, dpi=120, bbox_inches="tight")
         if self._wandb_run is not None:
-            import wandb
+            import wandb  # already loaded by the run that logs (see above)
 
             self._wandb_run.log({path.stem: wandb.Image(str(path))})
         return path

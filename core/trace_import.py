@@ -11,6 +11,7 @@ object per line: one line per sequence id, token index and MoE layer. Accepted k
 | `layer`                                           | int >= 0         | decoder-layer index of the MoE block     |
 | `experts` (alias `topk_ids`)                      | list[int], len k | experts the router chose, best first     |
 | `gating_probs` (alias `topk_weights`)             | list[float]      | their routing weights                    |
+| `phase` (optional)                                | "prefill" / "decode" | decode: the token is a step of its own |
 
 Example line: `{"dataset": "humaneval", "problem_id": 0, "layer": 5, "experts": [6, 2],
 "gating_probs": [0.57, 0.43], "token_idx": 17}`. Lines with `"type": "meta"` are headers (their
@@ -22,7 +23,12 @@ Token indices come in two flavours, both handled: absolute positions in the sequ
 (restarting at 0 for every decode step). A forward pass of a sequence ends when one of its
 (token, layer) pairs repeats; a new pass then continues the positions after the previous one.
 Each (sequence, pass) becomes one trace step; the first pass of a sequence is marked prefill, later
-ones decode (a log with absolute positions therefore has one prefill step per sequence).
+ones decode (a log with absolute positions therefore has one prefill step per sequence). A decode-only
+log says so: a `"phase": "decode"` field on its lines, or `phase=LogPhase.decode` for the whole file;
+every decode token is then one decode step of its sequence (nothing is taken for a prefill).
+
+Also here: `load_trace_file` (a .npz trace or a JSONL log, by suffix) and `import_hf_router_logits`,
+the routing of a Hugging Face MoE run with `output_router_logits=True` (`save_hf_router_logits`).
 
 Every row (token) must have routing for every MoE layer present in the file; otherwise the import
 fails naming the line where the token first appears, or, with `drop_incomplete=True`, such tokens are
@@ -32,20 +38,33 @@ the file and line number.
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from core.trace import DECODE, PREFILL, RoutingTrace, TraceFormatError, TraceMeta
+from core.trace import DECODE, PREFILL, RoutingTrace, TraceFormatError, TraceMeta, load_trace
 
 SEQ_KEYS = ("problem_id", "seq_id", "request_id", "req_id")
 TOKEN_KEYS = ("token_idx", "token_pos")
 EXPERT_KEYS = ("experts", "topk_ids")
 WEIGHT_KEYS = ("gating_probs", "topk_weights")
+PHASES = {"prefill": False, "decode": True, PREFILL: False, DECODE: True}  # a line's `phase` -> is a decode token
+
+
+class LogPhase(enum.Enum):
+    auto = "auto"  # a sequence's first forward pass is its prefill, later passes decode steps (lines may say `phase`)
+    decode = "decode"  # a decode-only log: every token is one decode step of its sequence
+
+
+class TraceFileFormat(enum.Enum):
+    auto = "auto"  # by suffix: .npz moescope trace, .jsonl / .json vLLM routing log
+    npz = "npz"
+    vllm_jsonl = "vllm_jsonl"
 
 
 def _first(rec: dict[str, Any], keys: tuple[str, ...]) -> Any:
@@ -81,6 +100,7 @@ class _Columns:
         self.token: list[int] = []
         self.layer: list[int] = []
         self.line: list[int] = []
+        self.decode: list[bool] = []
         self.experts: list[list[int]] = []
         self.weights: list[list[float]] = []
 
@@ -116,12 +136,13 @@ def _parse_record(rec: Any, fail: Any, k: Optional[int], num_experts: Optional[i
 
 
 def import_vllm_jsonl(path: str | Path, num_experts: Optional[int] = None, model: Optional[str] = None,
-                      drop_incomplete: bool = False) -> RoutingTrace:
+                      drop_incomplete: bool = False, phase: LogPhase = LogPhase.auto) -> RoutingTrace:
     """Read a vLLM routing log (format in the module docstring) into a validated `RoutingTrace`.
 
     num_experts: experts per MoE layer; None takes the largest id seen + 1 (recorded as inferred in
     `meta.extra`, since an expert never chosen is invisible in a log). model: the model name in the
-    trace metadata (default: the header's `model_id`, else the file name).
+    trace metadata (default: the header's `model_id`, else the file name). phase: `LogPhase.decode` reads every
+    token as a decode step (a decode-only log); `auto` lets a line's `phase` field say so.
     """
     path = Path(path)
     where = str(path)
@@ -159,6 +180,10 @@ def import_vllm_jsonl(path: str | Path, num_experts: Optional[int] = None, model
             if kind not in (None, "route"):
                 fail(f"unknown record type {kind!r} (expected 'meta' or 'route')")
             name, tok, layer, experts, weights = _parse_record(rec, fail, k, num_experts)
+            line_phase = rec.get("phase")
+            if line_phase is not None and line_phase not in PHASES:
+                fail(f"'phase' must be 'prefill' or 'decode', got {line_phase!r}")
+            decode = phase is LogPhase.decode if line_phase is None else PHASES[line_phase]
             k = len(experts)
             seq = seqs.setdefault(name, _Sequence(len(seqs), name))
             if (tok, layer) in seq.seen:  # the same token and layer again: a new forward pass
@@ -174,6 +199,7 @@ def import_vllm_jsonl(path: str | Path, num_experts: Optional[int] = None, model
             cols.pos.append(seq.offset + tok)
             cols.layer.append(layer)
             cols.line.append(lineno)
+            cols.decode.append(decode)
             cols.experts.append(experts)
             cols.weights.append(weights)
     if not cols.line:
@@ -189,9 +215,12 @@ def _assemble(cols: _Columns, seqs: dict[str, _Sequence], header: dict[str, Any]
     layer_idx = np.searchsorted(layers, np.asarray(cols.layer, np.int64))
     L = len(layers)
 
-    # one row per (sequence, pass, token); steps are (sequence, pass) in order of first appearance
-    step_key = seq * (int(pas.max()) + 1) + pas
-    _, step_first, step_inv = np.unique(step_key, return_index=True, return_inverse=True)
+    # one row per (sequence, pass, token); steps are (sequence, pass) in order of first appearance, a decode
+    # token being a step of its own
+    decode = np.asarray(cols.decode, bool)
+    step_key = np.stack([seq, pas, np.where(decode, token, -1)], axis=1)
+    _, step_first, step_inv = np.unique(step_key, axis=0, return_index=True, return_inverse=True)
+    step_inv = step_inv.reshape(-1)
     step_rank = np.empty_like(step_first)
     step_rank[np.argsort(step_first, kind="stable")] = np.arange(len(step_first))
     step_of_line = step_rank[step_inv]
@@ -207,7 +236,8 @@ def _assemble(cols: _Columns, seqs: dict[str, _Sequence], header: dict[str, Any]
         name = next(s.name for s in seqs.values() if s.ordinal == seq[row_first[bad]])
         raise TraceFormatError(
             f"{path}:{int(line[row_first[bad]])}: sequence {name!r} token {int(token[row_first[bad]])} has no routing "
-            f"for layer(s) {missing} ({dropped} incomplete tokens; pass drop_incomplete=True to drop them)")
+            f"for layer(s) {missing} ({dropped} incomplete tokens; drop_incomplete=true drops them: "
+            "routing.drop_incomplete=true in engine.simulate)")
     keep_rows = np.flatnonzero(complete)
     new_row = np.full(len(row_keys), -1, np.int64)
     new_row[keep_rows] = np.arange(len(keep_rows))  # row_keys are sorted: rows come out in step, token order
@@ -236,7 +266,77 @@ def _assemble(cols: _Columns, seqs: dict[str, _Sequence], header: dict[str, Any]
                         step=step_of_line[first].astype(np.int32), batch=row_seq.astype(np.int32),
                         seq=row_seq.astype(np.int32), pos=pos[first].astype(np.int32),
                         token=np.full(n, -1, np.int32),
-                        phase=np.where(pas[first] == 0, PREFILL, DECODE).astype(np.int8))
+                        phase=np.where((pas[first] == 0) & ~decode[first], PREFILL, DECODE).astype(np.int8))
 
 
-__all__ = ["import_vllm_jsonl"]
+def load_trace_file(path: str | Path, fmt: TraceFileFormat = TraceFileFormat.auto, num_experts: Optional[int] = None,
+                    drop_incomplete: bool = False, with_hidden: bool = True) -> RoutingTrace:
+    """A routing trace from a file: a moescope `.npz` trace or a vLLM routing log (`.jsonl`, `.json`)."""
+    path = Path(path)
+    if fmt is TraceFileFormat.auto:
+        suffix = path.suffix.lower()
+        if suffix not in (".npz", ".jsonl", ".json"):
+            raise ValueError(f"trace: cannot tell the format of {path} from its suffix; set trace_format=npz|vllm_jsonl")
+        fmt = TraceFileFormat.npz if suffix == ".npz" else TraceFileFormat.vllm_jsonl
+    if fmt is TraceFileFormat.npz:
+        return load_trace(path, with_hidden=with_hidden)
+    return import_vllm_jsonl(path, num_experts=num_experts, drop_incomplete=drop_incomplete)
+
+
+# ---- Hugging Face `output_router_logits` ------------------------------------------------------------------------
+def save_hf_router_logits(path: str | Path, router_logits: Sequence[Any], batch: int, seq_len: int,
+                          attention_mask: Optional[Any] = None, model: str = "hf") -> Path:
+    """Save the `router_logits` of one Hugging Face MoE forward pass (`model(ids, output_router_logits=True)`:
+    one [batch * seq_len, E] tensor per MoE layer) as the .npz `import_hf_router_logits` reads:
+    `router_logits` float32 [L, B, S, E], `attention_mask` [B, S] (1 = a real token), `model`."""
+    layers = [np.asarray(x.detach().float().cpu() if hasattr(x, "detach") else x, np.float32) for x in router_logits]
+    if not layers:
+        raise ValueError("save_hf_router_logits: no router logits (run the model with output_router_logits=True)")
+    logits = np.stack([x.reshape(batch, seq_len, -1) for x in layers])
+    mask = np.ones((batch, seq_len), np.int8) if attention_mask is None else np.asarray(
+        attention_mask.cpu() if hasattr(attention_mask, "cpu") else attention_mask).astype(np.int8)
+    path = Path(path)
+    np.savez(path, router_logits=logits, attention_mask=mask, model=np.array(model))
+    return path
+
+
+def import_hf_router_logits(path: str | Path, top_k: int, normalize: bool = True) -> RoutingTrace:
+    """The routing of a saved HF forward pass (`save_hf_router_logits`): each real token's top-k experts of the
+    softmax of its router logits, weights renormalised over the k (`normalize`, as Mixtral / Qwen3-MoE route).
+    The pass is one prefill step of B sequences (padding left out)."""
+    path = Path(path)
+    try:
+        data = np.load(path, allow_pickle=False)
+        logits = np.asarray(data["router_logits"], np.float32)
+        mask = np.asarray(data["attention_mask"]).astype(bool) if "attention_mask" in data.files else None
+        model = str(data["model"]) if "model" in data.files else path.stem
+    except (OSError, ValueError, KeyError) as exc:
+        raise TraceFormatError(f"{path}: not a saved HF router-logits file (router_logits [L, B, S, E]): {exc}") from None
+    if logits.ndim != 4:
+        raise TraceFormatError(f"{path}: router_logits must be [layers, batch, seq, experts], got shape {logits.shape}")
+    L, B, S, E = logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k: {top_k} outside [1, {E}] for {path}")
+    mask = np.ones((B, S), bool) if mask is None else mask
+    if mask.shape != (B, S):
+        raise TraceFormatError(f"{path}: attention_mask of shape {mask.shape}, router_logits have [B, S] = {(B, S)}")
+    b, s = np.nonzero(mask)
+    flat = logits[:, b, s]  # [L, N, E]
+    probs = np.exp(flat - flat.max(axis=2, keepdims=True))
+    probs /= probs.sum(axis=2, keepdims=True)
+    experts = np.argsort(-probs, axis=2, kind="stable")[:, :, :top_k]
+    weights = np.take_along_axis(probs, experts, axis=2)
+    if normalize:
+        weights /= weights.sum(axis=2, keepdims=True)
+    pos = (np.cumsum(mask, axis=1) - 1)[b, s]
+    meta = TraceMeta(model=model, num_experts=E, top_k=top_k, moe_layers=tuple(range(L)), source=f"hf_router_logits:"
+                     f"{path.name}", extra={"importer": "core.trace_import.import_hf_router_logits",
+                                            "normalized_topk": normalize})
+    n = b.size
+    return RoutingTrace(meta=meta, experts=experts.astype(np.int16), weights=weights.astype(np.float32),
+                        step=np.zeros(n, np.int32), batch=np.zeros(n, np.int32), seq=b.astype(np.int32),
+                        pos=pos.astype(np.int32), token=np.full(n, -1, np.int32), phase=np.full(n, PREFILL, np.int8))
+
+
+__all__ = ["LogPhase", "TraceFileFormat", "import_vllm_jsonl", "load_trace_file", "save_hf_router_logits",
+           "import_hf_router_logits"]

@@ -10,7 +10,7 @@ routing capture); prefill and decode steps go into one `core.trace.RoutingTrace`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -20,6 +20,7 @@ from conf.schemas.record import RecordConfig
 from engine.recording import record_generation, trace_meta
 from core.telemetry import Telemetry
 from core.trace import RoutingTrace, TraceRecorder
+from core.trace_import import TraceFileFormat, load_trace_file
 from engine.workloads import PromptSampler, build_workload
 from models.generation import Generator
 from models.loading import load_model, load_tokenizer
@@ -31,7 +32,7 @@ def record_trace(model_node: Any, workload_node: Any, keep_hidden: bool = True, 
     cfg, model, folder = load_model(model_node, dtype=dtype, seed=seed)
     tokenizer = load_tokenizer(folder)
     if tokenizer is None:
-        raise ValueError(f"model {model_node.get('name')}: no tokenizer.json next to the checkpoint; "
+        raise ValueError(f"model {model_node.name}: no tokenizer.json next to the checkpoint; "
                          "text workloads need a trained model (e.g. model=mixtral_tiny)")
     sampler = build_workload(workload_node, tokenizer, separator_id=cfg.eos_token_id)
     if not isinstance(sampler, PromptSampler):
@@ -49,10 +50,22 @@ def record_trace(model_node: Any, workload_node: Any, keep_hidden: bool = True, 
     return recorder.build()
 
 
+def obtain_trace(path: Optional[str], model: Any, workload: Any, *, fmt: TraceFileFormat = TraceFileFormat.auto,
+                 num_experts: Optional[int] = None, drop_incomplete: bool = False, keep_hidden: bool = True,
+                 dtype: Any = "auto", seed: int = 0, progress: Any = None) -> RoutingTrace:
+    """The routing trace a task works on: the file at `path` (a .npz trace, or a vLLM .jsonl log read with
+    `num_experts` / `drop_incomplete`), or without one a recording of `model` serving the prompt `workload`.
+
+    `model`: a `ModelSpec` (or its node), `workload`: a `WorkloadConfig` (or its node)."""
+    if path:
+        return load_trace_file(resolve_path(path), fmt, num_experts, drop_incomplete)
+    return record_trace(model, workload, keep_hidden=keep_hidden, dtype=dtype, seed=seed, progress=progress)
+
+
 @hydra_task("record")
 def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     cfg: RecordConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
-    trace = record_trace(node.model, node.workload, cfg.keep_hidden, cfg.dtype.value, cfg.seed, tm.progress)
+    trace = record_trace(cfg.model, cfg.workload, cfg.keep_hidden, cfg.dtype.value, cfg.seed, tm.progress)
     path = trace.save(resolve_path(cfg.out) if cfg.out else tm.run_dir / "trace.npz")
     return {"trace": str(path), "rows": trace.num_rows, "steps": trace.num_steps,
             "moe_layers": trace.num_layers, "sequences": int(len(set(trace.seq.tolist()))),

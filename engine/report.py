@@ -7,7 +7,10 @@ benchmark output holding `results.jsonl`. Writes into `<dir>` (or `--out`):
 - `report.md`: per model and machine, throughput and decode latency per system x batch size, and
   LayerScope's gain over every other system (throughput up, decode latency down) at every point;
 - `fig11_throughput.png`, `fig12_decode_latency.png` (LayerScope Figures 11 / 12: systems vs batch,
-  one panel per model and machine) and `fig13_ablation.png` when ablation variants are present.
+  one panel per model and machine) and `fig13_ablation.png` when ablation variants are present;
+- for a hit-rate sweep (`engine/bench/bench_simulate_sweep.py --hit-rates ...`): PreSched's decode latency and
+  throughput against the forecasts' hit rate, with the measured default and the realistic predictors marked,
+  and `hit_rate_sweep.png`.
 """
 
 from __future__ import annotations
@@ -244,11 +247,135 @@ def _plot_ablation(data: dict[tuple[str, str], dict[str, dict[int, float]]], pat
     plt.close(fig)
 
 
+def routing_line(rows: list[dict[str, Any]], model: str, hw: str) -> str:
+    """Which routing the runs of one model and machine replayed, with its measured statistics (results.json
+    `routing_statistics`: load CV, layer l -> l+1 transition-table hit rate) where the runs report them."""
+    seen: dict[str, str] = {}
+    for r in rows:
+        if r.get("model") != model or r.get("hardware") != hw:
+            continue
+        name = str(r.get("routing", "unknown"))
+        st = r.get("routing_statistics")
+        if isinstance(st, dict) and name not in seen:
+            extra = f", transition {st['transition_d1']:.2f}" if "transition_d1" in st else ""
+            seen[name] = f"{name} (load CV {st['cv_mean']:.2f}{extra})"
+        else:
+            seen.setdefault(name, name)
+    return "Routing: " + "; ".join(seen[k] for k in sorted(seen))
+
+
+SWEEP_ORDER = {"none": 2.0}  # PreSched without forecasts last; real predictors after the oracle points
+
+
+def sweep_label(r: dict[str, Any]) -> str:
+    """How a hit-rate sweep row's forecasts read in the table."""
+    point = str(r["hit_sweep"])
+    if point == "measured":
+        return "oracle, measured hit rate (default)"
+    if point == "none":
+        return "no forecasts (PreSched w/o predictor)"
+    if r.get("oracle_hit_rate") is None:
+        return f"{point} (real, fitted on held-out routing)"
+    return f"oracle {float(point):g}"
+
+
+def hit_rate_section(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: PreSched's decode latency and throughput against the forecasts' d = 1 hit rate (the oracle's
+    target, or the measured one of a real predictor), per model, machine and batch, with the measured default's
+    source and where the realistic predictors' measured hit rates fall."""
+    from engine.sim.measured import realistic_d1
+
+    sweep = [r for r in rows if r.get("hit_sweep") is not None]
+    if not sweep:
+        return []
+    mark_model, marks = realistic_d1()
+    lines = ["## PreSched vs forecast hit rate", "",
+             "The oracle (an upper bound: the replayed routing degraded to a hit rate) at each swept hit rate, the "
+             "same at every distance; `measured` is the simulator's default, LLaPor's measured hit rate per "
+             "distance; real predictors run on the same routing. Hit rate: d = 1 top-k, the oracle's target "
+             "(realised within sampling noise) or a real predictor's measured one.", ""]
+    sources = sorted({str(r["predictor_hit_rate_source"]) for r in sweep if r.get("hit_sweep") == "measured"})
+    lines += [f"Measured default's source: {s}" for s in sources] + [""] if sources else []
+    lines += [f"Realistic predictors' measured d = 1 hit rates ({mark_model}, held-out sequences; "
+              "engine/data/measured_hit_rates.yaml): " + ", ".join(f"{k} {v:.3f}" for k, v in marks.items()), ""]
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in sweep:
+        groups[(r["model"], r["hardware"], int(r["batch_size"]))].append(r)
+    for (model, hw, batch), rs in sorted(groups.items()):
+        perfect = next((r for r in rs if r.get("oracle_hit_rate") == 1.0), None)
+
+        def hit(r: dict[str, Any]) -> float:
+            h = r.get("oracle_hit_rate")
+            return float(h) if h is not None else float(r.get("predictor_hit_rate", float("nan")))
+
+        def order(r: dict[str, Any]) -> tuple[float, float]:
+            return (SWEEP_ORDER.get(str(r["hit_sweep"]), 0.0 if r.get("oracle_hit_rate") is not None else 1.0),
+                    -hit(r) if r["hit_sweep"] != "none" else 0.0)
+
+        lines += [f"### {model} on {hw}, batch {batch}", "", routing_line(rs, model, hw), "",
+                  "| forecasts | hit rate d = 1 | decode latency (s) | throughput (tok/s) | latency vs oracle 1.0 |",
+                  "|---|---|---|---|---|"]
+        for r in sorted(rs, key=order):
+            h = "-" if r["hit_sweep"] == "none" else f"{hit(r):.3f}"
+            rel = "-"
+            if perfect is not None and r.get("decode_latency_s") and perfect.get("decode_latency_s"):
+                rel = f"{100 * (r['decode_latency_s'] / perfect['decode_latency_s'] - 1):+.1f}%"
+            lines.append(f"| {sweep_label(r)} | {h} | {_fmt(r.get('decode_latency_s', float('nan')), 4)} | "
+                         f"{_fmt(r.get('throughput_tok_s', float('nan')), 4)} | {rel} |")
+        lines.append("")
+    return lines
+
+
+def _plot_hit_rate(rows: list[dict[str, Any]], path: Path) -> None:
+    """Decode latency against d = 1 hit rate, one panel per (model, machine, batch): the oracle sweep as a line,
+    the measured default starred, real predictors as points, no forecasts dashed, the realistic predictors'
+    measured hit rates as dotted verticals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from engine.sim.measured import realistic_d1
+
+    sweep = [r for r in rows if r.get("hit_sweep") is not None and r.get("decode_latency_s")]
+    keys = sorted({(r["model"], r["hardware"], int(r["batch_size"])) for r in sweep})
+    if not keys:
+        return
+    _, marks = realistic_d1()
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        rs = [r for r in sweep if (r["model"], r["hardware"], int(r["batch_size"])) == key]
+        line = sorted((float(r["oracle_hit_rate"]), r["decode_latency_s"]) for r in rs
+                      if r.get("oracle_hit_rate") is not None and r["hit_sweep"] != "measured")
+        if line:
+            ax.plot(*zip(*line), "o-", color="tab:blue", label="oracle (upper bound)")
+        for r in rs:
+            if r["hit_sweep"] == "measured":
+                ax.plot(r["oracle_hit_rate"], r["decode_latency_s"], "*", ms=13, color="tab:red",
+                        label="oracle at measured LLaPor (default)")
+            elif r["hit_sweep"] == "none":
+                ax.axhline(r["decode_latency_s"], ls="--", color="gray", label="no forecasts")
+            elif r.get("oracle_hit_rate") is None:
+                ax.plot(r["predictor_hit_rate"], r["decode_latency_s"], "s", label=f"{r['hit_sweep']} (real)")
+        for name, h in marks.items():
+            ax.axvline(h, ls=":", lw=0.8, color="tab:green")
+            ax.annotate(name, (h, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=6, va="top")
+        ax.set_title(f"{key[0]} / {key[1]} / b{key[2]}", fontsize=8)
+        ax.set_xlabel("d = 1 hit rate")
+        ax.set_ylabel("decode latency (s)")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_report(out: Path, rows: list[dict[str, Any]]) -> Path:
     """Write runs.csv, report.md and the figures into `out`; returns report.md's path."""
     rows = [r if "system_label" in r else normalise(r) for r in rows]
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "runs.csv", rows)
+    sweep = [r for r in rows if r.get("hit_sweep") is not None]
+    rows = [r for r in rows if r.get("hit_sweep") is None]  # the hit-rate sweep has its own section
     thr = pivot(rows, "throughput_tok_s")
     lat = pivot(rows, "decode_latency_s")
     lines = ["# Simulated offloaded inference", "",
@@ -258,7 +385,8 @@ def write_report(out: Path, rows: list[dict[str, Any]]) -> Path:
     worst: list[tuple[float, str]] = []
     for key in sorted(thr):
         model, hw = key
-        lines += [f"## {model} on {hw}", "", "Throughput (tokens/s)", "", markdown_table(thr[key]), ""]
+        lines += [f"## {model} on {hw}", "", routing_line(rows, model, hw), "",
+                  "Throughput (tokens/s)", "", markdown_table(thr[key]), ""]
         if key in lat:
             lines += ["Decode latency (s/token)", "", markdown_table(lat[key], 3), ""]
         g = gains(thr[key], higher_is_better=True)
@@ -281,7 +409,8 @@ def write_report(out: Path, rows: list[dict[str, Any]]) -> Path:
         if worst:
             v, where = min(worst)
             lines += [f"Smallest margin: {100 * v:+.2f}% ({where}).", ""]
-    lines += paper_comparison(rows)
+    lines += paper_comparison(rows) if rows else []
+    lines += hit_rate_section(sweep)
     bounds = [r for r in rows if r.get("lower_bound_s")]
     if bounds:
         lines += ["## Distance to the lower bound", "", "| model | hardware | system | batch | above bound |", "|---|---|---|---|---|"]
@@ -293,7 +422,10 @@ def write_report(out: Path, rows: list[dict[str, Any]]) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("\n".join(lines))
     tmp.replace(path)
-    _plot_grid(thr, "tokens/s", out / "fig11_throughput.png")
+    if sweep:
+        _plot_hit_rate(sweep, out / "hit_rate_sweep.png")
+    if thr:
+        _plot_grid(thr, "tokens/s", out / "fig11_throughput.png")
     if lat:
         _plot_grid(lat, "s / decode step", out / "fig12_decode_latency.png", log=True)
     if any("w/o" in s for t in thr.values() for s in t):

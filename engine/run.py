@@ -19,19 +19,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from conf import hydra_task
-from schedulers.hardware import composed_profile
-from conf.schemas.run import OffloadConfig, RunConfig
+from schedulers.hardware import HardwareProfile, composed_profile
+from conf.schemas.run import RunConfig
 from engine.calibrate import device_memory_gib
 from engine.fidelity import fidelity_report, float32_copy, offloaded_forced_logits
 from engine.offload.cache import slots_for_budget
-from engine.offload.executor import OffloadExecutor, OffloadOutput, OffloadSettings, new_cache, padded_shapes
+from engine.offload.executor import OffloadExecutor, OffloadOutput, new_cache, padded_shapes
+from engine.offload.settings import OffloadSettings
 from engine.offload.store import ExpertStore
 from engine.recording import record_generation, trace_meta
 from engine.sim.timeline import plot_timeline
@@ -41,12 +42,11 @@ from engine.workloads import PromptSampler, build_workload
 from models.config import ModelConfig
 from models.generation import Generator
 from models.hf import OpenCheckpoint
-from models.loading import (check_weights, load_model, load_tokenizer, model_dtype, open_model_checkpoint,
-                            resolve_model_config)
+from models.loading import (DType, ModelSpec, check_weights, load_model, load_tokenizer, model_dtype,
+                            open_model_checkpoint, resolve_model_config)
 from models.memory import GIB, PeakMemory, check_fits, host_memory, memory_report
 from models.transformer import param_bytes, without_experts
-from predictors import load_predictor
-from predictors.base import Predictor
+from predictors.factory import make_predictors
 from schedulers.base import SchedulerSetup, build_scheduler, scheduler_settings
 from schedulers.offload.ondemand import OnDemandSettings
 from schedulers.cost import CostModel
@@ -56,11 +56,14 @@ log = logging.getLogger(__name__)
 DEFAULT_BUDGET_FRACTION = 0.25  # of all routed experts (LayerScope's and HybriMoE's usual setting)
 
 
-def cache_slots(cfg: ModelConfig, offload: OffloadConfig, expert_bytes: int, dense_bytes: int = 0) -> int:
+def cache_slots(cfg: ModelConfig, offload: OffloadSettings, expert_bytes: int, dense_bytes: int = 0) -> int:
     """Expert-cache slots of the configured budget; a clear error when it cannot run or exceeds the device.
 
     With no budget set, a quarter of the experts, but never more than half the device memory the dense
     weights leave (a 60-layer model's quarter would not fit a small GPU)."""
+    if offload.cache_slots is not None:
+        raise ValueError(f"offload.cache_slots={offload.cache_slots}: engine.run sizes the cache from the budget; set "
+                         "offload.budget_experts instead (offload.cache_slots=null)")
     total = cfg.num_experts * len(cfg.moe_layers)
     budget_bytes = offload.budget_bytes
     budget_experts = offload.budget_experts
@@ -115,25 +118,25 @@ def wants_comparison(choice: Optional[bool], opened: Optional[OpenCheckpoint], d
     return available is None or opened.param_bytes(np.dtype(dtype)) <= available / 4
 
 
-def load_offload_model(node: Any, rc: RunConfig, seed: int) -> LoadedModel:
+def load_offload_model(spec: ModelSpec, dtype_choice: DType, compare_choice: Optional[bool], seed: int) -> LoadedModel:
     """Load for an offloaded run: dense weights to the device, routed experts into the host store (views of the
     checkpoint's mapped files when its dtype is the run's), the in-memory model only when compared against."""
     start = time.perf_counter()
-    cfg = resolve_model_config(node.model)
-    opened = open_model_checkpoint(node.model)
-    dtype = model_dtype(rc.dtype, opened)
-    compare = wants_comparison(rc.compare_in_memory, opened, dtype)
+    cfg = resolve_model_config(spec)
+    opened = open_model_checkpoint(spec)
+    dtype = model_dtype(dtype_choice, opened)
+    compare = wants_comparison(compare_choice, opened, dtype)
     if opened is None:
-        _, full, _ = load_model(node.model, dtype=dtype, seed=seed)
+        _, full, _ = load_model(spec, dtype=dtype, seed=seed)
         return LoadedModel(cfg, full, ExpertStore.from_model(full), None, full if compare else None, dtype, None,
                            time.perf_counter() - start)
     check_offload_fits(opened, dtype)
-    check_weights(node.model, opened)
     if compare:
-        full = load_model(node.model, dtype=dtype, opened=opened)[1]
+        full = load_model(spec, dtype=dtype, opened=opened)[1]
         model = without_experts(full)
     else:
-        full, model = None, load_model(node.model, dtype=dtype, with_experts=False, opened=opened)[1]
+        full, model = None, load_model(spec, dtype=dtype, with_experts=False, opened=opened)[1]
+    check_weights(spec, opened)  # the experts the store maps (a no-op where the in-memory copy was scanned)
     store = ExpertStore.from_checkpoint(opened, dtype=np.dtype(dtype))
     return LoadedModel(cfg, model, store, load_tokenizer(opened.folder), full, dtype, opened.file_bytes,
                        time.perf_counter() - start)
@@ -169,15 +172,6 @@ def reference_trace(full: Any, cfg: ModelConfig, batches: list, name: str) -> tu
     return trace, {(int(s), int(p)): i for i, (s, p) in enumerate(zip(trace.seq, trace.pos))}
 
 
-def make_predictors(predictor: Any, distances: list[int], model: Any, trace: Any) -> dict[int, Predictor]:
-    """One predictor per forecast distance from a `predictor` config node (a trained checkpoint serves
-    only its own distance)."""
-    if predictor.get("checkpoint"):
-        d = int(predictor.distance)
-        return {d: load_predictor(predictor, model=model, trace=trace, distance=d)}
-    return {d: load_predictor(predictor, model=model, trace=trace, distance=d) for d in distances}
-
-
 def serve(executor: OffloadExecutor, batches: list, cfg: ModelConfig, seq_offset: int = 0
           ) -> tuple[list[OffloadOutput], float]:
     outs, start = [], time.perf_counter()
@@ -198,8 +192,8 @@ def first_of_each_shape(batches: list) -> list[int]:
 
 def warm_up(executor: OffloadExecutor, batches: list, cfg: ModelConfig, seq_offset: int = 0) -> None:
     """Serve the first batch of each shape in `batches`, so that serving them compiles little (the
-    plan-dependent device calls aside): a compile takes ~0.3 s against ~1 s for a whole batch of the
-    default job. Each is served with its own sequence ids (reference-trace lookups)."""
+    plan-dependent device calls aside): a compile takes a sizeable share of a whole batch of the default
+    job. Each is served with its own sequence ids (reference-trace lookups)."""
     offsets = seq_offset + np.cumsum([0] + [b.batch_size for b in batches[:-1]])
     for i in first_of_each_shape(batches):
         serve(executor, batches[i:i + 1], cfg, seq_offset=int(offsets[i]))
@@ -229,9 +223,10 @@ def forecast_distances(rc: RunConfig, num_moe_layers: int) -> list[int]:
 
 def run(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     rc: RunConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
+    hardware = composed_profile(node.hardware)  # its defaults are the keys the composition left unset: read off the node
     with PeakMemory() as peak:  # loading and serving (with the in-memory model too when it is compared)
-        loaded = load_offload_model(node, rc, rc.seed)
-        results, executor, outs, batches, wall = serve_offloaded(node, rc, loaded, tm)
+        loaded = load_offload_model(rc.model, rc.dtype, rc.compare_in_memory, rc.seed)
+        results, executor, outs, batches, wall = serve_offloaded(rc, hardware, loaded, tm)
     results.update({"dtype": np.dtype(loaded.dtype).name, "load_s": loaded.load_s,
                     "compared_in_memory": loaded.full is not None, **memory_report(peak, loaded.checkpoint_bytes)})
     if loaded.full is not None:
@@ -240,37 +235,34 @@ def run(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     return results
 
 
-def serve_offloaded(node: DictConfig, rc: RunConfig, loaded: LoadedModel, tm: Telemetry
-                    ) -> tuple[dict[str, Any], Callable[[], OffloadExecutor], list[OffloadOutput], list, float]:
+def serve_offloaded(rc: RunConfig, hardware: tuple[HardwareProfile, dict[str, object]], loaded: LoadedModel,
+                    tm: Telemetry) -> tuple[dict[str, Any], Callable[[], OffloadExecutor], list[OffloadOutput], list, float]:
     """Profile, warm up and serve the workload offloaded: (results, a factory of executors like the measured
-    one, the measured outputs, their batches, the seconds serving them took)."""
+    one, the measured outputs, their batches, the seconds serving them took). `hardware`: `composed_profile`'s."""
     cfg, model, store, full = loaded.cfg, loaded.model, loaded.store, loaded.full
     if loaded.tokenizer is None:
-        raise ValueError(f"model {node.model.name}: no tokenizer next to the checkpoint; text workloads need one "
+        raise ValueError(f"model {rc.model.name}: no tokenizer next to the checkpoint; text workloads need one "
                          "(use a shipped trained model, e.g. model=mixtral_tiny)")
-    sampler = build_workload(node.workload, loaded.tokenizer, separator_id=cfg.eos_token_id)
+    sampler = build_workload(rc.workload, loaded.tokenizer, separator_id=cfg.eos_token_id)
     if not isinstance(sampler, PromptSampler):
         raise ValueError("engine.run serves prompt workloads (workload=sharegpt, sharegpt_512, code)")
     profile = list(sampler.batches(rc.profile_batches)) if rc.profile_batches else []
     batches = list(sampler.batches(rc.workload.num_batches))
-    hw, hw_defaults = composed_profile(node.hardware)
-    cost = CostModel(cfg, hw, str(node.model.name), bytes_per_param=store.dtype.itemsize)
+    hw, hw_defaults = hardware
+    cost = CostModel(cfg, hw, str(rc.model.name), bytes_per_param=store.dtype.itemsize)
     slots = cache_slots(cfg, rc.offload, store.expert_bytes, dense_bytes=param_bytes(model))
-    settings = scheduler_settings(node.scheduler)
-    o = rc.offload
-    mech = OffloadSettings(cache_slots=slots, staging_slots=o.staging_slots, chunks=o.chunks, async_io=o.async_io,
-                           cpu_threads=o.cpu_threads, retries=o.retries,
-                           validate_plans=o.validate_plans, fuse_resident=o.fuse_resident)
+    settings = scheduler_settings(rc.scheduler)
+    mech = replace(rc.offload, cache_slots=slots)
     L, E = len(cfg.moe_layers), cfg.num_experts
 
     trace, rows = (None, {})
-    if rc.predictor.kind.value == "oracle":  # it replays the in-memory model's routing (~20 s of capture here)
+    if rc.predictor.kind.value == "oracle":  # it replays the in-memory model's routing (a capture run)
         if full is None:
             raise ValueError("predictor=oracle needs the in-memory model (compare_in_memory=true, a checkpoint with "
                              "experts)")
-        trace, rows = reference_trace(full, cfg, profile + batches, str(node.model.name))
+        trace, rows = reference_trace(full, cfg, profile + batches, str(rc.model.name))
     distances = forecast_distances(rc, L)
-    predictors = make_predictors(node.predictor, distances, model, trace) if settings.use_predictor and distances else {}
+    predictors = make_predictors(rc.predictor, distances, model=model, trace=trace) if settings.use_predictor and distances else {}
     lookup = (lambda s, p: np.array([rows[(int(a), int(b))] for a, b in zip(s, p)])) if rows else None
 
     cache = new_cache(cfg, mech, loaded.dtype)  # one set of device slots for every executor of the run
@@ -298,7 +290,7 @@ def serve_offloaded(node: DictConfig, rc: RunConfig, loaded: LoadedModel, tm: Te
     metrics = outs[-1].metrics.summary(int(outs[-1].lengths.sum()))
     step_ms = 1e3 * float(np.mean(decode_steps)) if decode_steps else None
     results: dict[str, Any] = {
-        "model": node.model.name, "scheduler": settings.label, "predictor": rc.predictor.name,
+        "model": rc.model.name, "scheduler": settings.label, "predictor": rc.predictor.name,
         "predictor_distances": sorted(predictors), "hardware_profile": hw.name, "hardware_defaults": hw_defaults,
         "batch_size": rc.workload.batch_size, "batches": len(batches),
         "cache_slots": slots, "experts_total": L * E, "expert_mib": store.expert_bytes / 2**20,
@@ -308,7 +300,7 @@ def serve_offloaded(node: DictConfig, rc: RunConfig, loaded: LoadedModel, tm: Te
         **{MOE_LAYER_KEYS.get(k, k): v for k, v in metrics.items() if k not in ("throughput_tok_s", "tokens_generated")},
         "timer": timer, "cost_model_after": cost.summary(),
     }
-    results["timeline"] = draw_timelines(tm, outs[-1], f"{settings.label} on {node.model.name}, budget {slots} of "
+    results["timeline"] = draw_timelines(tm, outs[-1], f"{settings.label} on {rc.model.name}, budget {slots} of "
                                          f"{L * E} experts, batch {rc.workload.batch_size}")
     return results, executor, outs, batches, wall
 

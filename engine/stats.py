@@ -11,54 +11,27 @@ run folder. Statistics: `core.routing_stats`.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 
-from core.config import resolve_path
 from conf import hydra_task
-from conf.schemas.stats import StatsConfig, StatsSource, TraceFileFormat
+from conf.schemas.stats import StatsConfig, StatsSource
 from core.routing_stats import routing_report
-from engine.stats_plots import plot_report
 from core.telemetry import Telemetry, console
-from core.trace import RoutingTrace, load_trace
-from core.trace_import import import_vllm_jsonl
+from core.trace import RoutingTrace
+from engine.record import obtain_trace
+from engine.stats_plots import plot_report
 
 
-def load_trace_file(path: str | Path, fmt: TraceFileFormat = TraceFileFormat.auto,
-                    num_experts: Optional[int] = None, drop_incomplete: bool = False) -> RoutingTrace:
-    """A routing trace from a file: a moescope `.npz` trace or a vLLM routing log (`.jsonl`)."""
-    path = Path(path)
-    if fmt is TraceFileFormat.auto:
-        suffix = path.suffix.lower()
-        if suffix not in (".npz", ".jsonl", ".json"):
-            raise ValueError(f"trace: cannot tell the format of {path} from its suffix; set trace_format=npz|vllm_jsonl")
-        fmt = TraceFileFormat.npz if suffix == ".npz" else TraceFileFormat.vllm_jsonl
-    if fmt is TraceFileFormat.npz:
-        return load_trace(path)
-    return import_vllm_jsonl(path, num_experts=num_experts, drop_incomplete=drop_incomplete)
-
-
-def trace_from_model(model_node: Any, workload_node: Any, progress: Any = None) -> RoutingTrace:
-    """Serve a prompt workload with the model and record its routing, gate inputs included.
-
-    The model needs a tokenizer next to its checkpoint (the shipped trained models have one);
-    prompt workloads only (sharegpt, code), as `engine.record` serves them.
-    """
-    from engine.record import record_trace  # imports jax and the model package: only for source=model
-
-    return record_trace(model_node, workload_node, keep_hidden=True, progress=progress)
-
-
-def obtain_trace(cfg: StatsConfig, node: DictConfig, progress: Any = None) -> RoutingTrace:
-    """The trace the config names: a file (source=trace) or a model run (source=model)."""
-    if cfg.source is StatsSource.trace:
-        if not cfg.trace:
-            raise ValueError("trace: source=trace needs trace=<file> (a .npz routing trace or a vLLM .jsonl log)")
-        return load_trace_file(resolve_path(cfg.trace), cfg.trace_format, cfg.num_experts, cfg.drop_incomplete)
-    return trace_from_model(node.model, node.workload, progress=progress)
+def stats_trace(cfg: StatsConfig, progress: Any = None) -> RoutingTrace:
+    """The trace the config names: a file (source=trace) or the model serving the workload (source=model)."""
+    if cfg.source is StatsSource.trace and not cfg.trace:
+        raise ValueError("trace: source=trace needs trace=<file> (a .npz routing trace or a vLLM .jsonl log)")
+    path = cfg.trace if cfg.source is StatsSource.trace else None
+    return obtain_trace(path, cfg.model, cfg.workload, fmt=cfg.trace_format, num_experts=cfg.num_experts,
+                        drop_incomplete=cfg.drop_incomplete, keep_hidden=True, progress=progress)
 
 
 def layer_table(report: dict[str, Any]) -> Table:
@@ -80,8 +53,8 @@ def layer_table(report: dict[str, Any]) -> Table:
     return table
 
 
-def run_stats(cfg: StatsConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
-    trace = obtain_trace(cfg, node, tm.progress)
+def run_stats(cfg: StatsConfig, tm: Telemetry) -> dict[str, Any]:
+    trace = stats_trace(cfg, tm.progress)
     if cfg.source is StatsSource.model and cfg.save_trace:
         trace.save(tm.run_dir / "trace.npz")
     report = routing_report(trace, cfg.distances, cfg.hot_factor, cfg.test_fraction, cfg.split_seed)
@@ -96,7 +69,7 @@ def headline(report: dict[str, Any]) -> dict[str, Any]:
 @hydra_task("stats", summarize=headline, metrics=lambda report: report["summary"])
 def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     cfg: StatsConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
-    report = run_stats(cfg, node, tm)
+    report = run_stats(cfg, tm)
     console.print(layer_table(report))
     for note in report["notes"]:
         console.print(f"[yellow]note:[/] {note}")

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from conf import hydra_task
 from conf.schemas.generate import GenerateConfig
 from core.telemetry import Telemetry, scalars
+import models.hf  # noqa: F401  (imported before the timed load, as the transformers peer's imports are)
 from models.config import ModelConfig
 from models.generation import GenerationOutput, Generator, SamplingParams
 from models.loading import load_model, load_tokenizer, model_dtype, open_model_checkpoint

@@ -82,8 +82,8 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, fill: int) -> tuple[
 def greedy(logits: jax.Array) -> jax.Array:
     """argmax over the last axis (first index of the maximum), int32.
 
-    Written as max + masked min-index: XLA:CPU's fused (value, index) argmax reduction costs
-    ~20 us per 4096-wide row, the two plain reductions a few us.
+    Written as max + masked min-index: XLA:CPU's fused (value, index) argmax reduction is several times
+    slower per wide row than the two plain reductions.
     """
     V = logits.shape[-1]
     best = jnp.max(logits, axis=-1, keepdims=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -22,9 +23,12 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from core.telemetry import atomic_write_text
 from models import deepseek, mixtral, olmoe, phimoe, qwen3_moe  # noqa: F401  (register the families)
 from models.config import Family, ModelConfig, NormKind, QKNorm
 from models.family import FAMILIES, FamilySpec
+from models.memory import HostArrays, cpu_count
+from models.native import count_nonfinite
 from models.transformer import MoETransformer, abstract_model
 
 SUPPORTED_MODEL_TYPES = {spec.model_type: spec for spec in FAMILIES.values()}
@@ -339,32 +343,35 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
     return bool(m) and cfg.family is Family.deepseek_v3 and int(m.group(1)) >= cfg.num_hidden_layers
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: Any, alignment: int = 64) -> np.ndarray:
-    """An uninitialised numpy array whose data starts on an `alignment`-byte boundary (what a jax CPU array
-    needs to alias it instead of copying)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(nbytes + alignment, np.uint8)
-    start = (-raw.ctypes.data) % alignment
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+def refuse_nonfinite(folder: Path, name: str, values: np.ndarray) -> None:
+    """A CheckpointError naming tensor `name` of the checkpoint in `folder` if `values` hold NaN or Inf."""
+    bad = count_nonfinite(values)
+    if bad:
+        raise CheckpointError(f"{folder}: tensor {name} has {bad} NaN/Inf values (model.allow_nonfinite=true "
+                              "serves it anyway)")
 
 
-def assemble(reader: CheckpointReader, src: TensorSource, dtype: Any) -> np.ndarray:
-    """The parameter `src` describes, as a fresh 64-byte-aligned numpy array of `dtype` (pieces stacked
-    along the first axis, converted from the stored dtype where it differs)."""
+def assemble(reader: CheckpointReader, src: TensorSource, dtype: Any, arrays: Optional[HostArrays] = None
+             ) -> np.ndarray:
+    """The parameter `src` describes, as a fresh 64-byte-aligned numpy array of `dtype` from `arrays` (pieces
+    stacked along the first axis, converted from the stored dtype where it differs)."""
     parts = [reader.view(p) for p in src.pieces]
-    out = aligned_empty((sum(p.shape[0] for p in parts),) + parts[0].shape[1:], dtype)
+    out = (arrays or HostArrays()).empty((sum(p.shape[0] for p in parts),) + parts[0].shape[1:], dtype)
     row = 0
     for part in parts:
-        out[row:row + part.shape[0]] = part
+        dst = out[row:row + part.shape[0]]
+        if part.dtype == dst.dtype and part.dtype.itemsize == 2:  # as raw bytes: numpy drops the GIL for those
+            np.copyto(dst.view(np.uint16), part.view(np.uint16))
+        else:
+            dst[...] = part
         row += part.shape[0]
     return out
 
 
-def to_device(arr: np.ndarray) -> jax.Array:
-    """A host array as a device array. On the CPU backend the jax array aliases an aligned `arr` (no second
-    copy; numpy's large allocations are backed by huge pages, which the native kernels stream about 15 %
-    faster than XLA's own buffers); on an accelerator it is a transfer."""
+def to_device(arr: Any) -> Any:
+    """A host array (or a list of them, in one call) as a device array. On the CPU backend the jax array
+    aliases an aligned `arr` (no second copy, and the pages `HostArrays` chose, not XLA's own buffers); on an
+    accelerator it is a transfer."""
     return jax.device_put(arr, may_alias=True)
 
 
@@ -412,16 +419,11 @@ class OpenCheckpoint:
         """A CheckpointError naming the first tensor with NaN or Inf values (a checkpoint damaged in conversion or
         training serves garbage tokens otherwise). Reads every parameter byte once, at memory speed; a second call
         (the in-memory model and the expert store of one run) reads nothing."""
-        from models.native import count_nonfinite
-
         if self.finite:
             return
         names = dict.fromkeys(p.name for s in self.sources for p in s.pieces)
         for name in names:
-            bad = count_nonfinite(self.reader.view(Piece(name, self.reader.shape(name))))
-            if bad:
-                raise CheckpointError(f"{self.folder}: tensor {name} has {bad} NaN/Inf values (model.allow_nonfinite=true "
-                                      "serves it anyway)")
+            refuse_nonfinite(self.folder, name, self.reader.view(Piece(name, self.reader.shape(name))))
         self.finite = True
 
     def param_bytes(self, dtype: Any, experts: bool = True) -> int:
@@ -442,27 +444,45 @@ def open_checkpoint(folder: str | Path) -> OpenCheckpoint:
 
 
 def load_hf(folder: str | Path, dtype: Any = jnp.float32, with_experts: bool = True,
-            opened: Optional[OpenCheckpoint] = None) -> tuple[ModelConfig, MoETransformer]:
+            opened: Optional[OpenCheckpoint] = None, check_finite: bool = False,
+            huge_pages: bool = False) -> tuple[ModelConfig, MoETransformer]:
     """Load an HF MoE checkpoint folder into an NNX model (routed experts skipped when `with_experts` is False,
     e.g. for the offload executor, which reads them from the files itself).
 
     Each parameter is copied once from the memory-mapped files into its own aligned host array (converted to
     `dtype` on the way when the checkpoint stores another), which the device array aliases on the CPU
-    backend: the model's own arrays are the only lasting allocation.
+    backend: the model's own arrays are the only lasting allocation. `check_finite` refuses NaN / Inf
+    weights (a CheckpointError naming the tensor), scanning each copy right after it is written, while it
+    is still in cache, instead of reading the files a second time. `huge_pages`: those host arrays on 2 MiB pages
+    (see `models.memory.HostArrays`).
     """
     ck = opened or open_checkpoint(folder)
     dtype = jnp.dtype(dtype)
     np_dtype = np.dtype(dtype)
+    check_finite = check_finite and not ck.finite
     graphdef, state = nnx.split(abstract_model(ck.cfg, dtype, with_experts=with_experts))
     pure = nnx.to_pure_dict(state)
-    for src in ck.sources:
-        if src.expert is not None and not with_experts:
-            continue
-        _set_path(pure, src.path, to_device(assemble(ck.reader, src, np_dtype)))
+    arrays = HostArrays(huge_pages)
+
+    def read(src: TensorSource) -> np.ndarray:
+        host = assemble(ck.reader, src, np_dtype, arrays)
+        if check_finite and count_nonfinite(host):
+            for piece in src.pieces:  # name the stored tensor that holds them
+                refuse_nonfinite(ck.folder, piece.name, ck.reader.view(piece))
+        return host
+
+    wanted = [src for src in ck.sources if with_experts or src.expert is None]
+    # two readers: page population, copies and scans all run without the GIL, so one thread's system calls
+    # overlap the other's copying
+    with ThreadPoolExecutor(max(1, min(2, cpu_count()))) as pool:
+        hosts = list(pool.map(read, wanted))
+    for src, arr in zip(wanted, to_device(hosts)):
+        _set_path(pure, src.path, arr)
     unfilled = [jax.tree_util.keystr(p) for p, leaf in jax.tree_util.tree_leaves_with_path(pure)
                 if isinstance(leaf, jax.ShapeDtypeStruct)]
     if unfilled:
         raise CheckpointError(f"{folder}: no tensor for model parameters {unfilled[:8]}")
+    ck.finite = ck.finite or (check_finite and with_experts)
     nnx.replace_by_pure_dict(state, pure)
     return ck.cfg, nnx.merge(graphdef, state)
 
@@ -498,10 +518,8 @@ def state_to_hf_tensors(cfg: ModelConfig, model: MoETransformer, fused: bool = F
 def save_hf(cfg: ModelConfig, model: MoETransformer, folder: str | Path, fused: bool = False,
             dtype: Any = None, extra_config: Optional[dict[str, Any]] = None) -> Path:
     """Write config.json + model.safetensors loadable by `load_hf` and by transformers."""
-    import torch
+    import torch  # torch: only writing a checkpoint needs it (reading maps the files with numpy)
     from safetensors.torch import save_file
-
-    from core.telemetry import atomic_write_text
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -37,9 +37,9 @@ from models.checkpointing import checkpoint_manager, restore_latest, run_checkpo
 from models.config import ModelConfig
 from models.corpus import Corpus, CorpusConfig, CorpusSource, build_corpus
 from models.hf import save_hf
-from models.loading import resolve_model_config
+from models.loading import load_tokenizer, resolve_model_config
 from models.tokenizer import save_hf_tokenizer, special_token_ids, train_bpe
-from models.training import LossConfig, make_eval_step, make_optimizer, make_train_step
+from models.training import LossConfig, lm_schedule, make_eval_step, make_optimizer, make_train_step
 from models.transformer import build_model
 
 
@@ -88,8 +88,6 @@ def training_texts(corpus: Corpus, repeat: dict[str, int]) -> list[str]:
 
 def prepare_tokenizer(cfg: TrainConfig, model_cfg: ModelConfig, corpus: Corpus) -> Any:
     if cfg.tokenizer is not None:
-        from models.loading import load_tokenizer
-
         tok = load_tokenizer(resolve_path(cfg.tokenizer))
         if tok is None:
             raise FileNotFoundError(f"tokenizer: no tokenizer.json in {cfg.tokenizer}")
@@ -107,9 +105,9 @@ def export(model_cfg: ModelConfig, model: Any, tokenizer: Any, folder: Path, dty
     return folder
 
 
-def train(cfg: TrainConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
+def train(cfg: TrainConfig, tm: Telemetry) -> dict[str, Any]:
     started = time.perf_counter()
-    model_cfg = resolve_model_config(node.model)
+    model_cfg = resolve_model_config(cfg.model)
     corpus = build_corpus(CorpusConfig(sources=list(cfg.corpus.sources),
                                        validation_fraction=cfg.corpus.validation_fraction,
                                        max_chars=cfg.corpus.max_chars))
@@ -127,7 +125,7 @@ def train(cfg: TrainConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     model = build_model(model_cfg, seed=cfg.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     o = cfg.optim
-    tx = make_optimizer(o.lr, o.warmup_steps, cfg.steps, o.weight_decay, o.clip_norm, o.min_lr_ratio)
+    tx = make_optimizer(lm_schedule(o.lr, o.warmup_steps, cfg.steps, o.min_lr_ratio), o.weight_decay, o.clip_norm, b2=0.95)
     opt_state = tx.init(params)
     start_step = 0
     if cfg.resume is not None:
@@ -172,7 +170,7 @@ def train(cfg: TrainConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     export_dir = resolve_path(cfg.export_dir) if cfg.export_dir else tm.run_dir / "export"
     export(model_cfg, trained, tokenizer, export_dir, cfg.export_dtype.value)
     return {
-        "model": node.model.name, "family": model_cfg.family.value,
+        "model": cfg.model.name, "family": model_cfg.family.value,
         "parameters": int(sum(x.size for x in jax.tree_util.tree_leaves(params))),
         "steps": steps_done, "resumed_from_step": start_step, "tokens_seen": steps_done * tokens_per_step,
         "train_sequences": len(train_seqs), "validation_sequences": len(val_seqs),
@@ -186,7 +184,7 @@ def train(cfg: TrainConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
 @hydra_task("train", hide=("history", "corpus"))
 def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     cfg: TrainConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
-    results = train(cfg, node, tm)
+    results = train(cfg, tm)
     atomic_write_text(Path(results["export_dir"]) / "training.json", results_text(results))  # beside the export
     return results
 

@@ -94,13 +94,18 @@ def lm_loss(model: MoETransformer, tokens: jax.Array, cfg: LossConfig) -> tuple[
     return loss, metrics
 
 
-def make_optimizer(lr: float, warmup_steps: int, total_steps: int, weight_decay: float, clip_norm: float,
-                   min_lr_ratio: float = 0.1) -> optax.GradientTransformation:
-    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`, after global-norm clipping."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, max(total_steps, warmup_steps + 1),
-                                                  end_value=lr * min_lr_ratio)
+def make_optimizer(schedule: optax.ScalarOrSchedule, weight_decay: float, clip_norm: float,
+                   b2: float = 0.999) -> optax.GradientTransformation:
+    """AdamW after global-norm clipping: the one optimizer of the project's training loops (the language models with
+    `lm_schedule` and b2 = 0.95, the predictors with `predictors.fitting.lr_schedule`)."""
     return optax.chain(optax.clip_by_global_norm(clip_norm),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay))
+                       optax.adamw(schedule, b1=0.9, b2=b2, weight_decay=weight_decay))
+
+
+def lm_schedule(lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1) -> optax.Schedule:
+    """Linear warmup from 0, then cosine decay to `min_lr_ratio * lr` (counted in steps)."""
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, max(total_steps, warmup_steps + 1),
+                                              end_value=lr * min_lr_ratio)
 
 
 def make_train_step(loss_cfg: LossConfig) -> Any:

@@ -33,6 +33,7 @@ from predictors.llapor import LayerNet, LLaPorPredictor
 from predictors.moeless import MoElessPredictor
 from predictors.stats import StatsPredictor
 from predictors.token import TokenPredictor
+from predictors.transition import TransitionPredictor
 
 SCHEMA = "moescope.predictor"
 VERSION = 1
@@ -44,7 +45,7 @@ class PredictorCheckpointError(ValueError):
 
 
 def _checkpointer() -> Any:
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # orbax: only saving / loading arrays needs it, not reading predictor.json
 
     return ocp.StandardCheckpointer()
 
@@ -141,6 +142,11 @@ def _build(folder: Path) -> TrainedPredictor:
         for t in targets:
             counts[t] = arrays[t]["counts"]
         return StatsPredictor(name, d, counts, k, online=bool(meta.get("online", False)))
+    if kind == "transition":
+        counts, freq = np.zeros((L, E, E), np.int64), np.zeros((L, E), np.int64)
+        for t in targets:
+            counts[t], freq[t] = np.rint(arrays[t]["counts"]), np.rint(arrays[t]["target_freq"])
+        return TransitionPredictor(name, d, counts, freq, k)
     if kind in ("gate", "moeless"):
         model_cfg = to_frozen(meta["model_config"], ModelConfig)
         kernels = {t: np.asarray(a["kernel"]) for t, a in arrays.items()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -19,6 +19,7 @@ from core.config import store
 
 class PredictorKind(enum.Enum):
     stats = "stats"  # per-layer hot-expert frequencies of the training data
+    transition = "transition"  # layer l's experts -> layer l+d's expert frequencies (a transition table)
     gate = "gate"  # layer l+d's router applied to layer l's gate input (no training)
     token = "token"  # a light net from the token embedding (+ layer l's routing) to layer l+d's experts
     llapor = "llapor"  # LayerScope §4.2: per-layer, layer-group-aware learned predictor
@@ -151,8 +152,31 @@ class StatsSpec:
 
 @dataclass
 class OracleSpec:
-    hit_rate: float = 1.0  # each true (token, expert) pair kept with this probability
-    distance_decay: float = 1.0  # hit rate multiplier per layer of distance beyond the first
+    hit_rate: float = 1.0  # each true (token, expert) pair kept with this probability (at distance 1)
+    distance_decay: float = 1.0  # hit rate multiplier per layer of distance beyond the first (or beyond `hit_rates`)
+    hit_rates: List[float] = field(default_factory=list)  # per distance 1, 2, ...: overrides hit_rate x decay there
+    source: str = ""  # where `hit_rates` come from (a measurement and its command); "" = set by hand
+
+    def __post_init__(self) -> None:
+        # `hit_rates` wins over `hit_rate`: a command-line hit_rate that disagrees would be silently ignored
+        if self.hit_rates and abs(float(self.hit_rates[0]) - float(self.hit_rate)) > 1e-12:
+            raise ValueError(f"predictor.oracle.hit_rate={self.hit_rate} disagrees with predictor.oracle.hit_rates[0]="
+                             f"{self.hit_rates[0]} (hit_rates={list(self.hit_rates)}); set predictor.oracle.hit_rates=[] "
+                             "to use hit_rate x distance_decay, or set hit_rates itself")
+
+    def provenance(self) -> str:
+        """Where the hit rates come from: `source` for a per-distance list that names one, else set by hand."""
+        return self.source if self.hit_rates and self.source else "set by hand (assumed, not measured)"
+
+    def at(self, distance: int) -> float:
+        """The hit rate at `distance` (>= 1): `hit_rates[d - 1]` where given, else the last given (or `hit_rate`)
+        times `distance_decay` per further layer."""
+        if distance < 1:
+            raise ValueError(f"predictor.oracle: distance must be >= 1, got {distance}")
+        if distance <= len(self.hit_rates):
+            return float(self.hit_rates[distance - 1])
+        base, d0 = (float(self.hit_rates[-1]), len(self.hit_rates)) if self.hit_rates else (self.hit_rate, 1)
+        return base * self.distance_decay ** (distance - d0)
 
 
 @dataclass
@@ -171,6 +195,19 @@ class PredictorConfig:
 
 
 store(PredictorConfig, name="base_predictor", group="predictor")
+
+
+ROUTING_ONLY = (PredictorKind.stats, PredictorKind.transition)  # fitted from routing alone (no gate inputs)
+NEEDS_HIDDEN = (PredictorKind.gate, PredictorKind.llapor, PredictorKind.moeless)  # read layer l's gate input
+
+
+def oracle_config(hit_rate: float = 1.0, distance_decay: float = 1.0, seed: int = 0,
+                  hit_rates: Sequence[float] = (), source: str = "") -> PredictorConfig:
+    """The oracle predictor's config (an upper bound: the replayed routing itself, degraded to `hit_rate`, or to
+    `hit_rates` per distance)."""
+    return PredictorConfig(name="oracle", kind=PredictorKind.oracle, seed=seed,
+                           oracle=OracleSpec(hit_rate=hit_rate, distance_decay=distance_decay,
+                                             hit_rates=[float(h) for h in hit_rates], source=source))
 
 
 def predictor_config(node: Any) -> PredictorConfig:

@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 
 from predictors.config import OptimSpec, Schedule
 from models.checkpointing import checkpoint_manager, restore_latest, saved_steps
+from models.training import make_optimizer
 
 LossFn = Callable[[Any, Any, tuple, Optional[jax.Array]], jax.Array]
 _COMPILED: dict[Hashable, Callable] = {}
@@ -43,12 +44,6 @@ def lr_schedule(spec: OptimSpec, steps_per_epoch: int, epochs: int) -> optax.Sch
     if warmup == 0:
         return cosine
     return optax.join_schedules([optax.linear_schedule(spec.lr / warmup, spec.lr, warmup), cosine], [warmup])
-
-
-def make_optimizer(spec: OptimSpec, steps_per_epoch: int, epochs: int) -> optax.GradientTransformation:
-    """AdamW (per-group learning rate and weight decay) after global-norm clipping."""
-    return optax.chain(optax.clip_by_global_norm(spec.clip_norm),
-                       optax.adamw(lr_schedule(spec, steps_per_epoch, epochs), weight_decay=spec.weight_decay))
 
 
 @dataclass
@@ -160,7 +155,7 @@ def fit(params: Any, loss_fn: LossFn, consts: Any, arrays: Sequence[np.ndarray],
     """
     arrays = tuple(jnp.asarray(a) for a in arrays)
     n_batches, size = batches_per_epoch(int(arrays[0].shape[0]), batch_size)
-    tx = make_optimizer(spec, n_batches, epochs)
+    tx = make_optimizer(lr_schedule(spec, n_batches, epochs), spec.weight_decay, spec.clip_norm)
     fresh = _snapshot(params, tx.init(params), np.full(epochs, np.nan, np.float32), False, state)
     done, snap = _resume(checkpoints, fresh, epochs)
     params, opt_state, finished = snap["params"], snap["opt_state"], bool(snap["finished"])

@@ -97,7 +97,7 @@ class LLaPorPredictor(TrainedPredictor):
         self.layers = layers
         self._device = {t: {k: jax.tree_util.tree_map(jnp.asarray, v) for k, v in ln.arrays().items()}
                         for t, ln in layers.items()}
-        # forecasts run in numpy: a few tokens' forward costs ~20 us there, a device call ~0.1-0.5 ms
+        # forecasts run in numpy: a few tokens' forward is far quicker there than a device call
         self._host = {t: {k: jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), v)
                           for k, v in ln.arrays().items()} for t, ln in layers.items()}
         self._monitors: dict[int, OnlineMonitor] = {}
@@ -155,7 +155,7 @@ class LLaPorPredictor(TrainedPredictor):
 
     def warm_up(self) -> None:
         """Compile the online fine-tuning step of every online layer now, outside timed work: its first cycle
-        would otherwise stall a decode step by ~1 s of compilation (a cycle itself takes a few ms here).
+        would otherwise stall a decode step by a compilation far longer than the cycle itself.
         One step on an empty buffer, its result discarded: the nets are unchanged."""
         for target in self.online_layers():
             step, opt_state = self._online_step(target)

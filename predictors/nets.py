@@ -80,8 +80,8 @@ def _blas() -> ThreadpoolController:
 def one_blas_thread(fn: F) -> F:
     """Run `fn`'s numpy matmuls on one BLAS thread. Host forecasts are a few small matmuls on the
     executor's critical path, next to the device's and torch's threads: OpenBLAS waking its pool for
-    them took 16-30 ms per LLaPor prefill forecast on this loaded 2-core machine, 0.2-0.9 ms on one
-    thread (the limit costs ~8 us per call)."""
+    them made a LLaPor prefill forecast tens of times slower on a loaded small machine than on one
+    thread (the limit itself costs little per call)."""
 
     @functools.wraps(fn)
     def limited(*args: Any, **kwargs: Any) -> Any:

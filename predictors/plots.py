@@ -14,6 +14,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from predictors.metrics import per_step_pearson
+
 GROUP_COLOURS = {"input": "#dbe9f6", "middle": "#f3f3f3", "output": "#fbe3d6"}
 SET_TITLES = {"test": "in-distribution (ShareGPT test)", "shift": "shifted (code)"}
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
@@ -85,8 +87,6 @@ def distance_figure(by_distance: Mapping[str, Mapping[int, Mapping[str, float]]]
 def load_correlation_figure(loads: Mapping[str, Mapping[int, tuple[np.ndarray, np.ndarray]]], model: str = "") -> Figure:
     """MoEless Fig. 16: per target layer, the distribution of per-step Pearson correlations between
     forecast and true tokens per expert (darker: more steps in the bin), one panel per method."""
-    from predictors.metrics import per_step_pearson
-
     bins = np.linspace(-1.0, 1.0, 21)
     fig = Figure(figsize=(4.2 * len(loads), 3.8))
     axes = np.atleast_1d(fig.subplots(1, len(loads), squeeze=False)[0])

@@ -5,8 +5,10 @@
     python -m predictors.train predictor=llapor predictor.train.epochs=10 'baselines={}'
     python -m predictors.train resume=runs/predictors_train/<run>     # continue an interrupted run
 
-1. Routing traces with gate inputs: loaded (`trace`, `shift_trace`) or recorded with the model on
-   `workload` (in-distribution) and `shift_workload` (code, the shifted set).
+1. Routing traces with gate inputs: loaded (`trace`, `shift_trace`: a .npz trace or a vLLM .jsonl routing
+   log) or recorded with the model on `workload` (in-distribution) and `shift_workload` (code, the shifted
+   set). A trace without gate inputs (a JSONL log) trains the routing-only methods (stats, transition); the
+   others are skipped, named in results.json's `skipped` (the headline predictor must be routing-only then).
 2. In-distribution sequences split into train / validation / test (by sequence, never by token);
    layer groups found on the training rows (or set in `predictor.llapor.groups`).
 3. The headline `predictor` and every entry of `baselines` trained (gate and MoEless at each of
@@ -32,10 +34,11 @@ from rich.table import Table
 
 from core.config import resolve_path
 from conf import hydra_task
-from predictors.config import PredictorConfig, PredictorKind
+from predictors.config import ROUTING_ONLY, PredictorConfig, PredictorKind
 from conf.schemas.predictors_train import PredictorsTrainConfig
 from core.telemetry import Telemetry, console
-from core.trace import RoutingTrace, load_trace
+from core.trace import RoutingTrace
+from engine.record import obtain_trace
 from models.checkpointing import run_checkpoints, saved_steps
 from models.config import ModelConfig
 from predictors.checkpoint import load_predictor_folder, save_predictor
@@ -45,12 +48,14 @@ from predictors.evaluate import evaluate_offline, evaluate_online
 from predictors.factory import load_predictor
 from predictors.fitting import Checkpoints, scoped
 from predictors.gate import GatePredictor, gate_copies
-from predictors.groups import LayerGroups, layer_groups
+from predictors.groups import LayerGroups, groups_from_spec, layer_groups
 from predictors.llapor import LLaPorPredictor, fit_llapor
 from predictors.moeless import fit_moeless
 from predictors.plots import accuracy_figure, distance_figure, load_correlation_figure, online_figure
 from predictors.stats import StatsPredictor
 from predictors.token import fit_token
+from predictors.transition import TransitionPredictor
+from models.loading import load_model, resolve_model_config
 
 SETS = ("test", "shift")
 
@@ -71,28 +76,28 @@ class TrainData:
 
 
 # ---- traces ---------------------------------------------------------------------------------------------------
-def check_trace(trace: RoutingTrace, model_cfg: ModelConfig, where: str) -> None:
-    """The trace must come from this model's architecture and carry gate inputs."""
+def check_trace(trace: RoutingTrace, model_cfg: ModelConfig, where: str, need_hidden: bool = True) -> None:
+    """The trace must come from this model's architecture and, for methods that read them, carry gate inputs."""
     meta = trace.meta
     want = (model_cfg.num_experts, model_cfg.num_experts_per_tok, tuple(model_cfg.moe_layers))
     if (meta.num_experts, meta.top_k, tuple(meta.moe_layers)) != want:
         raise ValueError(f"{where}: trace of {meta.num_experts} experts top-{meta.top_k}, MoE layers {list(meta.moe_layers)}; "
                          f"the model has {want[0]} experts top-{want[1]}, MoE layers {list(want[2])}")
     if trace.hidden is None:
-        raise ValueError(f"{where}: the trace has no hidden states (record it with keep_hidden=true)")
+        if need_hidden:
+            raise ValueError(f"{where}: the trace has no hidden states (record it with keep_hidden=true)")
+        return
     if trace.hidden.shape[2] != model_cfg.hidden_size:
         raise ValueError(f"{where}: hidden size {trace.hidden.shape[2]} != the model's {model_cfg.hidden_size}")
 
 
-def obtain_trace(path: Optional[str], key: str, model_node: Any, workload_node: Any, cfg: PredictorsTrainConfig,
-                 tm: Telemetry, save_as: str) -> RoutingTrace:
-    """A trace file (`path`) or a recording of the model serving `workload_node`."""
-    if path:
-        return load_trace(resolve_path(path))
-    from engine.record import record_trace
-
-    trace = record_trace(model_node, workload_node, keep_hidden=True, dtype=cfg.dtype.value, seed=cfg.seed, progress=tm.progress)
-    if cfg.save_traces:
+def training_trace(path: Optional[str], workload: Any, cfg: PredictorsTrainConfig, tm: Telemetry,
+                   save_as: str, num_experts: int) -> RoutingTrace:
+    """The trace at `path` (.npz or a vLLM .jsonl log), or a recording of the model serving `workload`, saved into
+    the run folder as `save_as` when `save_traces`. `workload`: a `WorkloadConfig`."""
+    trace = obtain_trace(path, cfg.model, workload, num_experts=num_experts, dtype=cfg.dtype.value, seed=cfg.seed,
+                         progress=tm.progress)
+    if not path and cfg.save_traces:
         trace.save(tm.run_dir / save_as)
     return trace
 
@@ -160,6 +165,8 @@ def train_method(pcfg: PredictorConfig, data: TrainData, distances: list[int]) -
         ckpt = scoped(data.checkpoints, key(d).replace("@", "_"))  # named like the predictor folder
         if kind is PredictorKind.stats:
             preds[key(d)] = StatsPredictor.fit(tr, split.train, c.name, d, c.stats.online)
+        elif kind is PredictorKind.transition:
+            preds[key(d)] = TransitionPredictor.fit(tr, split.train, c.name, d)
         elif kind is PredictorKind.gate:
             preds[key(d)] = GatePredictor(key(d), d, data.model_cfg, {j: data.kernels[j] for j in range(d, L)},
                                           {j: data.biases[j] for j in range(d, L)})
@@ -262,25 +269,50 @@ def results_table(methods: dict[str, Any], groups: list[str], model: str) -> Tab
     return table
 
 
-def run(cfg: PredictorsTrainConfig, node: DictConfig, tm: Telemetry) -> dict[str, Any]:
-    from models.loading import load_model, resolve_model_config
+def runnable_methods(cfg: PredictorsTrainConfig, trace: RoutingTrace, where: str
+                     ) -> tuple[dict[str, PredictorConfig], dict[str, str]]:
+    """The methods the trace can train: all with gate inputs; without them the routing-only ones (and the oracle),
+    the rest skipped with the reason. The headline predictor must be trainable."""
+    methods, skipped = {}, {}
+    for name, pcfg in method_configs(cfg).items():
+        if trace.hidden is None and pcfg.kind not in ROUTING_ONLY + (PredictorKind.oracle,):
+            skipped[name] = f"{where} has no gate inputs (hidden states); {pcfg.kind.value} reads them"
+        else:
+            methods[name] = pcfg
+    if cfg.predictor.name in skipped:
+        raise ValueError(f"predictor={cfg.predictor.name}: {skipped[cfg.predictor.name]}; train predictor=stats or "
+                         "predictor=transition on it, or record a trace with gate inputs (python -m engine.record)")
+    return methods, skipped
 
-    model_cfg = resolve_model_config(node.model)
+
+def run(cfg: PredictorsTrainConfig, tm: Telemetry) -> dict[str, Any]:
+    model_cfg = resolve_model_config(cfg.model)
     checkpoints = training_checkpoints(cfg, tm.run_dir)
     trace_path = cfg.trace or resumed_trace(checkpoints, "trace.npz")
-    trace = obtain_trace(trace_path, "trace", node.model, node.workload, cfg, tm, "trace.npz")
-    check_trace(trace, model_cfg, f"trace={trace_path or 'recorded'}")
+    where = f"trace={trace_path or 'recorded'}"
+    trace = training_trace(trace_path, cfg.workload, cfg, tm, "trace.npz", model_cfg.num_experts)
+    todo, skipped = runnable_methods(cfg, trace, where)
+    reads_hidden = any(p.kind not in ROUTING_ONLY + (PredictorKind.oracle,) for p in todo.values())
+    check_trace(trace, model_cfg, where, need_hidden=reads_hidden)
     shift_path = cfg.shift_trace or resumed_trace(checkpoints, "shift_trace.npz")
-    shift = obtain_trace(shift_path, "shift_trace", node.model, node.shift_workload, cfg, tm,
-                         "shift_trace.npz") if cfg.shift else None
+    shift = training_trace(shift_path, cfg.shift_workload, cfg, tm, "shift_trace.npz",
+                           model_cfg.num_experts) if cfg.shift else None
     if shift is not None:
-        check_trace(shift, model_cfg, f"shift_trace={shift_path or 'recorded'}")
-    _, model, _ = load_model(node.model, seed=cfg.seed, with_experts=False)
+        check_trace(shift, model_cfg, f"shift_trace={shift_path or 'recorded'}", need_hidden=reads_hidden)
     split = split_rows(trace, cfg.test_fraction, cfg.val_fraction, cfg.split_seed)
-    groups = layer_groups(cfg.predictor.llapor.groups, trace, split.train)
-    kernels, biases = gate_copies(model)
+    if trace.hidden is not None:
+        groups = layer_groups(cfg.predictor.llapor.groups, trace, split.train)
+    else:  # data-driven groups read gate inputs: without them, the configured lists (every layer middle by default)
+        groups = groups_from_spec(cfg.predictor.llapor.groups, trace.num_layers)
+    kernels: list[np.ndarray] = []
+    biases: list[np.ndarray] = []
+    embedding = np.zeros((0, 0), np.float32)
+    if reads_hidden:  # the gate copies and the token embedding come from the model
+        _, model, _ = load_model(cfg.model, seed=cfg.seed, with_experts=False)
+        kernels, biases = gate_copies(model)
+        embedding = np.asarray(model.embed[...], np.float32)
     data = TrainData(trace=trace, split=split, groups=groups, model_cfg=model_cfg, kernels=kernels, biases=biases,
-                     embedding=np.asarray(model.embed[...], np.float32), progress=tm.progress, checkpoints=checkpoints)
+                     embedding=embedding, progress=tm.progress, checkpoints=checkpoints)
     out_dir = resolve_path(cfg.out) if cfg.out else tm.run_dir / "predictors"
     group_layers = {g: list(v) for g, v in groups.as_dict().items()}
     sets = evaluation_sets(trace, split, shift)
@@ -289,7 +321,7 @@ def run(cfg: PredictorsTrainConfig, node: DictConfig, tm: Telemetry) -> dict[str
     methods: dict[str, Any] = {}
     loads: dict[str, Any] = {}
     headline_folder: Optional[Path] = None
-    for name, pcfg in method_configs(cfg).items():
+    for name, pcfg in todo.items():
         if pcfg.kind is PredictorKind.oracle:  # reads the routing of whichever trace it is scored on
             entry: dict[str, Any] = {"kind": pcfg.kind.value, "distance": pcfg.distance}
             for which, (tr, rows) in sets.items():
@@ -323,7 +355,7 @@ def run(cfg: PredictorsTrainConfig, node: DictConfig, tm: Telemetry) -> dict[str
             and cfg.predictor.llapor.online.enabled:
         online = headline_online(headline_folder, sets, group_layers, cfg, tm.progress)
     results: dict[str, Any] = {
-        "model": {"name": node.model.name, "family": model_cfg.family.value, "moe_layers": len(model_cfg.moe_layers),
+        "model": {"name": cfg.model.name, "family": model_cfg.family.value, "moe_layers": len(model_cfg.moe_layers),
                   "num_experts": model_cfg.num_experts, "top_k": model_cfg.num_experts_per_tok,
                   "hidden_size": model_cfg.hidden_size},
         "data": {"rows": trace.num_rows, "sequences": int(len(np.unique(trace.seq))),
@@ -336,6 +368,7 @@ def run(cfg: PredictorsTrainConfig, node: DictConfig, tm: Telemetry) -> dict[str
         "training_checkpoints": str(checkpoints.folder) if checkpoints is not None else None,
         "resumed_from": str(checkpoints.resume) if checkpoints is not None and checkpoints.resume else None,
         "methods": methods,
+        "skipped": skipped,
         "online": online,
         "targets": check_targets(methods, online, cfg.predictor.name, distances),
     }
@@ -378,7 +411,7 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
 @hydra_task("predictors_train", summarize=headline)
 def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     cfg: PredictorsTrainConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
-    results = run(cfg, node, tm)
+    results = run(cfg, tm)
     console.print(results_table(results["methods"], ["input", "middle", "output", "all"], results["model"]["name"]))
     return results
 

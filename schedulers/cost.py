@@ -124,7 +124,7 @@ def memory_plan(cfg: ModelConfig, hw: "HardwareProfile", batch: int, prompt_len:
 # Single-expert GPU samples come only from on-demand loads: few, and on a shared host some are several
 # times the typical call. The dispatch estimate is the median of the last GPU_WINDOW samples with the
 # profile's value standing for GPU_PRIOR_SAMPLES of them, so a stray pair cannot move it (an average
-# would: two 3 ms samples took it from 0.09 to 1.2 ms, and every expert went to the CPU).
+# would: two stray samples tens of times the typical call multiplied it, and every expert went to the CPU).
 GPU_PRIOR_SAMPLES = 8
 GPU_WINDOW = 40
 
@@ -135,7 +135,7 @@ class _RunningFit:
     Only fitted once the observed x span at least `min_span`: decode passes see experts of 1-8
     tokens, where timing noise decides the slope (it came out 0 on this machine, making the CPU look
     free for a prefill's hundreds of tokens). Every CPU expert of a run is a sample, so the fit keeps
-    running sums (O(1) per sample; `np.polyfit` over the window cost ~0.1 ms each, several per layer),
+    running sums (O(1) per sample; `np.polyfit` over the window at every sample, several per layer, cost too much),
     recomputed from the window every `window` samples so rounding cannot build up."""
 
     def __init__(self, window: int = 256, min_span: float = 16.0):

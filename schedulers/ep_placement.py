@@ -199,8 +199,9 @@ class ReplicaPolicy(Protocol):
         time (periodic policies)."""
         ...
 
-    def observe(self, layer: int, actual: np.ndarray, now_s: float) -> None:
-        """The loads that actually occurred at `layer` (int [E]) at trace time `now_s`."""
+    def observe(self, layer: int, actual: np.ndarray, now_s: float, iterations: float = 1.0) -> None:
+        """The loads that actually occurred at `layer` (int [E]) at trace time `now_s`; `iterations`: the
+        serving iterations this observation stands for (a simulator that samples every n-th decode step)."""
         ...
 
     def effective_loads(self, actual: np.ndarray) -> np.ndarray:
@@ -218,13 +219,17 @@ class PolicyBase:
     serverless = False
     lossy = False
     uses_forecast = False
+    # when the weight copies a new placement needs can move: "ahead" (issued when the plan is made,
+    # from the forecast d layers early; the layer waits for what has not arrived), "background" (a
+    # transfer worker beside inference, never waited for), "blocking" (the layer waits for all of it)
+    transfer = "ahead"
     _stats = PlacementStats()
 
     @property
     def last_stats(self) -> PlacementStats:
         return self._stats
 
-    def observe(self, layer: int, actual: np.ndarray, now_s: float) -> None:
+    def observe(self, layer: int, actual: np.ndarray, now_s: float, iterations: float = 1.0) -> None:
         """Policies without history ignore what happened."""
 
     def effective_loads(self, actual: np.ndarray) -> np.ndarray:

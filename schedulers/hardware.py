@@ -42,9 +42,10 @@ TFLOP/s = 1e12, µs / ms as named.
 |                | pair_gbps                   | one-direction bandwidth to a directly bridged peer (NVLink pairs); 0 if none |
 | `measured`     | {model name: ExpertTimes}   | measured per-expert times that override the modelled ones    |
 
-The expert transfer time is `latency_us + bytes / (peak_gbps * efficiency)`: with the fitted
-numbers of `v100_pcie3` / `a100_pcie4` it reproduces LayerScope Table 2 (Mixtral 26.7 / 13.98 ms,
-DeepSeek 1.39 / 0.76 ms, Qwen3 0.79 / 0.44 ms on PCIe 3.0 / 4.0) within 3%.
+The expert transfer time is `latency_us + bytes / (peak_gbps * efficiency)`: with one efficiency and one
+latency for both links, fitted on two PCIe 3.0 points of LayerScope Table 2 (`python -m engine.calibrate_paper`),
+`v100_pcie3` / `a100_pcie4` reproduce the four held-out ones (Mixtral 13.98 ms, DeepSeek 0.76 ms, Qwen3 0.79 /
+0.44 ms) within 5%.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
+from omegaconf import DictConfig, OmegaConf
+
 from core.config import to_frozen
 
 
@@ -144,8 +146,6 @@ class Registry:
 
 def plain(node: Any) -> dict[str, Any]:
     """A config node as a plain dict (enums kept)."""
-    from omegaconf import DictConfig, OmegaConf
-
     if isinstance(node, DictConfig):
         return OmegaConf.to_container(node, resolve=True, enum_to_str=False)  # type: ignore[return-value]
     if dataclasses.is_dataclass(node) and not isinstance(node, type):

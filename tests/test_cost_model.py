@@ -77,7 +77,8 @@ def test_cpu_cost_is_linear_in_tokens_eq2() -> None:
 def test_gpu_time_becomes_compute_bound_in_prefill() -> None:
     cost = CostModel(model("mixtral_8x7b"), load_hardware("a100_pcie4"))
     small, big = cost.t_g(1), cost.t_g(8192)
-    assert big > 20 * small
+    # the work beyond the fixed per-call cost (1.1 ms in the calibrated profile) goes from weight reads to GEMMs
+    assert big - cost.gpu_overhead_s > 20 * (small - cost.gpu_overhead_s)
     expected = cost.gpu_overhead_s + 8192 * cost.expert_flops / (312e12 * 0.6)
     assert big == pytest.approx(expected)
 

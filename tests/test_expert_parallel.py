@@ -94,12 +94,29 @@ def test_ep_layer_equals_single_device_reference(mesh, layer, name):
     assert 0 < need <= (T // G) * K
     args = shard_rows(mesh, jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), jnp.asarray(valid))
     args += (shard_rows(mesh, *map(jnp.asarray, gu)), shard_rows(mesh, *map(jnp.asarray, dn)))
-    out, overflow = ep_moe(*args, tables, mesh=mesh, capacity=(T // G) * K)  # one compilation for all cases
+    out, overflow, slot_rows = ep_moe(*args, tables, mesh=mesh, capacity=(T // G) * K)  # one compilation for all cases
     assert int(overflow[0]) == 0
     np.testing.assert_allclose(np.asarray(out), reference(experts, x, ids, w, valid), atol=2e-6)
+    assert_replicas_got_their_share(np.asarray(slot_rows), placement, slot_of, ids, valid)
     if name == "five_empty_devices":  # one slot short of the busiest device pair: the dropped rows are reported
-        _, short = ep_moe(*args, tables, mesh=mesh, capacity=need - 1)
+        _, short, _ = ep_moe(*args, tables, mesh=mesh, capacity=need - 1)
         assert int(short[0]) > 0
+
+
+def assert_replicas_got_their_share(slot_rows: np.ndarray, placement: Placement, slot_of: np.ndarray, ids: np.ndarray,
+                                    valid: np.ndarray) -> None:
+    """The rows each replica received, counted on its device: expert e's W_e rows split over its R_e
+    replicas (each floor or ceil of W_e / R_e), exactly as the host reference `assign_tokens` splits them."""
+    got = slot_rows[placement.replica_device, slot_of]  # [R]
+    want = np.bincount(assign_tokens(ids[valid], placement).reshape(-1), minlength=placement.num_replicas)
+    assert got.tolist() == want.tolist()
+    loads = np.bincount(ids[valid].reshape(-1), minlength=placement.num_experts)
+    counts = placement.replica_counts()
+    for e in range(placement.num_experts):
+        share = got[placement.replica_expert == e]
+        assert share.sum() == loads[e] and share.max() - share.min() <= 1, (e, share.tolist())
+        assert share.min() >= loads[e] // counts[e]
+    assert slot_rows.sum() == loads.sum()  # nothing else arrived anywhere
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
@@ -134,10 +151,11 @@ def test_ragged_dispatch_equals_the_reference(mesh, layer, name):
     args = shard_rows(mesh, jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), jnp.asarray(valid))
     args += (shard_rows(mesh, *map(jnp.asarray, gu)), shard_rows(mesh, *map(jnp.asarray, dn)))
     body = functools.partial(_ragged_body, a2a=emulated_ragged_all_to_all)
-    out, overflow = jax.jit(functools.partial(run_body, body, mesh=mesh, capacity=need))(*args, tables)
+    out, overflow, slot_rows = jax.jit(functools.partial(run_body, body, mesh=mesh, capacity=need))(*args, tables)
     assert int(overflow[0]) == 0
     np.testing.assert_allclose(np.asarray(out), reference(experts, x, ids, w, valid), atol=2e-6)
-    _, short = jax.jit(functools.partial(run_body, body, mesh=mesh, capacity=need - 1))(*args, tables)
+    assert_replicas_got_their_share(np.asarray(slot_rows), placement, slot_of, ids, valid)
+    _, short, _ = jax.jit(functools.partial(run_body, body, mesh=mesh, capacity=need - 1))(*args, tables)
     assert int(short[0]) >= 1  # a row past the busiest receiver's buffer is reported
 
 
@@ -243,3 +261,12 @@ def test_executor_output_equals_the_in_memory_model(mesh, kind):
         assert summary["copies_host"] + summary["copies_peer"] > 0
     if kind == "static_ep":
         assert summary["copies_peer"] == 0 and summary["copies_host"] == len(cfg.moe_layers) * cfg.num_experts
+    split = 0
+    for rec in exe.records:  # the loads the devices reported (inside shard_map): every replica its even share
+        assert rec.replica_loads.sum() == rec.loads.sum() == rec.device_loads.sum()
+        for e in range(cfg.num_experts):
+            share = rec.replica_loads[rec.replica_expert == e]
+            assert share.sum() == rec.loads[e] and share.max() - share.min() <= 1, (rec.layer, e, share.tolist())
+            split += int(share.size > 1 and rec.loads[e] >= share.size)
+    if kind == "moeless":
+        assert split > 0  # some replicated expert had tokens for each of its replicas

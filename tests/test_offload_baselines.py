@@ -13,7 +13,7 @@ from models.loading import resolve_model_config
 from schedulers.base import OFFLOAD, Eviction, LayerState, Phase, SchedulerSetup, Transfer, build_scheduler
 from schedulers.cost import CostModel
 from schedulers.hot_table import hot_table, per_layer_hot_table, per_layer_slots, rank_experts
-from schedulers.offload.hybrimoe import hybrid_scheduling
+from schedulers.offload.hybrimoe import hss_time, hybrid_scheduling
 from schedulers.offload.layerwise import greedy_split
 from schedulers.policy import routed_share
 
@@ -25,6 +25,7 @@ def cost() -> CostModel:
     cfg = resolve_model_config(compose("simulate", ["model=mixtral_8x7b"]).model)
     c = CostModel(cfg, load_hardware("v100_pcie3"))
     c.beta_s, c.cpu_startup_s, c.t_io = 1 * MS, 1 * MS, 4 * MS  # t_c(m) = m + 1 ms, t_io = 4 ms
+    c.gpu_overhead_s = 30e-6  # a fast per-expert GPU call (the calibrated paper profile's 1.1 ms would make t_g > 1 ms)
     return c
 
 
@@ -163,7 +164,7 @@ def test_hybrid_scheduling_walk() -> None:
 
 
 def test_hybrimoe_plan_caches_loads_and_prefetches_by_prediction() -> None:
-    h = build("hybrimoe", cache_slots=8, prefetch_count=2)  # 2 slots per layer
+    h = build("hybrimoe", cache_slots=8, prefetch_policy="fixed", prefetch_count=2)  # 2 slots per layer; hybrimoe_ls
     resident = np.zeros((4, 8), dtype=bool)
     resident[0, [0, 5]] = True  # layer 0's two slots are full
     tokens = [6, 1, 4, 2, 0, 0, 0, 0]
@@ -175,6 +176,34 @@ def test_hybrimoe_plan_caches_loads_and_prefetches_by_prediction() -> None:
     assert plan.retain == (True,) and plan.evict == ((0, 5),)
     assert plan.prefetch == ((1, 6), (1, 7))  # top-2 predicted of layer 1
     assert h.priority[0, 0] > 0 and h.priority[0, 5] == 0  # EMA of scores: 0 scored, 5 not
+
+
+def test_hybrimoe_impact_prefetch_takes_what_shortens_the_next_layers() -> None:
+    # layer 0 all resident (no loads): the link has room for (t_g * 4 + t_attn) // t_io transfers; layer 1 predicts
+    # 6 (5 tokens), 7 (3), 3 (1). Caching 6 or 7 shortens HSS's layer 1; with both cached, 3 joins the GPU
+    # side behind them at no cost, so caching it saves nothing: impact-driven prefetching stops there, while
+    # LayerScope's fixed description (hybrimoe_ls) takes the top-3 predicted whatever they save
+    import dataclasses
+
+    pred = np.zeros(8)
+    pred[[3, 6, 7]] = [1, 5, 3]
+    state = dataclasses.replace(make_state([6, 1, 4, 2, 0, 0, 0, 0], [0, 1, 2, 3], predicted={1: pred}),
+                                t_io_s=1 * MS, t_attn_next_s=4 * MS)
+    c = cost()
+    none = np.array([], dtype=np.int64)
+    assert hss_time(none, np.array([6, 7, 3]), pred, 1 * MS, c) > hss_time(np.array([6]), np.array([7, 3]), pred, 1 * MS, c)
+    assert hss_time(np.array([6, 7]), np.array([3]), pred, 1 * MS, c) == hss_time(np.array([6, 7, 3]), none, pred, 1 * MS, c)
+    impact = build("hybrimoe", prefetch_policy="impact").plan(state)
+    assert sorted(impact.prefetch) == [(1, 6), (1, 7)]
+    fixed = build("hybrimoe", prefetch_policy="fixed", prefetch_count=3).plan(state)
+    assert fixed.prefetch == ((1, 6), (1, 7), (1, 3))
+    # it looks prefetch_layers (3) ahead: a forecast for layer 2 alone is scored too (the fixed policy: layer 1 only)
+    ahead = dataclasses.replace(state, predicted={2: pred})
+    assert build("hybrimoe").settings.forecast_window == 3
+    assert sorted(build("hybrimoe", prefetch_policy="impact").plan(ahead).prefetch) == [(2, 6), (2, 7)]
+    # no room on the link (the next attention hides nothing, transfers as long as the layer): no prefetch
+    busy = dataclasses.replace(state, t_io_s=40 * MS, t_attn_next_s=0.0)
+    assert build("hybrimoe", prefetch_policy="impact").plan(busy).prefetch == ()
 
 
 def test_hybrimoe_prefill_runs_everything_on_the_gpu() -> None:

@@ -14,7 +14,6 @@ import pytest
 from core.config import to_frozen
 from conf import compose
 from schedulers.hardware import load_hardware
-from conf.schemas.run import OffloadConfig
 from engine.offload.cache import CacheError, DeviceExpertCache
 from engine.offload.executor import OffloadExecutor, OffloadSettings, link_view
 from engine.offload.link import Job, TransferError, TransferLink
@@ -383,13 +382,13 @@ def test_a_slot_in_use_is_never_overwritten_and_writes_are_in_place(shipped) -> 
 def test_budgets_that_cannot_run_or_exceed_the_device_are_errors() -> None:
     cfg = resolve_model_config(compose("generate", ["model=mixtral_tiny"]).model)
     expert = cfg.expert_bytes(4)
-    assert cache_slots(cfg, OffloadConfig(budget_fraction=None, budget_experts=10), expert) == 8
+    assert cache_slots(cfg, OffloadSettings(budget_fraction=None, budget_experts=10), expert) == 8
     with pytest.raises(ValueError, match="cannot hold the 2 on-demand staging buffers"):
-        cache_slots(cfg, OffloadConfig(budget_fraction=None, budget_experts=1), expert)
+        cache_slots(cfg, OffloadSettings(budget_fraction=None, budget_experts=1), expert)
     with pytest.raises(ValueError, match="exceeds the device"):
-        cache_slots(cfg, OffloadConfig(budget_fraction=None, budget_bytes=1e15), expert)
+        cache_slots(cfg, OffloadSettings(budget_fraction=None, budget_bytes=1e15), expert)
     with pytest.raises(ValueError, match="exactly one of"):
-        cache_slots(cfg, OffloadConfig(budget_fraction=0.5, budget_experts=4), expert)
+        cache_slots(cfg, OffloadSettings(budget_fraction=0.5, budget_experts=4), expert)
 
 
 def test_the_plan_sees_a_transfer_landing_after_the_residency_snapshot_as_in_flight() -> None:

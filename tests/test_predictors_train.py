@@ -77,7 +77,7 @@ def test_mismatched_trace_fails_naming_the_key(tmp_path: Path) -> None:
     node = compose("predictors_train", ["model=tiny_mixtral", f"trace={bad}", "shift=false", "wandb.mode=disabled"])
     with Telemetry(node, task="predictors_train", run_dir=tmp_path / "run") as tm:
         with pytest.raises(ValueError, match=r"trace=.*bad.npz.*16 experts"):
-            run(OmegaConf.to_object(node), node, tm)
+            run(OmegaConf.to_object(node), tm)
     assert not (tmp_path / "run" / "results.json").exists()
 
 
@@ -95,7 +95,7 @@ def test_shipped_model_llapor_beats_stats_and_gate_and_moeless_beats_gate(model:
                                         "baselines.token.train.epochs=5",
                                         "distances=[1,2]", "plots=false", "wandb.mode=disabled"])
     with Telemetry(node, task="predictors_train", run_dir=tmp_path) as tm:
-        res = run(OmegaConf.to_object(node), node, tm)
+        res = run(OmegaConf.to_object(node), tm)
     hit = {name: m["test"]["groups"]["all"]["hit"] for name, m in res["methods"].items()}
     assert hit["llapor"] > hit["stats"] + 0.1 and hit["llapor"] > hit["gate@d1"]
     assert all(v["met"] for v in res["targets"]["moeless_ge_gate_load_acc"].values())
@@ -148,7 +148,7 @@ def train_predictors(run_dir: Path, trace: Path, *overrides: str) -> dict[str, A
 
     node = compose("predictors_train", [*RESUME, f"trace={trace}", *overrides])
     with Telemetry(node, task="predictors_train", run_dir=run_dir) as tm:
-        return run(OmegaConf.to_object(node), node, tm)
+        return run(OmegaConf.to_object(node), tm)
 
 
 def saved_arrays(res: dict[str, Any]) -> dict[str, Any]:

@@ -171,7 +171,7 @@ def test_defaults_derive_from_a_deep_models_depth_and_size() -> None:
 
     from core.config import to_frozen
     from conf import compose
-    from conf.schemas.run import OffloadConfig
+    from engine.offload.settings import OffloadSettings
     from engine.calibrate import device_memory_gib
     from engine.run import cache_slots, default_distances
     from models.config import ModelConfig
@@ -181,7 +181,7 @@ def test_defaults_derive_from_a_deep_models_depth_and_size() -> None:
     assert default_distances(len(deep.moe_layers)) == [1, 2, 3] and default_distances(2) == [1]
     expert = 3 * 7168 * 2048 * 2
     dense = 30 * 2**30
-    slots = cache_slots(deep, OffloadConfig(), expert, dense_bytes=dense)
+    slots = cache_slots(deep, OffloadSettings(), expert, dense_bytes=dense)
     room = max(device_memory_gib() * 2**30 - dense, 0) / 2
     assert slots * expert <= room and slots < 0.25 * 60 * 256
 

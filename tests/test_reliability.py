@@ -128,6 +128,29 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path: Path) -> Non
     assert "o_proj.weight has 1 NaN/Inf values" in proc.stderr.strip().splitlines()[-1]
 
 
+def test_non_finite_expert_weight_is_named_when_loading_in_memory(tmp_path: Path) -> None:
+    """The in-memory load scans each stacked expert array as it is copied; a NaN in one expert's tensor is
+    reported under that stored tensor's name, not the stacked parameter's."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from core.config import resolve_path
+    from models.hf import CheckpointError
+    from models.loading import load_model
+
+    src = resolve_path("pkg:models/checkpoints/mixtral-tiny")
+    folder = tmp_path / "nan-expert"
+    shutil.copytree(src, folder)
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    tensors[name][3, 5] = torch.inf
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"tensor {name.replace('.', chr(92) + '.')} has 1 NaN/Inf"):
+        load_model({"name": "nan", "checkpoint": str(folder)}, dtype="auto")
+
+
 def _small_trace():
     from core.trace import RoutingTrace, TraceMeta, TraceRecorder
 

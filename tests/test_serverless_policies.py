@@ -49,6 +49,51 @@ def test_scaler_walks_algorithm_1_step_by_step():
     assert free.counts.tolist() == [4, 1, 1, 1] and not free.hit_cap
 
 
+def test_scaler_picks_the_straggler_by_load_per_replica_each_step():
+    # W = {100, 60, 20, 20}: CV 0.663. Step 1 splits expert 0: {50, 50, 60, 20, 20}, CV 0.418.
+    # Step 2: the largest replica load is now expert 1's 60, not expert 0's 50: {50, 50, 30, 30, 20, 20},
+    # CV 0.374. Step 3: expert 0 (50 > 30): {33.3 x3, 30 x2, 20 x2}, CV 0.196 <= 0.2: R = [3, 2, 1, 1].
+    # A scaler that keeps splitting the first straggler ends at the cap instead ([101, 1, 1, 1]).
+    loads = np.array([100, 60, 20, 20])
+    steps = [[100, 60, 20, 20], [50, 50, 60, 20, 20], [50, 50, 30, 30, 20, 20], [100 / 3] * 3 + [30, 30, 20, 20]]
+    expected_counts = [[1, 1, 1, 1], [2, 1, 1, 1], [2, 2, 1, 1], [3, 2, 1, 1]]
+    for cap, (replica_loads, counts) in enumerate(zip(steps, expected_counts)):
+        r = scale_replicas(loads, 0.2, expert_bytes=1.0, memory_cap_bytes=float(cap))
+        assert r.counts.tolist() == counts, f"after {cap} steps"
+        assert r.cv == pytest.approx(cv_by_hand(replica_loads))
+        assert r.hit_cap == (cap < 3)
+    free = scale_replicas(loads, 0.2, expert_bytes=1.0, memory_cap_bytes=100.0)
+    assert free.counts.tolist() == [3, 2, 1, 1] and not free.hit_cap and free.cv <= 0.2
+    # {90, 50, 10, 10}, V = 0.3: 90 -> 45 x2 (CV 0.564), then 50 (expert 1) -> 25 x2 (0.538), then 45
+    # (expert 0) -> 30 x3 (0.367), then 30 > 25 (expert 0) -> 22.5 x4 (0.293): R = [4, 2, 1, 1]. A straggler
+    # chosen by total load (90) never reaches expert 1.
+    r = scale_replicas(np.array([90, 50, 10, 10]), 0.3, expert_bytes=1.0, memory_cap_bytes=100.0)
+    assert r.counts.tolist() == [4, 2, 1, 1] and r.cv == pytest.approx(cv_by_hand([22.5] * 4 + [25] * 2 + [10, 10]))
+
+
+def literal_algorithm_1(loads: list[float], v: float, max_added: int) -> list[int]:
+    """Algorithm 1 as printed: the multiset W_l, its CV recomputed every step, the straggler the
+    largest replica load (lowest expert id on ties), its replicas' loads replaced by R + 1 equal shares."""
+    counts = [1] * len(loads)
+    replica_loads = list(map(float, loads))
+    added = 0
+    while added < max_added and sum(replica_loads) > 0 and cv_by_hand(replica_loads) > v:
+        e = max(range(len(loads)), key=lambda i: (loads[i] / counts[i], -i))
+        for _ in range(counts[e]):
+            replica_loads.remove(loads[e] / counts[e])
+        counts[e] += 1
+        replica_loads += [loads[e] / counts[e]] * counts[e]
+        added += 1
+    return counts
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 200), min_size=2, max_size=10), st.sampled_from([0.1, 0.2, 0.5]), st.integers(0, 12))
+def test_scaler_matches_the_literal_algorithm_1(loads, v, max_added):
+    r = scale_replicas(np.array(loads, dtype=np.float64), v, expert_bytes=1.0, memory_cap_bytes=float(max_added))
+    assert r.counts.tolist() == literal_algorithm_1(loads, v, max_added)
+
+
 def test_scaler_never_exceeds_the_memory_cap_and_respects_slots():
     # M_e = 3, M_cap = 7: two replicas fit (6 bytes), a third would exceed the cap.
     r = scale_replicas(np.array([90, 10, 10]), 0.0, expert_bytes=3.0, memory_cap_bytes=7.0)
@@ -154,6 +199,26 @@ def test_eplb_policy_freezes_between_rebalances():
     assert later.replica_counts()[3] == 3
     with pytest.raises(ValueError, match="not a multiple of 2 devices"):
         EPLBPolicy(4, 2, EPLBSettings(num_redundant=1))
+
+
+def test_eplb_rearranges_by_step_counts_from_the_last_window():
+    """vLLM's cadence: every `rebalance_interval_steps` steps from the loads of the last `window_steps`."""
+    pol = EPLBPolicy(4, 2, EPLBSettings(num_redundant=2, rebalance_interval_steps=3, window_steps=2))
+    uniform = pol.plan(0, np.zeros(4), None, now_s=0.0)
+    for loads in ([100, 1, 1, 1], [1, 1, 1, 100]):
+        pol.observe(0, np.array(loads), now_s=0.0)
+        assert pol.plan(0, np.zeros(4), uniform).pairs() == uniform.pairs()  # 1, 2 steps: not yet
+    pol.observe(0, np.array([1, 1, 1, 100]), now_s=0.0)
+    third = pol.plan(0, np.zeros(4), uniform)
+    # steps 2-3 only ([2, 2, 2, 200]): both redundant replicas to expert 3; all three steps would give [2, 1, 1, 2]
+    assert third.replica_counts().tolist() == [1, 1, 1, 3] and pol.rebalances == 1
+    pol.observe(0, np.array([100, 1, 1, 1]), now_s=0.0, iterations=3)  # a sampled step standing for 3 iterations
+    sixth = pol.plan(0, np.zeros(4), third)
+    assert sixth.replica_counts().tolist() == [3, 1, 1, 1] and pol.rebalances == 2
+    assert EPLBPolicy(4, 2, EPLBSettings(num_redundant=2)).transfer == "background"  # vLLM use_async
+    assert EPLBPolicy(4, 2, EPLBSettings(num_redundant=2, async_transfer=False)).transfer == "blocking"
+    with pytest.raises(ValueError, match="rebalance_interval_steps and window_steps must be >= 1"):
+        EPLBPolicy(4, 2, EPLBSettings(num_redundant=2, window_steps=0))
 
 
 # ---- static EP and Oracle -----------------------------------------------------------------------

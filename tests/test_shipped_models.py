@@ -16,7 +16,7 @@ import transformers
 from core.config import resolve_path
 from conf import compose
 from core.routing_stats import routing_report
-from engine.stats import trace_from_model
+from engine.record import record_trace
 from core.sharegpt import load_sharegpt
 from models.hf import load_hf
 from models.transformer import forward_jit, init_cache
@@ -66,7 +66,7 @@ def test_transformers_reads_it_with_our_logits_and_tokenizer(config_name: str) -
 def test_routing_is_skewed_and_predictable_across_layers(config_name: str) -> None:
     node = compose("stats", [f"model={config_name}", "workload.batch_size=8", "workload.num_batches=1",
                              "workload.prompt_len=128", "workload.gen_len=8"])
-    report = routing_report(trace_from_model(node.model, node.workload))
+    report = routing_report(record_trace(node.model, node.workload))
     cv = np.array([r["cv"] for r in report["layers"]])
     # uniform top-k routing of these ~1k tokens gives a CV near 0.1; trained routers are far from it
     assert cv.min() > 0.3, f"per-layer load CV {np.round(cv, 2)}"

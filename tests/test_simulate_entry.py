@@ -47,6 +47,7 @@ def test_multirun_then_report(tmp_path: Path) -> None:
     md = (tmp_path / "report.md").read_text()
     assert "## deepseek-v2-lite on v100_pcie3" in md and "LayerScope throughput gain" in md
     assert "| Fiddler |" in md
+    assert "Routing: synthetic (load CV 0." in md  # which routing the figures used, with its measured statistics
     with open(tmp_path / "runs.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert {r["scheduler"] for r in rows} == {"LayerScope", "Fiddler"}

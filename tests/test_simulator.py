@@ -15,7 +15,7 @@ from schedulers.hardware import load_hardware
 from engine.sim.bounds import exact_best_pass, lower_bound
 from engine.sim.invariants import check_events
 from engine.sim.pipeline import PipelineSim, SimOptions
-from engine.sim.run import RoutingSpec, RunSpec, build_sim, prepare_routing, simulate
+from engine.sim.run import RoutingConfig, RunSpec, build_sim, prepare_routing, simulate
 from engine.synthetic_routing import LayerGroupParams, SyntheticRoutingParams
 from core.trace import DECODE, TraceMeta, TraceRecorder
 from models.loading import resolve_model_config
@@ -85,7 +85,7 @@ def test_two_layer_pass_matches_hand_timing(async_io: bool) -> None:
 
 
 ROUTING = st.builds(
-    lambda sigma, corr, loc: RoutingSpec(synthetic=SyntheticRoutingParams(
+    lambda sigma, corr, loc: RoutingConfig(synthetic=SyntheticRoutingParams(
         input=LayerGroupParams(sigma, corr, loc, 1.0), middle=LayerGroupParams(sigma, corr, loc, 1.0),
         output=LayerGroupParams(sigma, corr, loc, 1.0))),
     st.floats(0.0, 2.0), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
@@ -167,7 +167,7 @@ def test_recorded_and_jsonl_traces_replay_at_any_batch_size(tmp_path) -> None:
     (tmp_path / "log.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     for source, p, batch in [("trace", path, 4), ("trace", path, 2), ("jsonl", tmp_path / "log.jsonl", 2)]:
         spec = RunSpec(model=cfg, model_name="mixtral-4l", hardware=load_hardware("v100_pcie3"), scheduler=PreSchedSettings(),
-                       routing=RoutingSpec(source=source, name=source, path=str(p)), batch_size=batch, check_invariants=True,
+                       routing=RoutingConfig(source=source, name=source, path=str(p)), batch_size=batch, check_invariants=True,
                        profile_batches=1, cache_slots=10)
         prepared = prepare_routing(spec)
         prefills = [fp for fp in prepared.passes if fp.prefill]

@@ -19,7 +19,7 @@ from conf import compose
 from core.routing_stats import (TransitionTable, coefficient_of_variation, gate_input_similarity, hit_rate,
                                   hot_experts, load_accuracy, load_stats, routing_report, split_by_sequence,
                                   step_loads)
-from engine.stats import obtain_trace
+from engine.stats import stats_trace
 from core.trace import PREFILL, RoutingTrace, TraceMeta, TraceRecorder
 from predictors.base import HitStats
 
@@ -181,10 +181,10 @@ def test_trace_source_without_a_file_names_the_key() -> None:
 
     cfg = compose("stats", ["source=trace"])
     with pytest.raises(ValueError, match="source=trace needs trace="):
-        obtain_trace(OmegaConf.to_object(cfg), cfg)
+        stats_trace(OmegaConf.to_object(cfg))
     cfg = compose("stats", ["source=trace", "trace=routing.csv"])
     with pytest.raises(ValueError, match="trace_format"):
-        obtain_trace(OmegaConf.to_object(cfg), cfg)
+        stats_trace(OmegaConf.to_object(cfg))
 
 
 @pytest.mark.slow
@@ -206,7 +206,7 @@ def test_model_source_records_a_checkpoint_serving_a_workload(tmp_path: Path) ->
                             "workload.batch_size=3", "workload.prompt_len=12", "workload.gen_len=4",
                             "workload.min_prompt_tokens=4", "distances=[1]", "plots=false", "wandb.mode=disabled"])
     with Telemetry(cfg, task="stats", run_dir=tmp_path / "run") as tm:
-        report = run_stats(OmegaConf.to_object(cfg), cfg, tm)
+        report = run_stats(OmegaConf.to_object(cfg), tm)
     facts = report["trace"]
     assert facts["sequences"] == 6 and facts["has_hidden"] and facts["moe_layers"] == list(range(arch.num_hidden_layers))
     assert RoutingTrace.load(tmp_path / "run" / "trace.npz").num_rows == facts["rows"]

@@ -10,7 +10,7 @@ import pkgutil
 _REGISTERED = False
 
 # config groups whose schema is owned by the module it configures
-OWNED = ("models.loading", "predictors.config", "schedulers.hardware", "engine.workloads.config")
+OWNED = ("models.loading", "predictors.config", "schedulers.hardware", "engine.workloads.config", "engine.sim.routing")
 
 
 def register_all() -> None:

@@ -12,24 +12,8 @@ from core.telemetry import WandbConfig
 from models.loading import DType, ModelSpec
 from schedulers.hardware import HardwareProfile
 from predictors.config import PredictorConfig
+from engine.offload.settings import OffloadSettings
 from engine.workloads.config import WorkloadConfig
-
-
-@dataclass
-class OffloadConfig:
-    """The expert memory budget (at most one of the three; none: a quarter of the experts, capped at half the
-    device memory the dense weights leave) and the mechanism's knobs."""
-
-    budget_fraction: Optional[float] = None  # of all routed experts, staging buffers included
-    budget_experts: Optional[int] = None
-    budget_bytes: Optional[float] = None
-    staging_slots: int = 2  # the on-demand double buffer
-    chunks: int = 2  # row chunks per projection transfer (3 projections x chunks sub-transfers per expert)
-    async_io: bool = True  # False: synchronous copies (LayerScope ablation "no AsyncIO")
-    cpu_threads: int = 1  # host threads of the CPU experts (they compute in the weights' own dtype)
-    retries: int = 2
-    validate_plans: bool = True
-    fuse_resident: bool = True  # passes with every routed expert resident run as one device call (see OffloadSettings)
 
 
 @dataclass
@@ -39,7 +23,7 @@ class RunConfig:
     scheduler: Any = MISSING  # the `scheduler` group, typed by the chosen policy's own settings
     predictor: PredictorConfig = MISSING
     hardware: unfrozen(HardwareProfile) = MISSING  # type: ignore[valid-type]  # the cost model's machine
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    offload: OffloadSettings = field(default_factory=OffloadSettings)  # owned by engine.offload
     # forecasts PreSched may use (Q4); null: 1, 2, 3 where the model has that many later MoE layers
     predictor_distances: Optional[List[int]] = None
     profile_batches: int = 1  # hot-expert table: batches served before the measured ones (Counter)

@@ -22,10 +22,10 @@ from core.telemetry import WandbConfig
 from models.loading import DType, ModelSpec
 from schedulers.hardware import HardwareProfile
 from predictors.config import PredictorConfig
-from conf.schemas.routing import RoutingConfig
+from engine.sim.routing import RoutingConfig
 from engine.workloads.config import WorkloadConfig
 from engine.serverless.ep_layer import Dispatch
-from engine.serverless.latency_model import ComputeKind, LatencyKind
+from engine.serverless.latency_model import Billing, ComputeKind, LatencyKind
 from schedulers.ep_placement import SERVERLESS
 
 
@@ -56,7 +56,9 @@ class LatencyConfig:
     kind: LatencyKind = LatencyKind.paper
     compute: ComputeKind = ComputeKind.replica_max
     misc_s: Optional[float] = None  # fixed T_misc per layer; None: modelled attention block
-    bill_keep_alive: bool = False  # bill MoEless for its kept-alive replicas like a serverful deployment
+    # headline cost: held (GPU memory held x time, kept-alive replicas included; MoEless §3.3) or
+    # pay_per_use (serverless replicas billed only while their layer runs); results report both
+    billing: Billing = Billing.held
 
 
 @dataclass
@@ -109,7 +111,7 @@ class ServeConfig:
     model: ModelSpec = MISSING
     hardware: unfrozen(HardwareProfile) = MISSING  # type: ignore[valid-type]
     workload: WorkloadConfig = MISSING
-    routing: RoutingConfig = MISSING
+    routing: unfrozen(RoutingConfig) = MISSING  # type: ignore[valid-type]
     serverless: ServerlessConfig = MISSING
     predictor: PredictorConfig = MISSING  # the load predictor (any `predictor` group option; d = predictor.distance)
     # simulate: record the routing by serving the replayed requests (ShareGPT text of the trace's

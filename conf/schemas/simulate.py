@@ -12,7 +12,7 @@ from core.telemetry import WandbConfig
 from models.loading import ModelSpec
 from schedulers.hardware import HardwareProfile
 from predictors.config import PredictorConfig
-from conf.schemas.routing import RoutingConfig
+from engine.sim.routing import RoutingConfig
 
 
 @dataclass
@@ -42,7 +42,7 @@ class SimulateConfig:
     model: ModelSpec = MISSING
     hardware: unfrozen(HardwareProfile) = MISSING  # type: ignore[valid-type]
     scheduler: Any = MISSING  # the `scheduler` group, typed by the chosen policy's own settings
-    routing: RoutingConfig = MISSING
+    routing: unfrozen(RoutingConfig) = MISSING  # type: ignore[valid-type]  # owned by engine.sim.routing
     batch_size: int = 16
     prompt_len: int = 512
     gen_len: int = 64  # tokens generated per sequence (the prefill yields the first)

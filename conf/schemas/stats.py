@@ -10,6 +10,7 @@ from omegaconf import MISSING
 
 from core.config import store
 from core.telemetry import WandbConfig
+from core.trace_import import TraceFileFormat
 from models.loading import ModelSpec
 from engine.workloads.config import WorkloadConfig
 
@@ -17,12 +18,6 @@ from engine.workloads.config import WorkloadConfig
 class StatsSource(enum.Enum):
     trace = "trace"  # a routing-trace file (`trace`)
     model = "model"  # record the routing of `model` serving `workload`
-
-
-class TraceFileFormat(enum.Enum):
-    auto = "auto"  # by suffix: .npz moescope trace, .jsonl / .json vLLM routing log
-    npz = "npz"
-    vllm_jsonl = "vllm_jsonl"
 
 
 @dataclass

@@ -34,7 +34,8 @@ from conf import compose
 from schedulers.hardware import load_hardware  # noqa: E402
 from engine.offload.executor import OffloadExecutor, OffloadSettings  # noqa: E402
 from engine.offload.store import ExpertStore  # noqa: E402
-from engine.run import make_predictors, reference_trace, serve, warm_up  # noqa: E402
+from engine.run import reference_trace, serve, warm_up  # noqa: E402
+from predictors.factory import make_predictors  # noqa: E402
 from engine.workloads import build_workload  # noqa: E402
 from models.generation import Generator  # noqa: E402
 from models.loading import load_model, load_tokenizer  # noqa: E402
@@ -247,14 +248,15 @@ def section_sim(args, cfg, model_name, hw, store, trace, results: dict, slots: i
 
 def simulated_decode_ms(args, cfg, model_name: str, hw, store, path, name: str, r: dict, slots: int) -> float:
     """The simulator's decode latency per step (ms) of scheduler `name` on the recorded routing at `path`."""
-    from engine.sim.run import PredictorSpec, RoutingSpec, RunSpec, simulate
+    from engine.sim.run import RoutingConfig, RunSpec, simulate
+    from predictors.config import oracle_config
 
     spec = RunSpec(model=cfg, model_name=model_name, hardware=hw,
                    scheduler=configured_scheduler(name, label=name),
-                   routing=RoutingSpec(source="trace", name="reference", path=str(path)),
+                   routing=RoutingConfig(source="trace", name="reference", path=str(path)),
                    batch_size=args.batch, prompt_len=args.prompt, gen_len=args.new, profile_batches=1,
                    num_batches=args.batches, bytes_per_param=store.dtype.itemsize, cache_slots=slots,
-                   predictor=PredictorSpec(kind="oracle", hit_rate=r["hit_rate"] or 1.0))
+                   predictor=oracle_config(hit_rate=r["hit_rate"] or 1.0))
     return 1e3 * simulate(spec).summary["decode_latency_s"]
 
 if __name__ == "__main__":

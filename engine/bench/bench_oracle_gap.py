@@ -20,6 +20,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import numpy as np  # noqa: E402
+
+from conf import compose  # noqa: E402  (the repository on the path first: run as a script)
+from engine.sim.bounds import exact_best_pass, lower_bound  # noqa: E402
+from engine.sim.run import RunSpec, build_sim, prepare_routing  # noqa: E402
+from models.loading import resolve_model_config  # noqa: E402
+from schedulers.base import OFFLOAD, SchedulerSettings  # noqa: E402
+from schedulers.hardware import load_hardware  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,15 +39,6 @@ def main() -> None:
     ap.add_argument("--hardware", default="v100_pcie3")
     ap.add_argument("--model", default="mixtral_8x7b")
     args = ap.parse_args()
-
-    import numpy as np
-
-    from conf import compose
-    from schedulers.hardware import load_hardware
-    from engine.sim.bounds import exact_best_pass, lower_bound
-    from engine.sim.run import RunSpec, build_sim, prepare_routing
-    from models.loading import resolve_model_config
-    from schedulers.base import OFFLOAD, SchedulerSettings
 
     full = resolve_model_config(compose("simulate", [f"model={args.model}"]).model)
     first_moe = full.moe_layers[0]

@@ -19,12 +19,23 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import jax
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from conf import compose
+from models.config import Family, ModelConfig
 from predictors.base import LayerContext
 from predictors.common import TrainedPredictor
+from predictors.config import predictor_config
+from predictors.data import split_rows
+from predictors.gate import GatePredictor
+from predictors.groups import groups_from_data
+from predictors.llapor import fit_llapor
+from predictors.stats import StatsPredictor
+from predictors.synthetic import shift_rule_trace
+from predictors.token import fit_token
 
 
 def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 3) -> dict[str, float]:
@@ -99,25 +110,12 @@ def bench_online_step(pred: Any, hidden_size: int, rng: np.random.Generator, rep
 
 def machine_conditions(load_before: tuple[float, ...], load_after: tuple[float, ...]) -> dict[str, Any]:
     """What the figures were measured under: CPUs, 1-minute load averages, JAX backend."""
-    import jax
-
     return {"cpus": os.cpu_count(), "load_before": load_before[0], "load_after": load_after[0],
             "jax": jax.__version__, "backend": jax.default_backend()}
 
 
 def synthetic_predictors(hidden: int, experts: int, top_k: int, layers: int, epochs: int) -> list[TrainedPredictor]:
     """LLaPor, token, gate and MoEless at the given shapes, fitted briefly on a random trace (shapes, not accuracy)."""
-    from conf import compose
-    from models.config import Family, ModelConfig
-    from predictors.config import predictor_config
-    from predictors.data import split_rows
-    from predictors.gate import GatePredictor
-    from predictors.groups import groups_from_data
-    from predictors.llapor import fit_llapor
-    from predictors.stats import StatsPredictor
-    from predictors.token import fit_token
-    from predictors.synthetic import shift_rule_trace
-
     rng = np.random.default_rng(0)
     trace = shift_rule_trace(rng, num_layers=layers, num_experts=experts, top_k=top_k, hidden=hidden, n_seq=16,
                              rows_per_seq=64, signal=1.0, vocab=256)

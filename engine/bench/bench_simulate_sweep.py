@@ -7,6 +7,14 @@ Prints the wall and CPU time (the cores are shared: compare ratios within one ru
 `results.jsonl` + the report tables into `--out`.
 
     python engine/bench/bench_simulate_sweep.py [--workers 2] [--out runs/bench/sweep] [--ablation]
+
+`--hit-rates 0.3,0.5,0.7,measured,0.95,1.0` runs PreSched against the oracle's hit rate instead (the same hit
+rate at every distance; `measured`: the default oracle, LLaPor's measured hit rate per distance), next to the
+routing-only predictors run for real on the same routing and PreSched without forecasts, for `--models` x
+`--batches` on both machines; `engine.report` turns it into the hit-rate table and figure:
+
+    python engine/bench/bench_simulate_sweep.py --hit-rates 0.3,0.5,0.7,measured,0.95,1.0 \
+        --models mixtral_8x7b,deepseek_v2_lite --batches 16 --out runs/bench/hit_rate_sweep
 """
 
 from __future__ import annotations
@@ -17,11 +25,21 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from conf import compose  # noqa: E402  (the repository on the path first: run as a script)
+from engine.report import write_report  # noqa: E402
+from engine.sim.bounds import lower_bound  # noqa: E402
+from engine.sim.run import default_predictor, prepare_routing, simulate  # noqa: E402
+from predictors.config import PredictorConfig, PredictorKind, oracle_config  # noqa: E402
+from engine.simulate import spec_from_config  # noqa: E402
+from schedulers.base import scheduler_settings as from_config  # noqa: E402
+from schedulers.hardware import load_hardware  # noqa: E402
 
 MODELS = ["mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v2_lite", "moonlight_16b_a3b"]
 HARDWARE = ["v100_pcie3", "a100_pcie4"]
@@ -34,15 +52,10 @@ ABLATION = ["presched", "presched_no_hot", "layerwise", "presched_no_predictor",
 def scheduler_settings(name: str):
     """The `conf/scheduler/<name>.yaml` settings (`presched_no_async`: PreSched with synchronous copies).
 
-    Cached per worker process: a Hydra compose costs ~0.3 s, more than most simulated runs."""
-    from conf import compose
-    from schedulers.base import scheduler_settings as from_config
-
+    Cached per worker process: a Hydra compose costs more than most simulated runs."""
     base = "presched" if name == "presched_no_async" else name
     settings = from_config(compose("simulate", [f"scheduler={base}"]).scheduler)
     if name == "presched_no_async":
-        from dataclasses import replace
-
         settings = replace(settings, label="LayerScope w/o AsyncIO")
     return settings
 
@@ -50,52 +63,97 @@ def scheduler_settings(name: str):
 @lru_cache(maxsize=None)
 def hardware(name: str):
     """The `conf/hardware/<name>.yaml` profile (cached per worker process)."""
-    from schedulers.hardware import load_hardware
-
     return load_hardware(name)
 
 
 def run_group(args: tuple[str, int, list[str], str, bool, str, tuple[str, ...]]) -> list[dict[str, Any]]:
     """Every system on both machines for one (model, batch): one routing, many replays."""
     model, batch, systems, routing_name, bounds, routing_path, extra = args
-    from dataclasses import replace
-
-    from conf import compose
-    from engine.sim.run import prepare_routing, simulate, spec_from_config
-
     overrides = [f"model={model}", f"batch_size={batch}", f"routing={routing_name}"]
     if routing_path:
         overrides.append(f"routing.path={routing_path}")
     overrides.extend(extra)
     cfg = compose("simulate", overrides)
     base = spec_from_config(cfg)
-    if base.predictor_config is not None:  # validate the predictor node once, not once per run
-        from predictors.config import predictor_config
-
-        base = replace(base, predictor_config=predictor_config(base.predictor_config))
     t0 = time.process_time()
     routing = prepare_routing(base)
     t_routing = time.process_time() - t0
     rows = []
+    extra_routing: dict[int, Any] = {}
     for hw in HARDWARE:
         lb = None
         for system in systems:
             spec = replace(base, hardware=hardware(hw), scheduler=scheduler_settings(system),
                            async_io=system != "presched_no_async")
             t1 = time.process_time()
-            out = simulate(spec, routing)
+            if spec.sequences != base.sequences:  # Klotski keeps two batches in flight: its own, larger routing
+                if spec.sequences not in extra_routing:
+                    extra_routing[spec.sequences] = prepare_routing(spec)
+                out = simulate(spec, extra_routing[spec.sequences])
+            else:
+                out = simulate(spec, routing)
             row = {"model": spec.model_name, "hardware": hw, "batch_size": batch, "system": system,
                    "scheduler": spec.scheduler.label, "routing": routing_name, "sim_cpu_s": time.process_time() - t1,
                    "routing_cpu_s": t_routing if system == systems[0] and hw == HARDWARE[0] else 0.0}
             row.update({k: v for k, v in out.summary.items() if not isinstance(v, dict)})
-            if bounds and spec.async_io:
+            if bounds and spec.async_io and spec.sequences == base.sequences:
                 if lb is None:  # the bound does not depend on the schedule
-                    from engine.sim.bounds import lower_bound
-
                     lb = lower_bound(spec.model, out.cost, routing.passes,
                                      out.memory.cache_slots + spec.scheduler.staging_slots)
                 row["lower_bound_s"] = lb
                 row["above_lower_bound"] = out.summary["total_s"] / lb - 1
+            rows.append(row)
+    return rows
+
+
+HIT_RATES = "0.3,0.5,0.7,measured,0.95,1.0"
+REAL_PREDICTORS = ("transition", "stats")  # routing-only: run for real on the replayed routing (fitted on held-out)
+
+
+def sweep_predictor(point: str) -> PredictorConfig:
+    """The forecasts of one hit-rate point: `measured` is the default oracle (LLaPor's measured hit rate per
+    distance); a number is the oracle at that hit rate at every distance; a predictor kind runs that predictor."""
+    if point == "measured":
+        return default_predictor()
+    if point in REAL_PREDICTORS:
+        return PredictorConfig(name=point, kind=PredictorKind(point))
+    try:
+        h = float(point)
+    except ValueError:
+        h = -1.0
+    if not 0.0 <= h <= 1.0:
+        raise ValueError(f"--hit-rates: {point!r} is neither `measured`, a routing-only predictor "
+                         f"({', '.join(REAL_PREDICTORS)}) nor a hit rate in [0, 1]")
+    return oracle_config(hit_rate=h)
+
+
+def run_hit_sweep(args: tuple[str, int, tuple[str, ...], str, str, tuple[str, ...], tuple[str, ...]]
+                  ) -> list[dict[str, Any]]:
+    """PreSched at every hit-rate point, with the real routing-only predictors and without forecasts, on both
+    machines for one (model, batch): one routing, many replays. Rows carry `hit_sweep` (the point)."""
+    model, batch, points, routing_name, routing_path, extra, machines = args
+    overrides = [f"model={model}", f"batch_size={batch}", f"routing={routing_name}", "scheduler=presched", *extra]
+    if routing_path:
+        overrides.append(f"routing.path={routing_path}")
+    base = spec_from_config(compose("simulate", overrides))
+    routing = prepare_routing(base)
+    rows = []
+    for hw in machines:
+        for point in dict.fromkeys((*points, *REAL_PREDICTORS, "none")):  # each once, in order
+            pred = None if point == "none" else sweep_predictor(point)
+            settings = scheduler_settings("presched_no_predictor") if point == "none" else base.scheduler
+            spec = replace(base, hardware=hardware(hw), scheduler=settings, predictor=pred)
+            t1 = time.process_time()
+            out = simulate(spec, routing)
+            oracle = pred is not None and pred.kind is PredictorKind.oracle
+            row = {"model": spec.model_name, "hardware": hw, "batch_size": batch, "system": "presched",
+                   "scheduler": spec.scheduler.label, "routing": routing_name, "sim_cpu_s": time.process_time() - t1,
+                   "hit_sweep": point, "predictor_kind": "none" if pred is None else
+                   ("oracle (upper bound)" if oracle else pred.kind.value),
+                   "oracle_hit_rate": pred.oracle.at(1) if oracle else None,
+                   "predictor_hit_rate_source": (pred.oracle.provenance() if oracle else
+                                                 None if pred is None else "measured in this run")}
+            row.update({k: v for k, v in out.summary.items() if not isinstance(v, dict)})
             rows.append(row)
     return rows
 
@@ -112,35 +170,44 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra `simulate` override for every run, e.g. cache_slots=96 (repeatable)")
     ap.add_argument("--bounds", action="store_true", help="also compute the lower bound of every point (not timed)")
+    ap.add_argument("--hit-rates", default="", metavar="POINTS",
+                    help=f"PreSched vs the oracle's hit rate instead, e.g. {HIT_RATES} (see the module docstring)")
     args = ap.parse_args()
     systems = ABLATION if args.ablation else SYSTEMS
-    groups = [(m, b, systems, args.routing, args.bounds, args.routing_path, tuple(args.set)) for m in args.models.split(",")
-              for b in map(int, args.batches.split(","))]
+    if args.hit_rates:
+        points = tuple(p.strip() for p in args.hit_rates.split(",") if p.strip())
+        for p in points:
+            sweep_predictor(p)  # a bad point fails before any run
+        work, groups = run_hit_sweep, [(m, b, points, args.routing, args.routing_path, tuple(args.set), tuple(HARDWARE))
+                                       for m in args.models.split(",") for b in map(int, args.batches.split(","))]
+    else:
+        work, groups = run_group, [(m, b, systems, args.routing, args.bounds, args.routing_path, tuple(args.set))
+                                   for m in args.models.split(",") for b in map(int, args.batches.split(","))]
     groups.sort(key=lambda g: -g[1])  # big batches first: better packing over the workers
     wall0, cpu0 = time.perf_counter(), time.process_time()
     rows: list[dict[str, Any]] = []
     if args.workers > 1:
         with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            for chunk in pool.map(run_group, groups):
+            for chunk in pool.map(work, groups):
                 rows.extend(chunk)
     else:
         for g in groups:
-            rows.extend(run_group(g))
+            rows.extend(work(g))
     wall = time.perf_counter() - wall0
-    cpu_children = sum(r["sim_cpu_s"] + r["routing_cpu_s"] for r in rows)
+    cpu_children = sum(r["sim_cpu_s"] + r.get("routing_cpu_s", 0.0) for r in rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.jsonl", "w") as fh:
         for r in rows:
             fh.write(json.dumps(r) + "\n")
-    from engine.report import write_report
-
     write_report(out, rows)
     n_runs = len(rows)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"sweep: {n_runs} simulated runs ({len(groups)} routings x {len(HARDWARE)} machines x {len(systems)} systems)")
+    per_machine = len(groups[0][2]) + len(REAL_PREDICTORS) + 1 if args.hit_rates else len(systems)
+    what = "forecasts (hit-rate points, real predictors, none)" if args.hit_rates else "systems"
+    print(f"sweep: {n_runs} simulated runs ({len(groups)} routings x {len(HARDWARE)} machines x {per_machine} {what})")
     print(f"wall time {wall:.1f} s with {args.workers} worker(s); simulation CPU time {cpu_children:.1f} s "
-          f"(routing {sum(r['routing_cpu_s'] for r in rows):.1f} s); 1-min load average at the end {load:.2f}")
+          f"(routing {sum(r.get('routing_cpu_s', 0.0) for r in rows):.1f} s); 1-min load average at the end {load:.2f}")
     print(f"target: under 120 s wall on 2 cores -> {'met' if wall < 120 else 'NOT met'} ({wall / 120:.2f} of the budget)")
     print(f"tables and figures in {out}")
 

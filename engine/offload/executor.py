@@ -37,6 +37,7 @@ from engine.offload.forecasts import LazyForecasts, LiveForecastBook
 from engine.offload.kernels import LayerKernels
 from engine.offload.link import Job, TransferLink
 from engine.offload.metrics import RunMetrics
+from engine.offload.settings import OffloadSettings
 from engine.offload.store import ExpertStore
 from engine.offload.timer import Timer
 from models.config import ModelConfig
@@ -45,23 +46,6 @@ from models.transformer import MoETransformer, init_cache
 from predictors.base import LayerContext, Predictor
 from schedulers.base import LayerPlan, LayerState, OffloadScheduler, Phase, Transfer
 from schedulers.cost import CostModel
-
-
-@dataclass(frozen=True)
-class OffloadSettings:
-    """Mechanism knobs (the `offload` config block)."""
-
-    cache_slots: int  # expert-cache capacity in experts (staging buffers not included)
-    staging_slots: int = 2  # on-demand double buffer
-    chunks: int = 2  # row chunks per projection transfer (AsyncIO sub-transfers: 3 projections x chunks)
-    async_io: bool = True  # False: synchronous copies (LayerScope ablation "no AsyncIO")
-    cpu_threads: int = 1  # host threads of the CPU experts (see CpuExperts)
-    retries: int = 2  # attempts after a failed transfer before it surfaces
-    validate_plans: bool = True  # check every plan against the scheduler contract
-    timeline_passes: int = 32  # record lane events of the prefill and the first N decode passes (timeline plots)
-    # a pass with every routed expert resident, nothing on the link and a scheduler that would plan device
-    # work only runs as one device call (no gate to stop at: there is nothing to decide); False: layer by layer
-    fuse_resident: bool = True
 
 
 @dataclass
@@ -121,7 +105,7 @@ def link_view(active: Optional[Job], resident: np.ndarray, t_io: float, now: flo
 
 def new_cache(cfg: ModelConfig, settings: OffloadSettings, dtype: Any) -> DeviceExpertCache:
     """The device expert cache `settings` ask for, in the model's dtype."""
-    return DeviceExpertCache(cfg, settings.cache_slots, settings.staging_slots, dtype)
+    return DeviceExpertCache(cfg, settings.slots(), settings.staging_slots, dtype)
 
 
 def padded_shapes(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> tuple[int, int, int]:
@@ -152,7 +136,7 @@ class OffloadExecutor:
         self._owns_cache = cache is None
         self.cache = cache if cache is not None else new_cache(cfg, settings, dtype)
         self.cache.reset()
-        if (self.cache.cache_slots, len(self.cache.slots) - self.cache.cache_slots) != (settings.cache_slots,
+        if (self.cache.cache_slots, len(self.cache.slots) - self.cache.cache_slots) != (settings.slots(),
                                                                                        settings.staging_slots):
             raise ValueError(f"cache of {self.cache.cache_slots} + {len(self.cache.slots) - self.cache.cache_slots} "
                              f"slots given to an executor of {settings.cache_slots} + {settings.staging_slots}")
@@ -320,7 +304,7 @@ class OffloadExecutor:
 
     def _start_cpu(self, run: LayerRun, plan: LayerPlan) -> None:
         """The CPU side: the torch worker starts now, unless no on-demand load is to be waited for: then the main
-        thread computes it itself once the device work is dispatched (a hand-over costs ~0.2 ms here)."""
+        thread computes it itself once the device work is dispatched (a hand-over to the worker costs more than a small layer's CPU work)."""
         run.inline_cpu = bool(plan.cpu) and not plan.ondemand
         if plan.cpu and not run.inline_cpu:
             run.cpu_future = self.cpu.submit(run.layer, run.host, run.experts, run.weights, list(plan.cpu))
@@ -346,7 +330,7 @@ class OffloadExecutor:
             # a sample times the call alone: device calls run in order (earlier queued work would count), and
             # where the device is the host the CPU experts' worker shares its cores. Only decode calls are
             # samples: the cost model takes them as per-call dispatch, and a prefill call runs the grouped
-            # kernel over every row of the pass (~2 ms against ~0.1 for a decode call of mixtral-tiny here)
+            # kernel over every row of the pass (many times a decode call's time)
             timed = run.phase is Phase.decode and all(part.is_ready() for part in run.parts) and \
                 (run.cpu_future is None or run.cpu_future.done())
             started = time.perf_counter()

@@ -123,8 +123,8 @@ class LiveForecastBook(ForecastBook):
 
     Passes of more than `max_tokens` tokens (prefills) are forecast on `max_tokens` evenly spaced
     tokens, the loads scaled up, and scored on those: a forecast runs on the critical path, and a
-    trained predictor over a 512-token prompt costs ~10 ms per layer on this machine's CPU, more than
-    the prefetches it can steer save (the schedulers only read loads)."""
+    trained predictor over a whole long prompt costs more per layer on a CPU than the prefetches it can
+    steer save (the schedulers only read loads)."""
 
     def __init__(self, predictors: dict[int, Predictor], top_k: int, num_experts: int, max_tokens: int = 64):
         self.trace = None  # type: ignore[assignment]

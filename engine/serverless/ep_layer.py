@@ -16,7 +16,8 @@ sharded over `ep`, so filling a slot is a plain transfer to one device); `Replic
 
 Exact (dropless) as long as `capacity` is at least the largest count of assignments one device
 sends to another (`required_capacity` computes it on the host); the layer returns the number of
-assignments that did not fit, which the executor checks is zero.
+assignments that did not fit, which the executor checks is zero, and the rows each slot of each
+device received, counted on the device after the dispatch (the loads the replicas really served).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def _padded_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTable
     got = back.at[dst, pos].get(mode="fill", fill_value=0).astype(jnp.float32)  # [n, H]
     contrib = got * (weights.reshape(-1) * fits)[:, None]
     out = jax.ops.segment_sum(contrib, token, num_segments=t)
-    return out.astype(x.dtype), jax.lax.psum(overflow, EP_AXIS)[None]
+    return out.astype(x.dtype), jax.lax.psum(overflow, EP_AXIS)[None], _slot_rows(recv_slot, S)
 
 
 def _ragged_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTables, *, capacity: int,
@@ -191,29 +192,35 @@ def _ragged_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTable
     unsorted = jnp.zeros((n, H), jnp.float32).at[order].set(back.astype(jnp.float32))
     contrib = unsorted * (weights.reshape(-1) * ok)[:, None]
     out = jax.ops.segment_sum(contrib, token, num_segments=t)
-    return out.astype(x.dtype), jax.lax.psum(overflow, EP_AXIS)[None]
+    return out.astype(x.dtype), jax.lax.psum(overflow, EP_AXIS)[None], _slot_rows(recv_slot, S)
+
+
+def _slot_rows(recv_slot: jax.Array, num_slots: int) -> jax.Array:
+    """int32 [1, S]: the rows this device received per slot (slot S marks padding). Inside shard_map."""
+    return jnp.bincount(recv_slot.reshape(-1), length=num_slots + 1)[:num_slots].astype(jnp.int32)[None]
 
 
 def run_body(body, x, experts, weights, valid, gate_up, down, tables: ReplicaTables, *, mesh: Mesh, capacity: int):
     """One dispatch body under shard_map over the `ep` axis of `mesh` (see `ep_moe`)."""
     rows = P(EP_AXIS)
     fn = jax.shard_map(functools.partial(body, capacity=capacity, num_devices=mesh.shape[EP_AXIS]), mesh=mesh,
-                       in_specs=(rows, rows, rows, rows, rows, rows, P()), out_specs=(rows, rows), check_vma=False)
+                       in_specs=(rows, rows, rows, rows, rows, rows, P()), out_specs=(rows, rows, rows), check_vma=False)
     return fn(x, experts, weights, valid, tuple(gate_up), tuple(down), tables)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "capacity", "dispatch"))
 def ep_moe(x: jax.Array, experts: jax.Array, weights: jax.Array, valid: jax.Array, gate_up: tuple,
            down: tuple, tables: ReplicaTables, *, mesh: Mesh, capacity: int, dispatch: Dispatch = Dispatch.padded
-           ) -> tuple[jax.Array, jax.Array]:
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Expert-parallel MoE over the `ep` axis of `mesh`.
 
     x [T, H], experts int32 [T, k], weights float32 [T, k], valid bool [T] (all sharded over `ep` by
     rows, T = G * t); gate_up: S arrays [G, 2F, H] and down: S arrays [G, H, F], slot s of every
     device, sharded over `ep` (row g lives on device g); tables replicated. Returns the combined
     expert output [T, H] (sharded like x) and the number of assignments that did not fit [G]
-    (every entry the same total; 0 when `capacity` sufficed). `capacity`: padded, the rows one
-    device sends another at most; ragged, the rows one device receives in all.
+    (every entry the same total; 0 when `capacity` sufficed) and int32 [G, S]: the rows slot s of
+    device g received, counted on the device. `capacity`: padded, the rows one device sends another
+    at most; ragged, the rows one device receives in all.
     """
     body = _padded_body if dispatch is Dispatch.padded else _ragged_body
     return run_body(body, x, experts, weights, valid, gate_up, down, tables, mesh=mesh, capacity=capacity)

@@ -60,7 +60,9 @@ class LayerRecord:
     replicas: int
     loads: np.ndarray  # int [E] the experts served (re-routed for the Oracle)
     forecast_used: str  # "predictor" / "history"
-    device_loads: np.ndarray  # float [G]
+    device_loads: np.ndarray  # int [G] rows each device's replicas received, counted on the devices
+    replica_loads: np.ndarray  # int [R] rows each replica of the placement received, counted on the devices
+    replica_expert: np.ndarray  # int [R] the expert of each replica
     balancedness: float
     copies_host: int
     copies_peer: int
@@ -143,10 +145,11 @@ class ServerlessExecutor:
         gate_up, down = store.arrays()
         xs, es, ws, vs = shard_rows(self.mesh, tokens, jnp.asarray(exp_p), jnp.asarray(wts, jnp.float32), jnp.asarray(val))
         t0 = time.perf_counter()
-        out, overflow = ep_moe(xs, es, ws, vs, gate_up, down, tables, mesh=self.mesh, capacity=capacity,
-                               dispatch=self.dispatch)
+        out, overflow, slot_rows = ep_moe(xs, es, ws, vs, gate_up, down, tables, mesh=self.mesh, capacity=capacity,
+                                          dispatch=self.dispatch)
         out.block_until_ready()
         wall = time.perf_counter() - t0
+        slot_rows = np.asarray(to_host(slot_rows))  # [G, S] measured inside shard_map
         if int(to_host(overflow)[0]):
             raise RuntimeError(f"serverless executor: layer {li}: {int(to_host(overflow)[0])} assignments exceeded "
                                f"the dispatch capacity {capacity}")
@@ -156,10 +159,12 @@ class ServerlessExecutor:
         self.policy.observe(li, actual, self.now_s)
         self.forecast.history.observe(li, actual)
         served_loads = np.bincount(served[valid].reshape(-1), minlength=self.cfg.num_experts)
-        dev = placement.device_loads(served_loads)
+        dev = slot_rows.sum(axis=1)
+        rep = slot_rows[placement.replica_device, update.slot_of_replica]
         self.records.append(LayerRecord(step=self.step, layer=li, tokens=n_valid, replicas=placement.num_replicas,
-                                        loads=served_loads, forecast_used=used, device_loads=dev,
-                                        balancedness=balancedness(dev), copies_host=update.count(Source.host),
+                                        loads=served_loads, forecast_used=used, device_loads=dev, replica_loads=rep,
+                                        replica_expert=placement.replica_expert.copy(), balancedness=balancedness(dev),
+                                        copies_host=update.count(Source.host),
                                         copies_peer=update.count(Source.peer), capacity=capacity, wall_s=wall))
         result = out[:T] if pad else out
         return result.astype(x.dtype)
@@ -188,5 +193,9 @@ class ServerlessExecutor:
                 "bytes_host": int(sum(s.bytes["host"] for s in self.stores.values())),
                 "bytes_peer": int(sum(s.bytes["peer"] for s in self.stores.values())),
                 "mean_layer_wall_ms": float(np.mean([r.wall_s for r in recs]) * 1e3),
+                # measured on the devices: the largest gap between two replicas of one expert (1 at most when
+                # every replica gets its even share)
+                "max_replica_share_gap": int(max((np.ptp(r.replica_loads[r.replica_expert == e])
+                                                  for r in recs for e in np.unique(r.replica_expert)), default=0)),
                 "forecast_from_predictor": float(np.mean([r.forecast_used == "predictor" for r in recs]))}
 

@@ -1,7 +1,8 @@
 """The studies of MoEless §6 as lists of systems, simulated once each over one serving trace.
 
 - compare (Figs. 11-13): the configured systems (Megatron-LM, EPLB, Oracle, MoEless);
-- memory (Fig. 14): EPLB with 0, 1, 2 redundant replicas per expert next to the others;
+- memory (Fig. 14): EPLB with 0, 1, 2 redundant replicas per expert next to the others, and EPLB
+  holding as many replicas as MoEless has slots (the two at the same expert memory);
 - distance (Figs. 17-18) and cv_threshold (Figs. 19-20): MoEless with d or V swept;
 - ablation (Fig. 21): MoEless without its load predictor (history forecasts), without the scaler
   (one replica per expert), without the placer (fixed devices, no warm starts).
@@ -54,6 +55,9 @@ def experiment_systems(experiment: str, base: dict[str, SystemSpec], systems: li
         for r in sweeps.eplb_redundant_per_expert:
             n = eplb_redundant(int(r), num_experts, num_devices)
             out.append(eplb.with_settings(num_redundant=n, label=f"EPLB +{r}/expert"))
+        # EPLB holding as many replicas as MoEless has slots: the two at the same expert memory
+        same = moeless.settings.slots_per_device(num_experts, num_devices) * num_devices - num_experts
+        out.append(eplb.with_settings(num_redundant=same, label="EPLB at MoEless's memory"))
         return out
     if experiment == "distance":
         return [replace(moeless, distance=int(d)).with_label(f"MoEless d={d}") for d in sweeps.distances]
@@ -108,7 +112,16 @@ def compare_with_paper(summaries: dict[str, dict], labels: dict[str, str]) -> di
         "cost_reduction_vs_eplb": versus(summaries, m, eplb, "total_cost_gib_s"),
         "other_compute_latency_reduction_vs_megatron": versus(summaries, m, meg, "mean_moe_other_compute_ms"),
         "other_compute_latency_reduction_vs_eplb": versus(summaries, m, eplb, "mean_moe_other_compute_ms"),
+        # without the waits for weight copies (what the paper's figures show), for comparison only
+        "exec_only_latency_reduction_vs_megatron": versus(summaries, m, meg, "mean_moe_exec_ms"),
+        "exec_only_latency_reduction_vs_eplb": versus(summaries, m, eplb, "mean_moe_exec_ms"),
     }
+    billings = sorted({b for s in summaries.values() for b in s.get("cost_by_billing_gib_s", {})})
+    for b in billings:
+        per = {label: {"c": s["cost_by_billing_gib_s"][b]} for label, s in summaries.items()
+               if b in s.get("cost_by_billing_gib_s", {})}
+        for name, other in (("megatron", meg), ("oracle", orc), ("eplb", eplb)):
+            ours[f"cost_reduction_vs_{name}_{b}"] = versus(per, m, other, "c")
     return {"ours": ours, "paper": dict(PAPER)}
 
 

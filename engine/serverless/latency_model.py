@@ -25,15 +25,29 @@ One refinement, off by default, for honest sensitivity checks:
   roofline of its GEMMs (streaming its weights bounds small batches); each all-to-all adds the
   interconnect latency.
 
-Cost = memory x time, summed (byte-seconds). A serverless expert is billed only while its layer
-runs (MoEless's pay-as-you-go experts); a serverful deployment holds every layer's replicas all the
-time. Non-expert weights (replicated on every device, data-parallel) are resident in both:
+Cost = GPU memory x time, summed over iterations and layers (byte-seconds). Two billings
+(`Billing`), both always computed and reported side by side; `latency.billing` picks the headline:
 
-    serverless:  T_moe * R * M_e + (T_moe + T_misc) * M_misc
-    serverful:   (T_moe + T_misc) * (M_resident + M_misc)
+- `held` (default; MoEless §3.3 "the product of GPU memory consumption and inference latency
+  aggregated over all iterations"): every system pays for the memory it holds on the GPUs while
+  each layer runs, its attention block included. For MoEless that is every replica alive in a slot
+  of any layer, the kept-alive ones its warm starts rely on included:
 
-with R the layer's replicas, M_resident all layers' replicas. `bill_keep_alive` bills a serverless
-deployment for its kept-alive (warm) replicas of every layer instead, as a serverful one.
+      (T_moe + T_misc) * (M_resident + M_misc)
+
+- `pay_per_use` (MoEless's serverless pricing): a serverless expert is billed only while its own
+  layer runs, kept-alive replicas for free; a serverful deployment still pays for what it holds:
+
+      serverless:  T_moe * R * M_e + (T_moe + T_misc) * M_misc
+      serverful:   (T_moe + T_misc) * (M_resident + M_misc)
+
+with R the layer's replicas in use, M_resident all layers' resident replicas. T_moe here is the
+layer's time including weight copies it had to wait for (see `engine.serverless.simulator`).
+
+Weight copies: a replica placed where its expert is not alive is copied from a peer device (the
+interconnect; a bridged pair where the profile has one) or from host memory (a cold start over the
+device's host link). `copy_times` gives each device's receive time; the simulator queues them on
+the device's link and charges the layer for whatever part the mechanism cannot overlap.
 """
 
 from __future__ import annotations
@@ -55,6 +69,11 @@ class LatencyKind(enum.Enum):
     roofline = "roofline"  # + per-replica kernel overhead and weight streaming, collective latency
 
 
+class Billing(enum.Enum):
+    held = "held"  # memory held (kept-alive replicas included) x time, every system (MoEless §3.3)
+    pay_per_use = "pay_per_use"  # serverless replicas billed only while their layer runs
+
+
 class ComputeKind(enum.Enum):
     replica_max = "replica_max"  # max over replicas (MoEless §3.3, literally)
     device_sum = "device_sum"  # max over devices of the replicas' summed time (MoEless §4.3; paper.yaml)
@@ -65,7 +84,7 @@ class LatencySettings:
     kind: LatencyKind = LatencyKind.paper
     compute: ComputeKind = ComputeKind.replica_max
     misc_s: Optional[float] = None  # fixed T_misc per layer; None: attention block of one device's share
-    bill_keep_alive: bool = False
+    billing: Billing = Billing.held  # the headline billing; the other is reported next to it
 
 
 @dataclass(frozen=True)
@@ -129,20 +148,24 @@ class ServerlessCostModel:
             return float(self.ops.t_attn(per_dev, 0, prefill=True, prompt_len=max(1, round(tokens / num_seqs))))
         return float(self.ops.t_attn(per_dev, max(1, round(context))))
 
-    def copy_time(self, moves_per_device: np.ndarray, peer_moves_per_device: np.ndarray) -> float:
-        """Seconds the slowest device needs to receive its replicas' weights: host copies over its
-        own host link one after another, peer copies over the device interconnect (a bridged pair
+    def copy_times(self, host_moves: np.ndarray, peer_moves: np.ndarray) -> np.ndarray:
+        """float [G]: seconds each device needs to receive its new replicas' weights, host copies over
+        its own host link one after another, peer copies over the device interconnect (a bridged pair
         where the profile has one, else the all-to-all share)."""
-        host = np.asarray(moves_per_device, dtype=np.float64)
-        peer = np.asarray(peer_moves_per_device, dtype=np.float64)
+        host = np.asarray(host_moves, dtype=np.float64)
+        peer = np.asarray(peer_moves, dtype=np.float64)
         link = self.hw.interconnect.pair_gbps or self.hw.interconnect.gbps_per_device
         t_peer = self.expert_bytes / (link * 1e9) if link > 0 else 0.0
-        per_dev = host * self.hw.host_link.transfer_s(self.expert_bytes) + peer * t_peer
-        return float(per_dev.max(initial=0.0))
+        return host * self.hw.host_link.transfer_s(self.expert_bytes) + peer * t_peer
 
-    def layer_cost(self, moe_s: float, misc_s: float, billed_expert_bytes: float, serverless: bool) -> float:
-        """Byte-seconds of one layer: `billed_expert_bytes` is the layer's replicas (serverless) or
-        every resident replica of every layer (serverful)."""
-        if serverless:
-            return moe_s * billed_expert_bytes + (moe_s + misc_s) * self.misc_bytes
-        return (moe_s + misc_s) * (billed_expert_bytes + self.misc_bytes)
+    def copy_time(self, moves_per_device: np.ndarray, peer_moves_per_device: np.ndarray) -> float:
+        """Seconds the slowest device needs to receive its replicas' weights (`copy_times`' max)."""
+        return float(self.copy_times(moves_per_device, peer_moves_per_device).max(initial=0.0))
+
+    def layer_cost(self, moe_s: float, misc_s: float, held_expert_bytes: float, active_expert_bytes: float,
+                   serverless: bool, billing: Billing) -> float:
+        """Byte-seconds of one layer under `billing`: `held_expert_bytes` every replica resident on the
+        devices (all layers, kept-alive ones included), `active_expert_bytes` the layer's replicas in use."""
+        if billing is Billing.pay_per_use and serverless:
+            return moe_s * active_expert_bytes + (moe_s + misc_s) * self.misc_bytes
+        return (moe_s + misc_s) * (held_expert_bytes + self.misc_bytes)

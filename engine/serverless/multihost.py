@@ -81,8 +81,8 @@ def self_check(seed: int = 0) -> dict[str, Any]:
     rows = NamedSharding(mesh, P(EP_AXIS))
     glob = lambda a: jax.make_array_from_callback(a.shape, rows, lambda idx: a[idx])
     gu, dn = store.arrays()
-    out, overflow = ep_moe(glob(x), glob(experts), glob(weights), glob(valid), gu, dn, tables, mesh=mesh,
-                           capacity=max(1, required_capacity(experts, valid, placement)))
+    out, overflow, _ = ep_moe(glob(x), glob(experts), glob(weights), glob(valid), gu, dn, tables, mesh=mesh,
+                              capacity=max(1, required_capacity(experts, valid, placement)))
     got = np.asarray(multihost_utils.process_allgather(out, tiled=True))
     silu = lambda v: v / (1 + np.exp(-v))
     ref = np.zeros_like(x)

@@ -7,6 +7,19 @@ steps in order; per MoE layer the policy plans from the forecast (warm-start can
 alive in the layer's slots), the slot map applies the plan (counting weight copies), the layer
 costs what the §3.3 model says for the loads that really occurred (re-routed ones for the lossy
 Oracle), and the policy observes those loads.
+
+Weight copies are on the clock. Each device has one receive queue (`ServerlessCostModel.copy_times`
+per copy); the layers of a step run one after another (attention block T_misc, then the MoE layer).
+A policy's copies move as its `transfer` says: `ahead` (MoEless) issues them when the plan can be
+made, at the start of layer l - d's block for a forecast d layers ahead (for history forecasts when
+the layer last ran, in the previous step), so they overlap the compute in between and the MoE layer
+waits only for what has not arrived; `background` (EPLB with vLLM's async transfer) queues them and
+never waits; `blocking` waits for all of them before the layer. The wait is part of the layer's MoE time (`moe_s`, every
+headline number, CDF and cost); `exec_s` is the time without it. The first placement of each layer
+(loading the model) is free for every system. With decode_stride n, a simulated step stands for n
+iterations: MoEless's copies and waits count n times (it re-plans every iteration), a periodic
+rearrangement's (EPLB) once; the copies of the skipped iterations do not enter the queue, so
+MoEless's waits are a lower bound (exact at decode_stride=1).
 """
 
 from __future__ import annotations
@@ -18,7 +31,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from engine.serverless.latency_model import ServerlessCostModel
+from engine.serverless.latency_model import Billing, ServerlessCostModel
 from engine.serverless.policies import ForecastKind, SystemSpec, build_policy, slots_per_device
 from engine.serverless.serving_trace import ServingTrace
 from engine.serverless.slots import SlotMap, Source
@@ -41,17 +54,21 @@ def forecast_loads(trace: ServingTrace, predictor: Optional[Predictor], history_
     history = HistoricalLoadForecaster(L, E, decay=history_decay)
     out = np.zeros((S, L, E), dtype=np.float32)
     d = predictor.distance if predictor is not None else L
-    experts, weights = trace.routing.experts, trace.routing.weights
+    experts, weights, hidden = trace.routing.experts, trace.routing.weights, trace.routing.hidden
+    # a predictor of a shallower recorded model replayed on its cycled layers (forecast.TiledPredictor) has no
+    # model pair across a cycle's end: those targets fall back to history, as layers l < d do
+    covers = getattr(predictor, "covers", lambda source_layer: True)
     # score the very forecast that was used where the predictor lets us (else it forecasts again)
     scored = predictor is not None and "predicted" in inspect.signature(predictor.observe).parameters
     for s in progress(range(S), "forecast"):
         rows = trace.rows(s)
         n = rows.size
         for layer in range(L):
-            if layer < d:
+            if layer < d or not covers(layer - d):
                 out[s, layer] = history.forecast(layer, n * k)
                 continue
             ctx = LayerContext(layer=layer - d, step=s, experts=experts[layer - d, rows], weights=weights[layer - d, rows],
+                               hidden=None if hidden is None else hidden[layer - d, rows],
                                seq=trace.routing.seq[rows], pos=trace.routing.pos[rows], rows=rows)
             top = topk_experts(predictor.predict(ctx), k)
             out[s, layer] = np.bincount(top.reshape(-1), minlength=E)
@@ -62,8 +79,28 @@ def forecast_loads(trace: ServingTrace, predictor: Optional[Predictor], history_
                 predictor.observe(layer, ctx, actual)
         for layer in range(L):
             history.observe(layer, trace.loads[s, layer])
-    hits = {} if predictor is None else {str(layer): predictor.hit_rate(layer) for layer in range(d, L)}
+    hits = {} if predictor is None else {str(layer): predictor.hit_rate(layer) for layer in range(d, L) if covers(layer - d)}
     return out, hits
+
+
+class CopyLinks:
+    """Each device's receive queue for weight copies: copies to one device run one after another."""
+
+    def __init__(self, num_devices: int):
+        self.free = np.zeros(num_devices)  # when each device's queue is idle (simulated seconds)
+
+    def copy(self, per_device_s: np.ndarray, issue_s: float, ready_s: float, transfer: str) -> float:
+        """Queue one layer's copies (seconds per receiving device) and return how long the layer, ready
+        to run at `ready_s`, waits for them: `ahead` copies start at `issue_s` (or when the queue frees),
+        `blocking` ones at `ready_s`; `background` ones are queued but never waited for."""
+        busy = np.asarray(per_device_s) > 0
+        if not busy.any():
+            return 0.0
+        start = ready_s if transfer == "blocking" else issue_s
+        self.free[busy] = np.maximum(self.free[busy], start) + np.asarray(per_device_s)[busy]
+        if transfer == "background":
+            return 0.0
+        return max(0.0, float(self.free[busy].max()) - ready_s)
 
 
 @dataclass
@@ -77,21 +114,27 @@ class SystemResult:
     slots_per_device: int
     weight: np.ndarray  # [S] iterations each step stands for
     phase: np.ndarray  # [S]
-    moe_s: np.ndarray
-    moe_other_s: np.ndarray  # T_moe under the other compute kind (see latency_model)
+    moe_s: np.ndarray  # T_moe including the wait for weight copies (the headline latency)
+    moe_other_s: np.ndarray  # T_moe under the other compute kind (see latency_model), same wait included
     compute_s: np.ndarray
     comm_s: np.ndarray
     misc_s: np.ndarray  # [S]
     replicas: np.ndarray
     balancedness: np.ndarray
-    cost: np.ndarray  # byte-seconds
-    billed_bytes: np.ndarray  # expert memory billed while the layer runs
+    cost: np.ndarray  # byte-seconds under the headline billing
+    billed_bytes: np.ndarray  # expert memory billed while the layer runs (headline billing)
     moves: dict[str, int] = field(default_factory=dict)  # weight copies by source (warm / peer / host)
     moves_after_first: dict[str, int] = field(default_factory=dict)  # excluding each layer's first plan
     expert_bytes: float = 0.0
     decision_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [S, L] time in policy.plan
     copy_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [S, L] weight copies the plan needs
     exposed_copy_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [S, L] copy time not hidden
+    exec_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [S, L] T_moe without copy waits
+    costs: dict[str, np.ndarray] = field(default_factory=dict)  # billing name -> [S, L] byte-seconds
+    held_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [S, L] expert memory resident
+    billing: str = Billing.held.value
+    transfer: str = "ahead"
+    moves_weighted: dict[str, float] = field(default_factory=dict)  # after the first plan, x iterations
     hit_cap: int = 0
     rebalances: int = 0
 
@@ -128,13 +171,30 @@ class SystemResult:
             * self.expert_bytes / 2**30,
             "copy_ms_total": float((self.copy_s * w).sum()) * 1e3,
             "exposed_copy_ms_total": float((self.exposed_copy_s * w).sum()) * 1e3,
-            "mean_moe_with_exposed_copies_ms": mean(self.moe_s + self.exposed_copy_s) * 1e3,
+            "mean_moe_exec_ms": mean(self.exec_s) * 1e3 if self.exec_s.size else mean(self.moe_s) * 1e3,
+            "mean_copy_wait_ms": mean(self.exposed_copy_s) * 1e3 if self.exposed_copy_s.size else 0.0,
+            "copy_transfer": self.transfer,
+            "billing": self.billing,
+            "cost_by_billing_gib_s": {k: float((c * w).sum()) / 2**30 for k, c in self.costs.items()},
+            "held_memory_time_avg_gib": float((self.held_bytes * self.moe_s * w).sum() / max((self.moe_s * w).sum(), 1e-30))
+            / 2**30 if self.held_bytes.size else 0.0,
+            **self.copy_summary(),
             "decision_us_mean": float(self.decision_s.mean() * 1e6) if self.decision_s.size else 0.0,
             "decision_us_p99": float(np.quantile(self.decision_s, 0.99) * 1e6) if self.decision_s.size else 0.0,
             "scaler_hit_cap_fraction": self.hit_cap / max(self.moe_s.size, 1),
             "eplb_rebalances": self.rebalances,
             "by_phase": by_phase,
         }
+
+    def copy_summary(self) -> dict:
+        """Weight copies after each layer's first placement, counted per serving iteration (a step that
+        stands for n iterations counts its copies n times): copies, GiB, and the share of placed
+        replicas that were already alive where they were placed (warm starts)."""
+        mw = self.moves_weighted
+        copies = mw.get("host", 0.0) + mw.get("peer", 0.0)
+        placed = copies + mw.get("warm", 0.0)
+        return {"copies": copies, "cold_starts": mw.get("host", 0.0), "copies_gib": copies * self.expert_bytes / 2**30,
+                "warm_start_rate": mw.get("warm", 0.0) / placed if placed else 1.0}
 
     def balancedness_per_layer(self) -> list[float]:
         w = self.w()
@@ -170,19 +230,31 @@ def simulate_system(trace: ServingTrace, spec: SystemSpec, forecasts: np.ndarray
     maps = [SlotMap(E, G, slots) for _ in range(L)]
     shape = (S, L)
     moe, other, comp, comm = np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape)
-    reps, bal, cost, billed, decide = np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape)
-    copy, exposed = np.zeros(shape), np.zeros(shape)
-    recent: list[float] = []  # execution times of the layers run so far (the window a copy can hide in)
-    window = max(spec.distance, 1)
+    reps, bal, decide = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    copy, wait, exec_ = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    held = np.zeros(shape)
+    costs = {b.value: np.zeros(shape) for b in Billing}
+    transfer = getattr(policy, "transfer", "ahead")
+    # a policy that re-plans from forecasts moves weights in every iteration a sampled step stands for; a
+    # periodic rearrangement (EPLB) happens once, in the step that triggered it
+    every_iteration = transfer == "ahead"
+    ahead = spec.distance if policy.uses_forecast and spec.forecast is ForecastKind.predictor else 0
     misc = np.zeros(S)
     moves = {src.value: 0 for src in Source}
     later = {src.value: 0 for src in Source}
+    weighted = {src.value: 0.0 for src in Source}
+    links = CopyLinks(G)
+    last_ran = np.zeros(L)  # when each layer last finished (its history forecast for the next step exists)
+    clock = 0.0
     hit_cap = 0
     for s in progress(range(S), spec.label):
         now = float(trace.time_s[s])
+        iters = float(trace.weight[s])
         misc[s] = cost_model.misc_time(int(trace.num_seqs[s]), trace.tokens(s), float(trace.context[s]),
                                        prefill=trace.phase[s] == PREFILL)
+        block_start = np.zeros(L)
         for layer in range(L):
+            block_start[layer] = clock
             live = maps[layer].live()
             t0 = time.perf_counter()
             placement = policy.plan(layer, forecasts[s, layer], live, now)
@@ -194,33 +266,45 @@ def simulate_system(trace: ServingTrace, spec: SystemSpec, forecasts: np.ndarray
                 moves[m.source.value] += 1
                 if live is not None:
                     later[m.source.value] += 1
+                    weighted[m.source.value] += iters if every_iteration else 1.0
                 if m.source is Source.host:
                     host_in[m.device] += 1
                 elif m.source is Source.peer:
                     peer_in[m.device] += 1
-            copy[s, layer] = cost_model.copy_time(host_in, peer_in)
-            exposed[s, layer] = max(0.0, copy[s, layer] - sum(recent[-window:])) if live is not None else 0.0
+            per_dev = cost_model.copy_times(host_in, peer_in)
+            copy[s, layer] = float(per_dev.max(initial=0.0))
+            ready = clock + misc[s]  # the MoE layer could start once its attention block is done
+            stall = 0.0
+            if live is not None:  # the first placement of a layer is the model load, free for every system
+                # a predictor's forecast exists at layer l - d's input; history shares once the layer last ran
+                issue = block_start[layer - ahead] if 0 < ahead <= layer else last_ran[layer]
+                stall = links.copy(per_dev, issue, ready, transfer)
+                # a rearrangement's wait happens once, not in every iteration the sampled step stands for
+                wait[s, layer] = stall if every_iteration else stall / iters
             eff = policy.effective_loads(trace.loads[s, layer])
             t = cost_model.moe_time(placement, eff)
-            moe[s, layer], other[s, layer], comp[s, layer], comm[s, layer] = t.moe_s, t.moe_other_s, t.compute_s, t.comm_s
+            exec_[s, layer] = t.moe_s
+            moe[s, layer], other[s, layer] = t.moe_s + wait[s, layer], t.moe_other_s + wait[s, layer]
+            comp[s, layer], comm[s, layer] = t.compute_s, t.comm_s
             reps[s, layer] = placement.num_replicas
             bal[s, layer] = balancedness(placement.device_loads(eff))
-            policy.observe(layer, trace.loads[s, layer], now)
-            recent.append(t.moe_s + misc[s])
-            del recent[:-window]
-        resident = sum(m.resident_replicas() for m in maps) * M_e
+            policy.observe(layer, trace.loads[s, layer], now, iterations=iters)
+            clock = ready + exec_[s, layer] + stall
+            last_ran[layer] = clock
+        held[s] = sum(m.resident_replicas() for m in maps) * M_e
         for layer in range(L):
-            if policy.serverless and not cost_model.settings.bill_keep_alive:
-                billed[s, layer] = reps[s, layer] * M_e
-            else:
-                billed[s, layer] = resident
-            cost[s, layer] = cost_model.layer_cost(moe[s, layer], misc[s], billed[s, layer],
-                                                   serverless=policy.serverless and not cost_model.settings.bill_keep_alive)
+            for b in Billing:
+                costs[b.value][s, layer] = cost_model.layer_cost(moe[s, layer], misc[s], held[s, layer],
+                                                                 reps[s, layer] * M_e, policy.serverless, b)
+    billing = cost_model.settings.billing
+    billed = reps * M_e if billing is Billing.pay_per_use and policy.serverless else held
     return SystemResult(label=spec.label, kind=spec.kind, lossy=policy.lossy, serverless=policy.serverless,
                         slots_per_device=slots, weight=trace.weight.astype(np.float64), phase=trace.phase,
                         moe_s=moe, moe_other_s=other, compute_s=comp, comm_s=comm, misc_s=misc, replicas=reps, balancedness=bal,
-                        cost=cost, billed_bytes=billed, moves=moves, moves_after_first=later, expert_bytes=M_e,
-                        decision_s=decide, copy_s=copy, exposed_copy_s=exposed, hit_cap=hit_cap, rebalances=getattr(policy, "rebalances", 0))
+                        cost=costs[billing.value], billed_bytes=billed, moves=moves, moves_after_first=later,
+                        expert_bytes=M_e, decision_s=decide, copy_s=copy, exposed_copy_s=wait, exec_s=exec_, costs=costs,
+                        held_bytes=held, billing=billing.value, transfer=transfer, moves_weighted=weighted,
+                        hit_cap=hit_cap, rebalances=getattr(policy, "rebalances", 0))
 
 
 def forecasts_for(spec: SystemSpec, cache: dict, trace: ServingTrace, make_predictor: Callable[[int], Optional[Predictor]],

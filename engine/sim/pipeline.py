@@ -211,9 +211,10 @@ class PipelineSim:
                            link_free=self._link_free(gate), t_io=state.t_io_s)
         if t_shared > 0:
             self.accounting.record("gpu", gate_last, clock.gpu_free, layer, kind="shared")
-        self._compute_available(clock, layer, plan, state.tokens)
+        mb_layer = None if mb is None else mb[:, layer]
+        self._compute_available(clock, layer, plan, state.tokens, mb_layer)
         self._load(clock, layer, [item for item in queue if not item.prefetch], state.tokens,
-                   self._issue_times(layer, plan, gates, mb))
+                   self._issue_times(layer, plan, gates, mb), mb_layer)
         self._prefetch(clock, [item for item in queue if item.prefetch])
         self._queue(clock.jobs)
         cpu_free = self._compute_cpu(layer, plan, state.tokens, gate_last)
@@ -260,14 +261,25 @@ class PipelineSim:
         first = np.where(needs.any(axis=0), needs.argmax(axis=0), len(gates) - 1)
         return dict(zip(plan.ondemand, gates[first].tolist()))
 
-    def _compute_available(self, clock: "LayerClock", layer: int, plan: LayerPlan, tokens: np.ndarray) -> None:
+    def _expert_gpu_s(self, experts: list[int], tokens: np.ndarray, mb_layer: Optional[np.ndarray],
+                      group: bool = False) -> np.ndarray:
+        """float [n]: GPU time of `experts`, each in a call of its own (`group`: all in one device call, its
+        dispatch paid once). A micro-batched layer calls them once per micro-batch routing tokens to them: the
+        batches in flight run the layer one after another, each its own expert calls over weights loaded once."""
+        f = self.cost.t_g_group if group else self.cost.t_g
+        if mb_layer is None:
+            return np.atleast_1d(f(tokens[experts]))
+        return np.sum([np.atleast_1d(f(row)) for row in mb_layer[:, experts]], axis=0)
+
+    def _compute_available(self, clock: "LayerClock", layer: int, plan: LayerPlan, tokens: np.ndarray,
+                           mb_layer: Optional[np.ndarray] = None) -> None:
         """The GPU experts whose weights are there: the resident ones in one device call, then those landing
         from started transfers, in arrival order."""
         landing = {job.expert: job.end for job in self.jobs if job.layer == layer}
         resident = self._resident_experts(plan, landing)
         if resident:
             counts = tokens[resident]
-            spans = self.cost.t_g_group(counts)  # the resident experts run in one device call
+            spans = self._expert_gpu_s(resident, tokens, mb_layer, group=True)  # the resident experts: one call
             if self.accounting.recording:
                 begin = clock.gpu_free
                 for expert, span, count in zip(resident, np.atleast_1d(spans), counts):
@@ -277,7 +289,8 @@ class PipelineSim:
             clock.gpu_busy += float(np.sum(spans))
         for expert in sorted((expert for expert in plan.gpu if expert in landing), key=landing.__getitem__):
             begin = max(clock.gpu_free, landing[expert])
-            span = self.cost.t_g(int(tokens[expert]))
+            span = self.cost.t_g(int(tokens[expert])) if mb_layer is None \
+                else float(self._expert_gpu_s([expert], tokens, mb_layer)[0])
             clock.gpu_free = begin + span
             clock.gpu_busy += span
             self.accounting.record("gpu", begin, clock.gpu_free, layer, expert, int(tokens[expert]), "expert")
@@ -292,12 +305,13 @@ class PipelineSim:
         return list(plan.gpu[:ready])
 
     def _load(self, clock: "LayerClock", layer: int, loads: list[QueuedTransfer], tokens: np.ndarray,
-              issue_times: dict[int, float]) -> None:
+              issue_times: dict[int, float], mb_layer: Optional[np.ndarray] = None) -> None:
         """The plan's on-demand loads on the link, each computed on the GPU once it has landed."""
         if not loads:
             return
-        counts = tokens[[item.expert for item in loads]]
-        spans = np.atleast_1d(self.cost.t_g(counts)).tolist()
+        experts = [item.expert for item in loads]
+        counts = tokens[experts]
+        spans = self._expert_gpu_s(experts, tokens, mb_layer).tolist()
         if len(loads) > 8 and self.options.async_io and not issue_times and not self.accounting.recording \
                 and self._load_back_to_back(clock, loads, spans):
             return

@@ -1,6 +1,6 @@
 """One simulated run from plain settings: routing, memory plan, cost model, scheduler, predictors.
 
-`RunSpec` is what the Hydra entry point (`engine.simulate`) and the sweep benchmark both build;
+`RunSpec` is what the Hydra entry point (`engine.simulate.spec_from_config`) and the sweep benchmark both build;
 `prepare_routing` is cached by the sweep so every system replays the same routing.
 """
 
@@ -11,56 +11,63 @@ from typing import Any, Optional
 
 import numpy as np
 
-from schedulers.hardware import HardwareProfile, composed_profile
-from engine.sim.pipeline import PipelineSim, SimOptions
-from engine.offload.forecasts import ForecastBook
-from engine.sim.workload import ForwardPass, batch_sequences, forward_passes, profile_loads, sequences_per_batch
-from engine.synthetic_routing import SyntheticRouter, SyntheticRoutingParams
 from core.trace import RoutingTrace
+from engine.offload.forecasts import ForecastBook
+from engine.sim.pipeline import PipelineSim, SimOptions
+from engine.sim.measured import oracle_default
+from engine.sim.routing import RoutingConfig, RoutingSource, load_routing_file, tile_layers
+from engine.sim.workload import ForwardPass, batch_sequences, forward_passes, profile_loads, sequences_per_batch
+from engine.synthetic_routing import SyntheticRouter
 from models.config import ModelConfig
-from predictors.oracle import NoisyOraclePredictor
-from schedulers.base import SchedulerSettings, SchedulerSetup, build_scheduler, scheduler_settings
+from predictors.config import NEEDS_HIDDEN, ROUTING_ONLY, PredictorConfig, PredictorKind, oracle_config
+from predictors.factory import make_predictors
+from schedulers.base import SchedulerSettings, SchedulerSetup, build_scheduler
 from schedulers.cost import CostModel, MemoryPlan, memory_plan
+from schedulers.hardware import HardwareProfile
+
+__all__ = ["RunSpec", "RoutingConfig", "PreparedRouting", "prepare_routing", "build_sim", "simulate",
+           "load_routing_file", "tile_layers", "forecast_distances", "simulator_predictors"]
 
 
-@dataclass(frozen=True)
-class RoutingSpec:
-    source: str = "synthetic"  # synthetic | trace | jsonl
-    name: str = "synthetic"
-    path: Optional[str] = None
-    model_seed: int = 0
-    synthetic: SyntheticRoutingParams = field(default_factory=SyntheticRoutingParams)
-
-
-@dataclass(frozen=True)
-class PredictorSpec:
-    kind: str = "oracle"  # oracle | none
-    hit_rate: float = 0.95
-    distance_decay: float = 0.9
-    seed: int = 0
+def default_predictor() -> PredictorConfig:
+    """The simulator's default forecasts: the oracle (an upper bound) degraded per distance to the hit rates
+    moescope's own LLaPor measured on its own trained mixtral-tiny (engine/data/measured_hit_rates.yaml, which
+    names the source and the command that re-measures it); `predictor=stats|transition|...` runs real predictors."""
+    m = oracle_default()
+    return oracle_config(hit_rate=m["hit_rates"][0], hit_rates=m["hit_rates"], distance_decay=m["distance_decay"],
+                         source=m["source"])
 
 
 @dataclass(frozen=True)
 class RunSpec:
+    """One simulated run, from typed parts: the resolved model, machine and policy settings, the owned `routing` and
+    `predictor` configs (None: no forecasts) and the run's sizes. `spec_from_config` builds it from a composed
+    `simulate` config; sweeps and tests build it directly."""
+
     model: ModelConfig
     model_name: str
     hardware: HardwareProfile
     scheduler: SchedulerSettings
-    routing: RoutingSpec = field(default_factory=RoutingSpec)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     batch_size: int = 16
     prompt_len: int = 512
     gen_len: int = 64
     num_batches: int = 1
     bytes_per_param: int = 2
     async_io: bool = True
-    predictor: PredictorSpec = field(default_factory=PredictorSpec)
-    profile_batches: int = 2  # traces: batches held out for the hot table; synthetic: see profile_sequences
+    predictor: Optional[PredictorConfig] = field(default_factory=default_predictor)
+    profile_batches: int = 2  # traces: batches held out for the hot table and for fitting predictors
     profile_sequences: Optional[int] = 32  # synthetic: prompts of the profiling run (None: profile_batches batches)
     profile_seed: int = 1000
     seed: int = 0
     check_invariants: bool = False
     cache_slots: Optional[int] = None  # override the memory plan's expert-cache size (small studies)
-    predictor_config: Any = None  # a `predictor` config node: built by predictors.load_predictor (overrides `predictor`)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences in one forward pass: the batch times the batches the policy keeps in flight (Klotski's
+        multi-batch pipeline runs two batches of `batch_size` through every layer together)."""
+        return self.batch_size * max(1, int(getattr(self.scheduler, "batches_in_flight", 1)))
 
     def with_scheduler(self, settings: SchedulerSettings) -> "RunSpec":
         return replace(self, scheduler=settings)
@@ -71,84 +78,83 @@ class PreparedRouting:
     trace: RoutingTrace
     passes: list[ForwardPass]
     profile: np.ndarray  # int64 [L, E] profiling loads for the hot table
+    train: Optional[RoutingTrace] = None  # routing held out of the replay: what stats / transition predictors fit on
 
 
 def prepare_routing(spec: RunSpec) -> PreparedRouting:
-    """The routing to replay and the profiling loads, from the spec's routing source."""
+    """The routing to replay, the profiling loads and the routing predictors may be fitted on, from the spec's
+    routing source (a log's held-out batches; synthetic: fresh traffic of the same model)."""
     cfg, r = spec.model, spec.routing
-    if r.source == "synthetic":
+    if r.source is RoutingSource.synthetic:
         router = SyntheticRouter.for_model(cfg, r.synthetic, model_seed=r.model_seed, model_name=spec.model_name)
-        trace = router.trace(spec.batch_size, spec.prompt_len, spec.gen_len, seed=spec.seed,
+        trace = router.trace(spec.sequences, spec.prompt_len, spec.gen_len, seed=spec.seed,
                              num_batches=spec.num_batches)
         if spec.profile_sequences:
             prof = router.trace(spec.profile_sequences, spec.prompt_len, spec.gen_len, seed=spec.seed + spec.profile_seed)
         else:
             prof = router.trace(spec.batch_size, spec.prompt_len, spec.gen_len, seed=spec.seed + spec.profile_seed,
                                 num_batches=max(spec.profile_batches, 1))
-        return PreparedRouting(trace, forward_passes(trace), profile_loads(prof))
-    trace = load_routing_file(r, cfg)
-    if sequences_per_batch(trace) != spec.batch_size:
-        trace = batch_sequences(trace, spec.batch_size)
+        return PreparedRouting(trace, forward_passes(trace), profile_loads(prof), train=prof)
+    trace = load_routing_file(r, cfg, with_hidden=spec.predictor is not None and spec.predictor.kind in NEEDS_HIDDEN)
+    sequences = int(np.unique(trace.seq).size)
+    if spec.sequences > sequences:
+        raise ValueError(f"batch_size={spec.batch_size}: routing.path={r.path} holds {sequences} sequences, and a batch "
+                         f"is built from whole sequences; use batch_size<={sequences}")
+    if sequences_per_batch(trace) != spec.sequences:
+        trace = batch_sequences(trace, spec.sequences)
     passes = forward_passes(trace)
     batches = sorted({p.batch_id for p in passes})
     held = set(batches[:spec.profile_batches]) if len(batches) > spec.profile_batches else set()
-    prof_rows = [p.rows for p in passes if p.batch_id in held]
     kept = [b for b in batches if b not in held][:max(spec.num_batches, 1)]  # replay num_batches batches
+    short = [b for b in kept if np.unique(trace.seq[trace.batch == b]).size < spec.sequences]
+    if short:
+        raise ValueError(f"batch_size={spec.batch_size}: routing.path={r.path} holds {sequences} sequences, so replayed "
+                         f"batch {short[0]} would have fewer; lower num_batches ({spec.num_batches}) or batch_size, or "
+                         f"hold out fewer (hot_table.profile_batches={spec.profile_batches})")
+    prof_rows = [p.rows for p in passes if p.batch_id in held]
     replay = [p for p in passes if p.batch_id in set(kept)]
     profile = trace.expert_loads(np.concatenate(prof_rows)) if prof_rows else trace.expert_loads()
+    train = trace.select(np.concatenate(prof_rows)) if prof_rows else None
     for i, p in enumerate(replay):
         p.index = i
-    return PreparedRouting(trace, replay, profile)
+    return PreparedRouting(trace, replay, profile, train=train)
 
 
-def load_routing_file(r: RoutingSpec, cfg: ModelConfig) -> RoutingTrace:
-    """A recorded (.npz) or imported (JSONL) trace, checked against the model's shape."""
-    from core.config import resolve_path
-    from core.trace import load_trace
-
-    if r.path is None:
-        raise ValueError(f"routing.path: required for routing.source={r.source}")
-    path = resolve_path(r.path)
-    if r.source == "jsonl":
-        from core.trace_import import import_vllm_jsonl
-
-        trace = import_vllm_jsonl(path, num_experts=cfg.num_experts)
-    else:
-        trace = load_trace(path, with_hidden=False)
-    if trace.meta.num_experts != cfg.num_experts or trace.meta.top_k != cfg.num_experts_per_tok:
-        raise ValueError(f"routing.path: {path} routes {trace.meta.num_experts} experts top-{trace.meta.top_k}, "
-                         f"the model has {cfg.num_experts} top-{cfg.num_experts_per_tok}")
-    if trace.num_layers != len(cfg.moe_layers):
-        trace = tile_layers(trace, len(cfg.moe_layers))
-    return trace
+def forecast_distances(spec: RunSpec) -> list[int]:
+    """The distances the scheduler may read forecasts at (none without a predictor or with `use_predictor` off)."""
+    if spec.predictor is None or not spec.scheduler.use_predictor:
+        return []
+    return [d for d in range(1, spec.scheduler.forecast_window + 1) if d < len(spec.model.moe_layers)]
 
 
-def tile_layers(trace: RoutingTrace, num_layers: int) -> RoutingTrace:
-    """A trace with `num_layers` MoE layers made by cycling the recorded layers (a shallow model's
-    routing replayed on a deeper model of the same expert count and top-k); meta notes it."""
-    from core.trace import TraceMeta
-
-    idx = np.arange(num_layers) % trace.num_layers
-    meta = TraceMeta(model=trace.meta.model, num_experts=trace.meta.num_experts, top_k=trace.meta.top_k,
-                     moe_layers=tuple(range(num_layers)), hidden_size=trace.meta.hidden_size,
-                     family=trace.meta.family, source=trace.meta.source,
-                     extra={**trace.meta.extra, "tiled_from_layers": trace.num_layers})
-    return RoutingTrace(meta=meta, experts=trace.experts[idx], weights=trace.weights[idx], step=trace.step,
-                        batch=trace.batch, seq=trace.seq, pos=trace.pos, token=trace.token, phase=trace.phase)
-
-
-def make_predictors(spec: RunSpec, trace: RoutingTrace) -> dict[int, Any]:
-    """Predictor objects by distance: the noisy oracle for as far as the scheduler may look."""
-    p, s = spec.predictor, spec.scheduler
-    if p.kind == "none" or not s.use_predictor:
+def simulator_predictors(spec: RunSpec, routing: PreparedRouting) -> dict[int, Any]:
+    """The run's predictors by distance: the oracle reads the replayed routing (an upper bound), stats and
+    transition tables are fitted on the routing held out of the replay, trained checkpoints read what the
+    replayed trace holds (gate inputs for gate / LLaPor / MoEless). Errors name what is missing."""
+    distances = forecast_distances(spec)
+    if not distances:
         return {}
-    window = s.forecast_window
-    if spec.predictor_config is not None:
-        from predictors import load_predictor
-
-        return {d: load_predictor(spec.predictor_config, trace=trace, distance=d) for d in range(1, window + 1)}
-    return {d: NoisyOraclePredictor(trace, distance=d, hit_rate=p.hit_rate * p.distance_decay ** (d - 1),
-                                    seed=p.seed + 7919 * d) for d in range(1, window + 1)}
+    p = spec.predictor
+    assert p is not None
+    where = f"predictor={p.name} (kind {p.kind.value})"
+    if p.kind in ROUTING_ONLY and not p.checkpoint and routing.train is None:
+        raise ValueError(f"{where}: fitted on the routing held out of the replay, and routing.path={spec.routing.path} "
+                         f"gives no batch beyond the replayed ones; lower hot_table.profile_batches / num_batches or "
+                         f"batch_size, or set predictor.checkpoint")
+    if p.kind in NEEDS_HIDDEN and routing.trace.hidden is None:
+        raise ValueError(f"{where}: needs the gate inputs (hidden states) of the replayed routing, and "
+                         f"routing={spec.routing.name} has none; replay a trace recorded with them (routing=trace "
+                         f"routing.path=<engine.record trace.npz> of the predictor's model), or use "
+                         f"predictor=stats|transition|oracle")
+    if p.kind in (PredictorKind.llapor, PredictorKind.moeless) and not p.checkpoint:
+        raise ValueError(f"{where}: set predictor.checkpoint to a folder written by `python -m predictors.train`")
+    if p.kind is PredictorKind.gate and not p.checkpoint:
+        raise ValueError(f"{where}: the simulator has no model weights to copy the routers from; set "
+                         "predictor.checkpoint (a gate predictor saved by `python -m predictors.train`)")
+    if p.kind is PredictorKind.token and (p.checkpoint is None or (routing.trace.token < 0).any()):
+        raise ValueError(f"{where}: needs a checkpoint and the token ids of the replayed routing "
+                         f"(routing={spec.routing.name} has {'none' if (routing.trace.token < 0).any() else 'them'})")
+    return make_predictors(p, distances, trace=routing.trace, train=routing.train)
 
 
 @dataclass
@@ -163,7 +169,7 @@ class RunOutcome:
 def build_sim(spec: RunSpec, routing: PreparedRouting, record: bool = False,
               record_passes: Optional[set[int]] = None) -> tuple[PipelineSim, MemoryPlan, CostModel]:
     """The simulator of `spec` (scheduler, predictors, memory) ready to replay `routing`."""
-    mem = memory_plan(spec.model, spec.hardware, spec.batch_size, spec.prompt_len, spec.gen_len,
+    mem = memory_plan(spec.model, spec.hardware, spec.sequences, spec.prompt_len, spec.gen_len,
                       staging_slots=spec.scheduler.staging_slots, bytes_per_param=spec.bytes_per_param)
     if spec.cache_slots is not None:
         mem = replace(mem, cache_slots=int(spec.cache_slots))
@@ -172,7 +178,7 @@ def build_sim(spec: RunSpec, routing: PreparedRouting, record: bool = False,
                            top_k=spec.model.num_experts_per_tok, cache_slots=mem.cache_slots, cost=cost,
                            profile_loads=routing.profile)
     scheduler = build_scheduler(spec.scheduler, setup)
-    predictors = make_predictors(spec, routing.trace)
+    predictors = simulator_predictors(spec, routing)
     book = ForecastBook(routing.trace, predictors) if predictors else None
     sim = PipelineSim(cfg=spec.model, cost=cost, scheduler=scheduler, cache_slots=mem.cache_slots,
                       staging_slots=spec.scheduler.staging_slots, trace=routing.trace, forecasts=book,
@@ -193,28 +199,3 @@ def simulate(spec: RunSpec, routing: Optional[PreparedRouting] = None, record: b
     summary["experts_total"] = spec.model.num_experts * len(spec.model.moe_layers)
     summary["cost"] = cost.summary()
     return RunOutcome(spec, summary, mem, cost, sim)
-
-
-def spec_from_config(cfg: Any) -> RunSpec:
-    """A `RunSpec` from a composed `simulate` config (DictConfig)."""
-    from omegaconf import OmegaConf
-
-    from core.config import to_frozen
-    from models.loading import resolve_model_config
-
-    routing = cfg.routing
-    source = routing.source.value if hasattr(routing.source, "value") else str(routing.source)
-    return RunSpec(
-        model=resolve_model_config(cfg.model), model_name=str(cfg.model.name),
-        hardware=composed_profile(cfg.hardware)[0], scheduler=scheduler_settings(cfg.scheduler),
-        routing=RoutingSpec(source=source, name=str(routing.name), path=routing.path, model_seed=int(routing.model_seed),
-                            synthetic=to_frozen(routing.synthetic, SyntheticRoutingParams)),
-        batch_size=int(cfg.batch_size), prompt_len=int(cfg.prompt_len), gen_len=int(cfg.gen_len),
-        num_batches=int(cfg.num_batches), bytes_per_param=int(cfg.bytes_per_param), async_io=bool(cfg.async_io),
-        predictor=PredictorSpec(kind=str(cfg.predictor.name), hit_rate=float(cfg.predictor.oracle.hit_rate),
-                                distance_decay=float(cfg.predictor.oracle.distance_decay), seed=int(cfg.predictor.seed)),
-        predictor_config=cfg.predictor,
-        profile_batches=int(cfg.hot_table.profile_batches), profile_sequences=cfg.hot_table.profile_sequences,
-        profile_seed=int(cfg.hot_table.seed), seed=int(cfg.seed),
-        check_invariants=bool(cfg.check_invariants),
-        cache_slots=OmegaConf.select(cfg, "cache_slots", default=None))

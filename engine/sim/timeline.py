@@ -12,7 +12,7 @@ _COLORS = {"attn": "#9e9e9e", "shared": "#bdbdbd", "dense": "#757575", "head": "
 
 def plot_timeline(events: Sequence[Event], pass_index: int, max_layers: Optional[int] = None, title: str = "") -> Any:
     """A matplotlib figure with one row per lane; bars are labelled by MoE layer."""
-    import matplotlib
+    import matplotlib  # heavy, and the headless backend must be chosen before pyplot loads: only when drawing
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

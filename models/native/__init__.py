@@ -1,8 +1,8 @@
 """moescope's compiled CPU kernels for bf16 (and f32) weights: dots and SwiGLU experts.
 
-XLA:CPU converts a whole bf16 weight to f32 on every bf16 dot (well under 1 GB/s for a matvec here),
-and torch's bf16 linear reads ~7 GB/s; these kernels stream bf16 weights at close to the memory read
-rate (AVX512-BF16 dot products, AVX2+FMA or scalar fallbacks chosen at load time). Two ways in:
+XLA:CPU converts a whole bf16 weight to f32 on every bf16 dot (a matvec runs far below the memory
+read rate), and torch's bf16 linear also stays well below it; these kernels stream bf16 weights at close
+to the memory read rate (AVX512-BF16 dot products, AVX2+FMA or scalar fallbacks chosen at load time). Two ways in:
 
 * JAX, inside `jax.jit` / `lax.cond` / `lax.switch` / `lax.while_loop`: `linear(x, w)` and
   `swiglu(x, gate_up, down)`, XLA FFI custom calls on the CPU backend and XLA's own dot_general on any

@@ -8,8 +8,17 @@
   (descending); the GPU takes from the front, the CPU from the back, whichever side finishes
   earlier with the candidate, the GPU side waiting for its transfers (`move`) as it queues them;
 - prefill: every expert on the GPU (misses through the staging buffer once the layer's slots are full);
-- prefetch after the current layer's loads: a fixed number (`prefetch_count`) of the next layer's
-  top-scored experts, scored by the gate prediction (the predictor) when one is given, else by S.
+- prefetch after the current layer's loads, `prefetch_policy`:
+  - `impact` (HybriMoE's own, its §IV-B impact-driven prefetching; the default): for each of the next
+    `prefetch_layers` layers with a forecast, HSS is simulated on the predicted token counts with and
+    without each candidate expert cached (candidates: the layer's `2 k` most predicted experts not
+    available); the impact of a candidate is the layer time it saves. Candidates go hottest impact first,
+    the winner's layer re-simulated with it cached before the next pick, while the link has room within
+    the current layer (its HSS time minus the loads queued and alpha, in transfer times) and the impact
+    is positive;
+  - `fixed` (LayerScope §5.3's description of HybriMoE, `conf/scheduler/hybrimoe_ls.yaml`): a fixed number
+    (`prefetch_count`) of the next layer's top-scored experts, scored by the gate prediction (the
+    predictor) when one is given, else by S.
   Transfers already queued for this layer run first (its `wait_prefetch` semantics: no cancellation);
   mispredicted ones are dropped rather than waited for, which can only help it.
 """
@@ -27,6 +36,18 @@ from schedulers.policy import OffloadPolicy, by_tokens, split_by_availability
 def hybrid_scheduling(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarray, t_io: float, cost,
                       alpha: float = 0.0) -> tuple[list[int], list[int]]:
     """HSS: (cpu experts in assignment order, gpu experts in assignment order)."""
+    cpu, gpu, _ = _hss(cached, uncached, tokens, t_io, cost, alpha)
+    return cpu, gpu
+
+
+def hss_time(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarray, t_io: float, cost,
+             alpha: float = 0.0) -> float:
+    """The layer time HSS expects: the later of its GPU side (transfers included) and its CPU side."""
+    return _hss(cached, uncached, tokens, t_io, cost, alpha)[2]
+
+
+def _hss(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarray, t_io: float, cost,
+         alpha: float = 0.0) -> tuple[list[int], list[int], float]:
     order = np.concatenate([by_tokens(cached, tokens, descending=True), by_tokens(uncached, tokens, descending=True)])
     m = tokens[order]
     t_gpu = np.atleast_1d(cost.t_g(m)).tolist()
@@ -54,15 +75,26 @@ def hybrid_scheduling(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarr
             cpu.append(order[hi])
             cpu_total += cpu_time
             hi -= 1
-    return cpu, gpu
+    return cpu, gpu, max(gpu_total, cpu_total)
 
 
 @dataclass(frozen=True)
 class HybriMoESettings(SchedulerSettings):
     kind: str = "hybrimoe"
     label: str = "HybriMoE"
-    prefetch_count: int = 2  # next-layer experts prefetched per decode layer
+    prefetch_policy: str = "impact"  # impact: HybriMoE's impact-driven prefetching; fixed: LayerScope's description
+    prefetch_count: int = 2  # fixed: next-layer experts prefetched per decode layer
+    prefetch_layers: int = 3  # impact: layers ahead whose forecasts are scored
     score_ema: float = 0.5  # S = a * score + (1 - a) * S (KScoreAwareCache alpha)
+
+    def __post_init__(self) -> None:
+        if self.prefetch_policy not in ("impact", "fixed"):
+            raise ValueError(f"scheduler.prefetch_policy: {self.prefetch_policy!r} is not impact|fixed")
+
+    @property
+    def forecast_window(self) -> int:
+        """Impact-driven prefetching scores forecasts up to `prefetch_layers` ahead."""
+        return max(self.prefetch_layers, 1) if self.prefetch_policy == "impact" else 1
 
 
 @register("hybrimoe", settings=HybriMoESettings)
@@ -116,7 +148,13 @@ class HybriMoE(OffloadPolicy):
         retain = self._place(state, layer, loads, set(gpu), evicted)
         prefetch: list[tuple[int, int]] = []
         target = layer + 1
-        if state.phase is Phase.decode and target < state.num_layers and self.settings.prefetch_count > 0:
+        if self.settings.prefetch_policy == "impact":
+            if state.phase is Phase.decode and target < state.num_layers:
+                budget = self._link_room(state, cpu, gpu_order, missing_set, tokens, len(loads))
+                for t, e in self._impact_prefetch(state, budget):
+                    if self._place(state, t, [e], set(), evicted)[0]:
+                        prefetch.append((t, e))
+        elif state.phase is Phase.decode and target < state.num_layers and self.settings.prefetch_count > 0:
             if self.settings.use_predictor and target in state.predicted:
                 score = state.predicted[target]
             else:
@@ -127,3 +165,55 @@ class HybriMoE(OffloadPolicy):
             prefetch = [(target, e) for e, ok in zip(top, placed) if ok]
         return LayerPlan(cpu=tuple(cpu), gpu=tuple(gpu), ondemand=tuple(loads), retain=tuple(retain),
                          prefetch=tuple(prefetch), evict=tuple(evicted))
+
+    # ---- impact-driven prefetching (HybriMoE §IV-B) -----------------------------------------------------------
+    def _link_room(self, state: LayerState, cpu: list[int], gpu_order: list[int], missing: set[int],
+                   tokens: np.ndarray, n_loads: int) -> int:
+        """Transfers the link can take during this layer beyond its loads: the layer's expected time (its HSS
+        split) minus alpha and the loads, in transfer times."""
+        cost, t_io = state.cost, state.t_io_s
+        gpu_side = sum(float(cost.t_g(int(tokens[e]))) for e in gpu_order) + state.alpha_s + n_loads * t_io
+        cpu_side = cost.t_c_sum([int(tokens[e]) for e in cpu])
+        layer_time = max(gpu_side, cpu_side) + state.t_attn_next_s
+        return max(int((layer_time - state.alpha_s - n_loads * t_io) // t_io), 0)
+
+    def _impact_prefetch(self, state: LayerState, budget: int) -> list[tuple[int, int]]:
+        """Up to `budget` (layer, expert) prefetches, the largest simulated HSS saving first."""
+        if budget <= 0 or not self.settings.use_predictor:
+            return []
+        cost, t_io = state.cost, state.t_io_s
+        # target -> (predicted tokens, cached, uncached, candidates) of its predicted experts
+        layers: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        for target in range(state.layer + 1, min(state.layer + 1 + self.settings.prefetch_layers, state.num_layers)):
+            if target not in state.predicted:
+                continue
+            pred = np.asarray(state.predicted[target], dtype=np.float64)
+            live = np.flatnonzero(pred > 0)
+            avail = state.available(target)
+            cached, uncached = live[avail[live]], live[~avail[live]]
+            cand = by_tokens(uncached, pred, descending=True)[:2 * self.k]
+            if cand.size:
+                layers[target] = (pred, cached, uncached, cand)
+
+        def impacts(target: int) -> list[tuple[float, int, int]]:
+            pred, cached, uncached, cand = layers[target]
+            base = hss_time(cached, uncached, pred, t_io, cost)
+            out = []
+            for e in cand.tolist():
+                with_e = hss_time(np.append(cached, e), uncached[uncached != e], pred, t_io, cost)
+                out.append((base - with_e, target, int(e)))
+            return out
+
+        scored = {t: impacts(t) for t in layers}
+        chosen: list[tuple[int, int]] = []
+        while len(chosen) < budget and scored:
+            gain, target, e = max((x for xs in scored.values() for x in xs), default=(0.0, -1, -1))
+            if gain <= 0:
+                break
+            chosen.append((target, e))
+            pred, cached, uncached, cand = layers[target]
+            layers[target] = (pred, np.append(cached, e), uncached[uncached != e], cand[cand != e])
+            scored[target] = impacts(target) if layers[target][3].size else []
+            if not scored[target]:
+                del scored[target]
+        return chosen

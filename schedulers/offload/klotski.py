@@ -1,9 +1,14 @@
-"""Klotski (Fang et al., 2025) in LayerScope's setting: GPU-only expert execution over two
-micro-batches pipelined per layer (one micro-batch's attention runs while the experts the other
-needs are loading: the mechanism issues a micro-batch's loads at its own gate); the experts one
-micro-batch needs are loaded first, hottest first; after the layer's loads, a fixed number of the
-next layer's statistically hottest experts (token counts from profiling plus everything served so
-far, no gate prediction) are prefetched into the dynamic cache region. Loads are not kept."""
+"""Klotski (Fang et al., 2025) in LayerScope's setting: GPU-only expert execution with its expert-aware
+multi-batch pipeline. Two batches are in flight (LayerScope §5.1: "Klotski limits itself to two micro-batch
+parallelism"): both go through every layer together, so an expert loaded for a layer serves both batches'
+tokens, and one batch's attention runs while the experts the other needs are loading (the mechanism issues a
+batch's loads at its own gate; `batches_in_flight` makes the simulator replay `batches_in_flight x batch_size`
+sequences per step, each in-flight batch one micro-batch). The experts the first batch needs are loaded
+first, hottest first; after the layer's loads, a fixed number of the next layer's statistically hottest
+experts (token counts from profiling plus everything served so far, no gate prediction: Klotski's
+correlation-aware prefetcher reduced to its hot-expert part) are prefetched into the dynamic cache region.
+Loads are not kept. A step yields one token for each sequence of both batches, so its decode latency is the
+time of one step over both batches and its throughput counts both."""
 
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ from schedulers.policy import OffloadPolicy, by_tokens, split_by_availability
 class KlotskiSettings(SchedulerSettings):
     kind: str = "klotski"
     label: str = "Klotski"
-    micro_batches: int = 2  # micro-batches pipelined per layer
+    micro_batches: int = 2  # micro-batches pipelined per layer (each in-flight batch is one)
+    batches_in_flight: int = 2  # batches of `batch_size` sequences run through the layers together
     prefetch_count: int = 2  # the next layer's statistically hottest experts prefetched per layer
 
 

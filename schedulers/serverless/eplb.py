@@ -12,9 +12,13 @@ groups onto nodes (balanced packing of group loads), then replicate within each 
 each node's physical experts onto its devices. Global policy (otherwise): one group on one node,
 replicate globally, pack onto all devices. Ties go to the lowest index (stable sorting).
 
-`EPLBPolicy` serves with it the way MoEless §6.1 runs the baseline: a fixed number of redundant
-experts, rebalanced periodically (default every ten minutes of trace time) from a sliding window of
-observed loads; between rebalances the placement is frozen.
+`EPLBPolicy` serves with it the way vLLM runs it (`EPLBConfig`): a fixed number of redundant
+experts, rearranged every `rebalance_interval_steps` serving steps (vLLM `step_interval`, 3000) from
+the loads of the last `window_steps` steps (vLLM `window_size`, 1000); between rearrangements the
+placement is frozen. The first rearrangement comes after the first interval (until then the
+placement of uniform loads). `async_transfer` (vLLM `use_async`, on in its current releases) moves
+the new weights in the background while the old placement serves; off, the step waits for them.
+MoEless §6.1's reading, a rearrangement every ten minutes of trace time, is `rebalance_interval_s`.
 """
 
 from __future__ import annotations
@@ -157,8 +161,12 @@ class EPLBSettings(ReplicaSettings):
     kind: str = "eplb"
     label: str = "EPLB"
     num_redundant: Optional[int] = None  # physical minus logical experts per layer; None: one per device
-    rebalance_interval_s: float = 600.0  # MoEless §6.1: "periodically (e.g., every ten minutes)"
-    history_window_s: Optional[float] = None  # loads summed over this much trace time; None: the interval
+    rebalance_interval_steps: int = 3000  # vLLM EPLBConfig.step_interval
+    window_steps: int = 1000  # vLLM EPLBConfig.window_size: loads of this many recent steps
+    # trace-time cadence instead of steps (MoEless §6.1: "periodically (e.g., every ten minutes)"); None: steps
+    rebalance_interval_s: Optional[float] = None
+    history_window_s: Optional[float] = None  # with rebalance_interval_s: loads over this much time; None: the interval
+    async_transfer: bool = True  # vLLM EPLBConfig.use_async: weights move in the background
     num_groups: int = 1  # expert groups (DeepSeek group-limited routing); 1: global policy
     num_nodes: int = 1
 
@@ -172,8 +180,11 @@ class EPLBSettings(ReplicaSettings):
 class EPLBPolicy(PolicyBase):
     """EPLB as a serving baseline: frozen placement, recomputed from recent history every interval.
 
-    Before any load was observed the weights are uniform. The first rebalance happens at the first
-    plan after an observation, then every `rebalance_interval_s` of trace time.
+    Step cadence (default): steps are counted per layer by `observe` (weighted by the iterations an
+    observation stands for); a layer is rearranged at its first plan once `rebalance_interval_steps`
+    have passed since the last rearrangement (or the start), from the loads of the last `window_steps`.
+    Time cadence (`rebalance_interval_s`): the first rearrangement at the first plan after an
+    observation, then every interval of trace time, from the last `history_window_s`.
     """
 
     def __init__(self, num_experts: int, num_devices: int, settings: EPLBSettings = EPLBSettings(),
@@ -184,16 +195,26 @@ class EPLBPolicy(PolicyBase):
         if redundant < 0 or physical % num_devices:
             raise ValueError(f"eplb.num_redundant: {num_experts} experts + {redundant} redundant = {physical} "
                              f"physical experts, not a multiple of {num_devices} devices")
+        if settings.rebalance_interval_s is None and (settings.rebalance_interval_steps < 1 or settings.window_steps < 1):
+            raise ValueError(f"eplb: rebalance_interval_steps and window_steps must be >= 1, got "
+                             f"{settings.rebalance_interval_steps} and {settings.window_steps}")
         self.name = name
         self.num_experts = num_experts
         self.num_devices = num_devices
         self.num_physical = physical
         self.settings = settings
-        self.window_s = settings.history_window_s if settings.history_window_s is not None else settings.rebalance_interval_s
+        self.by_time = settings.rebalance_interval_s is not None
+        if self.by_time:
+            self.window = settings.history_window_s if settings.history_window_s is not None else settings.rebalance_interval_s
+        else:
+            self.window = float(settings.window_steps)
+        self.transfer = "background" if settings.async_transfer else "blocking"
+        # per layer: (clock, iterations x loads) of the observations in the window, and their sum
         self._history: dict[int, Deque[tuple[float, np.ndarray]]] = {}
-        self._history_sum: dict[int, np.ndarray] = {}  # running sum of the window, per layer
+        self._history_sum: dict[int, np.ndarray] = {}
         self._current: dict[int, Placement] = {}
         self._rebalanced_at: dict[int, Optional[float]] = {}
+        self._steps: dict[int, float] = {}  # serving steps observed per layer
         self._now = 0.0
         self.rebalances = 0
 
@@ -217,29 +238,40 @@ class EPLBPolicy(PolicyBase):
     def _history_weight(self, layer: int) -> Optional[np.ndarray]:
         return self._history_sum.get(layer) if self._history.get(layer) else None
 
+    def _due(self, layer: int, now: float) -> bool:
+        last = self._rebalanced_at.get(layer)
+        if self.by_time:
+            return last is None or now - last >= self.settings.rebalance_interval_s
+        return self._steps.get(layer, 0.0) - (last or 0.0) >= self.settings.rebalance_interval_steps
+
     def plan(self, layer: int, forecast: np.ndarray, live: Optional[Placement], now_s: Optional[float] = None
              ) -> Placement:
         now = self._now if now_s is None else float(now_s)
-        last = self._rebalanced_at.get(layer)
         rebalanced = False
-        if layer not in self._current or last is None or now - last >= self.settings.rebalance_interval_s:
+        if layer not in self._current:
+            self._current[layer] = self.placement_from_weights(np.ones(self.num_experts))
+            self._rebalanced_at[layer] = None
+        if self._due(layer, now):
             weight = self._history_weight(layer)
-            if layer not in self._current or weight is not None:
-                self._current[layer] = self.placement_from_weights(
-                    weight if weight is not None else np.ones(self.num_experts))
-                self._rebalanced_at[layer] = now if weight is not None else None
-                rebalanced = weight is not None
+            if weight is not None:
+                self._current[layer] = self.placement_from_weights(weight)
+                self._rebalanced_at[layer] = now if self.by_time else self._steps.get(layer, 0.0)
+                rebalanced = True
         self.rebalances += int(rebalanced)
         self._stats = PlacementStats(extra={"rebalanced": rebalanced})
         return self._current[layer]
 
-    def observe(self, layer: int, actual: np.ndarray, now_s: float) -> None:
+    def observe(self, layer: int, actual: np.ndarray, now_s: float, iterations: float = 1.0) -> None:
         self._now = float(now_s)
+        steps = self._steps.get(layer, 0.0) + float(iterations)
+        self._steps[layer] = steps
+        clock = self._now if self.by_time else steps
         hist = self._history.setdefault(layer, deque())
-        loads = np.asarray(actual, dtype=np.float64).copy()
-        hist.append((self._now, loads))
+        loads = np.asarray(actual, dtype=np.float64) * float(iterations)
+        hist.append((clock, loads))
         total = self._history_sum.get(layer)
         self._history_sum[layer] = loads.copy() if total is None else total + loads
-        while hist and self._now - hist[0][0] > self.window_s:
+        # time: observations older than the window; steps: keep the last `window_steps` steps
+        while hist and (clock - hist[0][0] > self.window if self.by_time else clock - hist[0][0] >= self.window):
             _, old = hist.popleft()
             self._history_sum[layer] -= old

@@ -1,0 +1,36 @@
+"""`OffloadSettings`: the `offload` config block of `python -m engine.run` and what the offload executor runs
+with. One type: the entry point fills `cache_slots` from the budget (`engine.run.cache_slots`) and hands the
+same object to the executor; `conf/schemas/run.py` composes it into the task's schema."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class OffloadSettings:
+    """The expert memory budget (at most one of budget_fraction / budget_experts / budget_bytes; none: a quarter
+    of the experts, capped at half the device memory the dense weights leave) and the mechanism's knobs."""
+
+    # expert-cache capacity in experts, staging buffers not included; None: sized from the budget by engine.run
+    cache_slots: Optional[int] = None
+    budget_fraction: Optional[float] = None  # of all routed experts, staging buffers included
+    budget_experts: Optional[int] = None
+    budget_bytes: Optional[float] = None
+    staging_slots: int = 2  # the on-demand double buffer
+    chunks: int = 2  # row chunks per projection transfer (AsyncIO sub-transfers: 3 projections x chunks)
+    async_io: bool = True  # False: synchronous copies (LayerScope ablation "no AsyncIO")
+    cpu_threads: int = 1  # host threads of the CPU experts (they compute in the weights' own dtype)
+    retries: int = 2  # attempts after a failed transfer before it surfaces
+    validate_plans: bool = True  # check every plan against the scheduler contract
+    timeline_passes: int = 32  # record lane events of the prefill and the first N decode passes (timeline plots)
+    # a pass with every routed expert resident, nothing on the link and a scheduler that would plan device
+    # work only runs as one device call (no gate to stop at: there is nothing to decide); False: layer by layer
+    fuse_resident: bool = True
+
+    def slots(self) -> int:
+        """`cache_slots`, which must have been sized by now."""
+        if self.cache_slots is None:
+            raise ValueError("offload.cache_slots: not sized; engine.run derives it from offload.budget_*")
+        return int(self.cache_slots)
