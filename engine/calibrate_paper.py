@@ -155,6 +155,16 @@ def _scheduler(name: str):
     return replace(settings, label="LayerScope w/o AsyncIO") if name == "presched_no_async" else settings
 
 
+def model_name(name: str) -> str:
+    """The name a run of `conf/model/<name>.yaml` reports as its model."""
+    return _model(name)[1]
+
+
+def scheduler_label(name: str) -> str:
+    """The label a run of `conf/scheduler/<name>.yaml` (or the AsyncIO ablation) reports as its system."""
+    return _scheduler(name).label
+
+
 def _predictor(name: str):
     """The forecasts of every run: `oracle` is the simulator's default (the replayed routing degraded to a measured
     LLaPor hit rate: an upper bound); any other name is `conf/predictor/<name>.yaml` (stats / transition are fitted

@@ -25,47 +25,23 @@ from typing import Any, Iterable, Optional
 
 REFERENCE = "LayerScope"
 
-# LayerScope §5.2 / §5.3 numbers quoted next to ours: (what, model, hardware, batch, metric, system, paper value)
-# metric "gain": throughput gain of LayerScope over `system`; "latency_cut": decode-latency reduction;
-# "thr" / "lat": LayerScope's absolute throughput (tokens/s) / decode latency (s); "ablation": throughput
-# loss of the ablated variant `system` against LayerScope.
-PAPER = [
-    ("§5.2.1 small experts, V100 b64", "deepseek-v2-lite", "v100_pcie3", 64, "gain", "Klotski", 0.557),
-    ("§5.2.1 small experts, V100 b64", "qwen3-30b-a3b", "v100_pcie3", 64, "gain", "Klotski", 0.672),
-    ("§5.2.1 small experts, V100 b64", "moonlight-16b-a3b", "v100_pcie3", 64, "gain", "Klotski", 0.856),
-    ("§5.2.1 small experts, V100 b64", "deepseek-v2-lite", "v100_pcie3", 64, "gain", "Fate", 1.45),
-    ("§5.2.1 small experts, V100 b64", "qwen3-30b-a3b", "v100_pcie3", 64, "gain", "Fate", 1.20),
-    ("§5.2.1 small experts, V100 b64", "moonlight-16b-a3b", "v100_pcie3", 64, "gain", "Fate", 1.61),
-    ("§5.2.1 small experts, A100 b64", "deepseek-v2-lite", "a100_pcie4", 64, "gain", "HybriMoE", 0.527),
-    ("§5.2.1 small experts, A100 b64", "qwen3-30b-a3b", "a100_pcie4", 64, "gain", "HybriMoE", 0.376),
-    ("§5.2.1 small experts, A100 b64", "moonlight-16b-a3b", "a100_pcie4", 64, "gain", "HybriMoE", 0.584),
-    ("§5.2.1 small experts, A100 b64", "deepseek-v2-lite", "a100_pcie4", 64, "gain", "Fiddler", 0.823),
-    ("§5.2.1 small experts, A100 b64", "qwen3-30b-a3b", "a100_pcie4", 64, "gain", "Fiddler", 0.596),
-    ("§5.2.1 small experts, A100 b64", "moonlight-16b-a3b", "a100_pcie4", 64, "gain", "Fiddler", 1.38),
-    ("§5.2.1 absolute, A100 b64", "deepseek-v2-lite", "a100_pcie4", 64, "thr", REFERENCE, 41.7),
-    ("§5.2.1 absolute, A100 b64", "qwen3-30b-a3b", "a100_pcie4", 64, "thr", REFERENCE, 17.4),
-    ("§5.2.1 absolute, A100 b64", "moonlight-16b-a3b", "a100_pcie4", 64, "thr", REFERENCE, 59.5),
-    ("§5.2.1 Mixtral, V100 b8", "mixtral-8x7b", "v100_pcie3", 8, "gain", "Klotski", 0.921),
-    ("§5.2.1 Mixtral, V100 b64", "mixtral-8x7b", "v100_pcie3", 64, "gain", "Klotski", 0.141),
-    ("§5.2.1 Mixtral, V100 b8", "mixtral-8x7b", "v100_pcie3", 8, "gain", "Fate", 2.19),
-    ("§5.2.1 Mixtral, V100 b64", "mixtral-8x7b", "v100_pcie3", 64, "gain", "Fate", 0.583),
-    ("§5.2.1 Mixtral, A100 b64", "mixtral-8x7b", "a100_pcie4", 64, "gain", "HybriMoE", 0.39),
-    ("§5.2.1 Mixtral, A100 b64", "mixtral-8x7b", "a100_pcie4", 64, "gain", "Fiddler", 0.99),
-    ("§5.2.2 latency, V100 b4", "deepseek-v2-lite", "v100_pcie3", 4, "lat", REFERENCE, 0.37),
-    ("§5.2.2 latency, V100 b4", "deepseek-v2-lite", "v100_pcie3", 4, "latency_cut", "HybriMoE", 0.421),
-    ("§5.2.2 latency, V100 b4", "deepseek-v2-lite", "v100_pcie3", 4, "latency_cut", "Fiddler", 0.723),
-    ("§5.2.2 latency, V100 b64", "qwen3-30b-a3b", "v100_pcie3", 64, "lat", REFERENCE, 3.74),
-    ("§5.2.2 latency, V100 b64", "qwen3-30b-a3b", "v100_pcie3", 64, "latency_cut", "Klotski", 0.746),
-    ("§5.2.2 latency, V100 b64", "qwen3-30b-a3b", "v100_pcie3", 64, "latency_cut", "Fate", 0.467),
-    ("§5.2.2 latency, V100 b64", "mixtral-8x7b", "v100_pcie3", 64, "lat", REFERENCE, 2.79),
-    ("§5.2.2 latency, V100 b64", "mixtral-8x7b", "v100_pcie3", 64, "latency_cut", "Fate", 0.305),
-    ("§5.2.2 latency, V100 b64", "mixtral-8x7b", "v100_pcie3", 64, "latency_cut", "Klotski", 0.539),
-    ("§5.2.2 Klotski plateau, V100 b64", "mixtral-8x7b", "v100_pcie3", 64, "lat", "Klotski", 5.82),
-    ("§5.3 ablation, V100 b4", "deepseek-v2-lite", "v100_pcie3", 4, "ablation", "LayerScope w/o hot table", 0.222),
-    ("§5.3 ablation, A100 b64", "mixtral-8x7b", "a100_pcie4", 64, "ablation", "LayerScope w/o PreSched", 0.541),
-    ("§5.3 ablation, A100 b32", "moonlight-16b-a3b", "a100_pcie4", 32, "ablation", "LayerScope w/o predictor", 0.202),
-    ("§5.3 ablation, A100 b64", "mixtral-8x7b", "a100_pcie4", 64, "ablation", "LayerScope w/o AsyncIO", 0.493),
-]
+# LayerScope's published figures set next to a sweep's (engine/data/layerscope_published.yaml, the points
+# `engine.calibrate_paper` fits and checks), by their metric: "gain" LayerScope's throughput gain over `system`,
+# "latency_cut" its decode-latency reduction, "ablation" the throughput the ablated variant `system` loses,
+# "thr" / "lat" a system's own tokens/s / seconds per decode step.
+PUBLISHED = "pkg:engine/data/layerscope_published.yaml"
+_REPORTED = {"gain": "gain", "latency_cut": "latency_cut", "ablation": "ablation", "throughput_tok_s": "thr",
+             "decode_latency_s": "lat"}
+
+
+def paper_points(path: str = PUBLISHED) -> list[tuple[str, str, str, int, str, str, float]]:
+    """(where, model name, hardware, batch, metric, system label, published value) of every published figure a
+    simulated sweep can be set beside."""
+    from engine.calibrate_paper import load_points, model_name, scheduler_label  # Hydra + configs: only here
+
+    return [(f"{p.where.split(' (')[0]}, {p.hardware} b{p.batch}", model_name(p.model), p.hardware, p.batch,
+             _REPORTED[p.metric], scheduler_label(p.system), p.value)
+            for p in load_points(path) if p.evaluate and p.kind != "bound" and p.metric in _REPORTED]
 
 
 def load_rows(folder: Path) -> list[dict[str, Any]]:
@@ -149,7 +125,7 @@ def paper_comparison(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown lines: each of LayerScope's quoted numbers beside the simulated one (where the run exists)."""
     thr, lat = pivot(rows, "throughput_tok_s"), pivot(rows, "decode_latency_s")
     out = []
-    for what, model, hw, batch, metric, system, paper in PAPER:
+    for what, model, hw, batch, metric, system, paper in paper_points():
         t, l = thr.get((model, hw), {}), lat.get((model, hw), {})
         ref_t, ref_l = t.get(REFERENCE, {}).get(batch), l.get(REFERENCE, {}).get(batch)
         other_t, other_l = t.get(system, {}).get(batch), l.get(system, {}).get(batch)

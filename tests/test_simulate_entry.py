@@ -52,3 +52,17 @@ def test_multirun_then_report(tmp_path: Path) -> None:
         rows = list(csv.DictReader(fh))
     assert {r["scheduler"] for r in rows} == {"LayerScope", "Fiddler"}
     assert (tmp_path / "fig11_throughput.png").exists() and (tmp_path / "fig12_decode_latency.png").exists()
+
+
+def test_report_sets_sweeps_beside_the_published_points_calibration_uses() -> None:
+    """The report's "Beside the paper" figures are the calibration's published points (one data file), under
+    the names and labels simulated runs report."""
+    from engine.calibrate_paper import load_points
+    from engine.report import PUBLISHED, paper_points
+
+    rows = paper_points()
+    comparable = [p for p in load_points(PUBLISHED) if p.evaluate and p.kind != "bound" and p.metric != "t_io_ms"]
+    assert len(rows) == len(comparable) > 30
+    assert ("§5.3, a100_pcie4 b64", "mixtral-8x7b", "a100_pcie4", 64, "ablation", "LayerScope w/o PreSched",
+            0.541) in rows
+    assert ("§5.2.2, v100_pcie3 b4", "deepseek-v2-lite", "v100_pcie3", 4, "latency_cut", "Fiddler", 0.723) in rows
