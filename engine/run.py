@@ -38,7 +38,7 @@ from engine.recording import record_generation, trace_meta
 from engine.sim.timeline import plot_timeline
 from core.telemetry import Telemetry, scalars
 from core.trace import TraceRecorder
-from engine.workloads import PromptSampler, build_workload
+from engine.workloads import PromptBatch, PromptSampler, build_workload, in_flight
 from models.config import ModelConfig
 from models.generation import Generator
 from models.hf import OpenCheckpoint
@@ -47,7 +47,7 @@ from models.loading import (DType, ModelSpec, check_weights, load_model, load_to
 from models.memory import GIB, PeakMemory, check_fits, host_memory, memory_report
 from models.transformer import param_bytes, without_experts
 from predictors.factory import make_predictors
-from schedulers.base import SchedulerSetup, build_scheduler, scheduler_settings
+from schedulers.base import SchedulerSettings, SchedulerSetup, build_scheduler, scheduler_settings
 from schedulers.offload.ondemand import OnDemandSettings
 from schedulers.cost import CostModel
 
@@ -172,6 +172,12 @@ def reference_trace(full: Any, cfg: ModelConfig, batches: list, name: str) -> tu
     return trace, {(int(s), int(p)): i for i, (s, p) in enumerate(zip(trace.seq, trace.pos))}
 
 
+def served_batches(sampler: PromptSampler, count: int, settings: SchedulerSettings) -> list[PromptBatch]:
+    """The workload's `count` batches as the executor serves them: joined `settings.in_flight` at a time (Klotski's
+    two batches go through the layers together, as the simulator replays them)."""
+    return in_flight(list(sampler.batches(count)), settings.in_flight)
+
+
 def serve(executor: OffloadExecutor, batches: list, cfg: ModelConfig, seq_offset: int = 0
           ) -> tuple[list[OffloadOutput], float]:
     outs, start = [], time.perf_counter()
@@ -247,11 +253,11 @@ def serve_offloaded(rc: RunConfig, hardware: tuple[HardwareProfile, dict[str, ob
     if not isinstance(sampler, PromptSampler):
         raise ValueError("engine.run serves prompt workloads (workload=sharegpt, sharegpt_512, code)")
     profile = list(sampler.batches(rc.profile_batches)) if rc.profile_batches else []
-    batches = list(sampler.batches(rc.workload.num_batches))
+    settings = scheduler_settings(rc.scheduler)
+    batches = served_batches(sampler, rc.workload.num_batches, settings)
     hw, hw_defaults = hardware
     cost = CostModel(cfg, hw, str(rc.model.name), bytes_per_param=store.dtype.itemsize)
     slots = cache_slots(cfg, rc.offload, store.expert_bytes, dense_bytes=param_bytes(model))
-    settings = scheduler_settings(rc.scheduler)
     mech = replace(rc.offload, cache_slots=slots)
     L, E = len(cfg.moe_layers), cfg.num_experts
 
@@ -292,10 +298,10 @@ def serve_offloaded(rc: RunConfig, hardware: tuple[HardwareProfile, dict[str, ob
     results: dict[str, Any] = {
         "model": rc.model.name, "scheduler": settings.label, "predictor": rc.predictor.name,
         "predictor_distances": sorted(predictors), "hardware_profile": hw.name, "hardware_defaults": hw_defaults,
-        "batch_size": rc.workload.batch_size, "batches": len(batches),
+        "batch_size": rc.workload.batch_size, "batches_in_flight": settings.in_flight, "batches": len(batches),
         "cache_slots": slots, "experts_total": L * E, "expert_mib": store.expert_bytes / 2**20,
         "throughput_tok_s": generated / wall, "decode_latency_ms": step_ms,
-        "decode_tokens_per_s": rc.workload.batch_size * 1e3 / step_ms if step_ms else None,
+        "decode_tokens_per_s": sum(len(o.lengths) * len(o.step_s) for o in outs) / sum(decode_steps) if step_ms else None,
         "prefill_s": float(np.mean([o.prefill_s for o in outs])), "generated_tokens": generated,
         **{MOE_LAYER_KEYS.get(k, k): v for k, v in metrics.items() if k not in ("throughput_tok_s", "tokens_generated")},
         "timer": timer, "cost_model_after": cost.summary(),

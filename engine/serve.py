@@ -256,7 +256,9 @@ def run_simulation(cfg: ServeConfig, hardware: tuple[HardwareProfile, dict[str, 
         if not sv.forecast.use_predictor:
             return None
         if pkind is PredictorKind.oracle:
-            return load_predictor(cfg.predictor, trace=trace.routing, distance=d)
+            # the run's seed reaches the oracle's errors as it reaches the traffic (predictor.seed offsets it)
+            oracle = dataclasses.replace(cfg.predictor, seed=cfg.predictor.seed + cfg.seed)
+            return load_predictor(oracle, trace=trace.routing, distance=d)
         return replayed_predictor(cfg.predictor, d, replay, len(model_cfg.moe_layers))
 
     E = model_cfg.num_experts

@@ -77,6 +77,11 @@ class Piece:
         """Rows this piece gives the parameter (its first axis after the fused slice)."""
         return self.shape[1] if self.index is not None else self.shape[0]
 
+    @property
+    def trailing(self) -> tuple[int, ...]:
+        """Its axes after the first row axis."""
+        return self.shape[2:] if self.index is not None else self.shape[1:]
+
 
 @dataclass(frozen=True)
 class TensorSource:
@@ -87,6 +92,11 @@ class TensorSource:
     path: tuple[Any, ...]
     pieces: tuple[Piece, ...]
     expert: Optional[tuple[int, int]] = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's shape: its pieces' rows stacked."""
+        return (sum(p.rows for p in self.pieces),) + self.pieces[0].trailing
 
 
 def _linear(path: tuple, name: str, d_in: int, d_out: int, bias: bool) -> list[TensorSource]:
@@ -356,7 +366,7 @@ def assemble(reader: CheckpointReader, src: TensorSource, dtype: Any, arrays: Op
     """The parameter `src` describes, as a fresh 64-byte-aligned numpy array of `dtype` from `arrays` (pieces
     stacked along the first axis, converted from the stored dtype where it differs)."""
     parts = [reader.view(p) for p in src.pieces]
-    out = (arrays or HostArrays()).empty((sum(p.shape[0] for p in parts),) + parts[0].shape[1:], dtype)
+    out = (arrays or HostArrays()).empty(src.shape, dtype)
     row = 0
     for part in parts:
         dst = out[row:row + part.shape[0]]
@@ -462,7 +472,9 @@ def load_hf(folder: str | Path, dtype: Any = jnp.float32, with_experts: bool = T
     check_finite = check_finite and not ck.finite
     graphdef, state = nnx.split(abstract_model(ck.cfg, dtype, with_experts=with_experts))
     pure = nnx.to_pure_dict(state)
-    arrays = HostArrays(huge_pages)
+    wanted = [src for src in ck.sources if with_experts or src.expert is None]
+    shapes = [(src.shape, np_dtype) for src in wanted]
+    arrays = HostArrays(huge_pages, capacity=HostArrays.footprint(shapes, huge_pages))
 
     def read(src: TensorSource) -> np.ndarray:
         host = assemble(ck.reader, src, np_dtype, arrays)
@@ -471,7 +483,6 @@ def load_hf(folder: str | Path, dtype: Any = jnp.float32, with_experts: bool = T
                 refuse_nonfinite(ck.folder, piece.name, ck.reader.view(piece))
         return host
 
-    wanted = [src for src in ck.sources if with_experts or src.expert is None]
     # two readers: page population, copies and scans all run without the GIL, so one thread's system calls
     # overlap the other's copying
     with ThreadPoolExecutor(max(1, min(2, cpu_count()))) as pool:

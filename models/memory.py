@@ -13,8 +13,7 @@ import mmap
 import os
 import sys
 import threading
-import time
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
@@ -126,23 +125,63 @@ def populate(arr: np.ndarray) -> None:
 
 class HostArrays:
     """Allocates the model's host arrays: 64-byte aligned (so a jax CPU array can alias them), uninitialised;
-    those of 2 MiB or more on pages of their own, huge pages when `huge`, plain 4 KiB pages otherwise."""
+    those of 2 MiB or more start on a page boundary, on huge pages when `huge`, plain 4 KiB pages otherwise.
 
-    def __init__(self, huge: bool = False):
+    `capacity` bytes (see `footprint`) come from one anonymous mapping made up front, which `empty` carves:
+    every separate mapping takes the process's memory-map lock for writing, so reader threads each mapping
+    their own arrays wait for one another, where populating slices of one mapping runs in parallel. Arrays
+    past the capacity get mappings of their own (small ones: ordinary allocations)."""
+
+    def __init__(self, huge: bool = False, capacity: int = 0):
         self.huge = huge
+        self._lock = threading.Lock()
+        self._arena = self._map(capacity) if capacity > 0 else None
+        self._used = 0
 
-    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        """An uninitialised array of `shape` and `dtype`."""
-        dtype = np.dtype(dtype)
-        count = int(np.prod(shape))
-        nbytes = count * dtype.itemsize
+    def _page(self, nbytes: int) -> int:
+        """The alignment of an array of `nbytes`."""
         if nbytes < HUGE_PAGE:
-            raw = np.empty(nbytes + 64, np.uint8)
-            start = (-raw.ctypes.data) % 64
-            return raw[start:start + nbytes].view(dtype).reshape(shape)
+            return 64
+        return HUGE_PAGE if self.huge else mmap.PAGESIZE
+
+    @staticmethod
+    def footprint(arrays: Iterable[tuple[tuple[int, ...], Any]], huge: bool = False) -> int:
+        """Arena bytes that hold arrays of these (shape, dtype), aligned as `empty` aligns them."""
+        probe = HostArrays(huge)
+        total = 0
+        for shape, dtype in arrays:
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            total += -total % probe._page(nbytes) + nbytes
+        return total
+
+    def _map(self, nbytes: int) -> np.ndarray:
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
             region.madvise(mmap.MADV_HUGEPAGE if self.huge else mmap.MADV_NOHUGEPAGE)
-        arr = np.frombuffer(region, dtype=dtype, count=count).reshape(shape)
-        populate(arr)
+        return np.frombuffer(region, dtype=np.uint8)
+
+    def _carve(self, nbytes: int) -> Optional[np.ndarray]:
+        """`nbytes` of the arena, aligned for their size; None when it has no room left."""
+        if self._arena is None:
+            return None
+        with self._lock:
+            start = self._used + (-self._used % self._page(nbytes))
+            if start + nbytes > self._arena.size:
+                return None
+            self._used = start + nbytes
+        return self._arena[start:start + nbytes]
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """An uninitialised array of `shape` and `dtype`, its pages already backed by memory."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        raw = self._carve(nbytes)
+        if raw is None and nbytes < HUGE_PAGE:
+            raw = np.empty(nbytes + 64, np.uint8)
+            raw = raw[(-raw.ctypes.data) % 64:][:nbytes]
+        elif raw is None:
+            raw = self._map(nbytes)
+        arr = raw.view(dtype).reshape(shape)
+        if nbytes >= HUGE_PAGE:
+            populate(arr)
         return arr

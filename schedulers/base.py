@@ -8,11 +8,12 @@ transfer queue after each MoE layer's gate, call `scheduler.plan(state)`, and ca
 Transfer semantics every mechanism implements (LayerScope Premises 3 and 4):
 - one serial host->device link; a started transfer is never interrupted (`LayerState.inflight`);
 - transfers issued by earlier plans that have not started yet (`LayerState.queued`) are dropped
-  when a new plan arrives unless the plan lists them again; the new queue is `plan.ondemand`
-  (in order) followed by `plan.prefetch` (in order);
+  when a new plan arrives unless the plan lists them again or holds them (`plan.hold`: a baseline
+  whose issued copies cannot be cancelled, they keep the head of the link); the new queue is
+  `plan.hold`, then `plan.ondemand` (in order), then `plan.prefetch` (in order);
 - an on-demand load goes to a staging buffer (freed after its GPU compute) unless `retain` puts it
   in the expert cache; a prefetch always lands in the cache. A cache slot is taken when a transfer
-  is issued, so `len(retained loads) + len(prefetch) <= free_slots + len(evict)`;
+  is issued, so `len(retained loads) + len(prefetch) + len(hold) <= free_slots + len(evict)`;
 - evictions are applied first and may not touch experts the current layer computes on the GPU
   or transfers in flight.
 """
@@ -64,6 +65,11 @@ class SchedulerSettings:
     @property
     def forecast_window(self) -> int:
         """The furthest layer distance the policy reads forecasts at (the predictors a mechanism builds)."""
+        return 1
+
+    @property
+    def in_flight(self) -> int:
+        """Batches of `batch_size` sequences that go through the layers together (Klotski's pipeline: 2)."""
         return 1
 
 
@@ -138,6 +144,13 @@ class LayerPlan:
     retain: tuple[bool, ...] = ()  # per on-demand load: keep it cached after use (else staging)
     prefetch: tuple[tuple[int, int], ...] = ()  # (target layer > layer, expert) in link order, after on-demand
     evict: tuple[tuple[int, int], ...] = ()  # (layer, expert) dropped from the cache before any transfer
+    # (layer, expert) prefetches of `state.queued` kept, not dropped: they stay at the head of the link, ahead of the
+    # on-demand loads; one of this layer that the plan computes on the GPU is waited for like a landing prefetch
+    hold: tuple[tuple[int, int], ...] = ()
+
+    def held_here(self, layer: int) -> set[int]:
+        """Experts of `layer` whose held prefetch brings them."""
+        return {e for target, e in self.hold if target == layer}
 
     def __post_init__(self) -> None:
         if not self.retain and self.ondemand:
@@ -162,14 +175,16 @@ class LayerPlan:
             raise ValueError(f"{where}: on-demand loads {self.ondemand} must be distinct GPU experts")
         if any(avail[e] for e in loads):
             raise ValueError(f"{where}: on-demand load of an expert already resident or landing")
-        missing = [e for e in gpu if not avail[e] and e not in loads]
+        self._validate_hold(state, loads)
+        held = self.held_here(state.layer)
+        missing = [e for e in gpu if not avail[e] and e not in loads and e not in held]
         if missing:
             raise ValueError(f"{where}: GPU experts {missing} are neither resident, landing nor loaded")
         seen: set[tuple[int, int]] = set()
         for target, e in self.prefetch:
             if not state.layer < target < state.num_layers:
                 raise ValueError(f"{where}: prefetch target layer {target} must lie in ({state.layer}, {state.num_layers})")
-            if (target, e) in seen or state.available(target)[e]:
+            if (target, e) in seen or state.available(target)[e] or (target, e) in self.hold:
                 raise ValueError(f"{where}: prefetch ({target}, {e}) duplicated or already resident/landing")
             seen.add((target, e))
         flying = {(t.layer, t.expert) for t in state.inflight}
@@ -178,9 +193,19 @@ class LayerPlan:
                 raise ValueError(f"{where}: evict ({layer}, {e}) is not resident")
             if (layer, e) in flying or (layer == state.layer and e in gpu):
                 raise ValueError(f"{where}: evict ({layer}, {e}) is in use")
-        need = sum(self.retain) + len(self.prefetch)
+        need = sum(self.retain) + len(self.prefetch) + len(self.hold)
         if need > state.free_slots + len(self.evict):
             raise ValueError(f"{where}: {need} cache slots needed, {state.free_slots} free + {len(self.evict)} evicted")
+
+    def _validate_hold(self, state: LayerState, loads: set[int]) -> None:
+        """Held transfers are distinct transfers still queued (one whose layer has run lands for the next pass), none
+        loaded again."""
+        where = f"layer {state.layer}"
+        queued = {(t.layer, t.expert) for t in state.queued}
+        if len(set(self.hold)) != len(self.hold) or not set(self.hold) <= queued:
+            raise ValueError(f"{where}: hold {self.hold} must be distinct transfers of state.queued")
+        if loads & self.held_here(state.layer):
+            raise ValueError(f"{where}: experts {sorted(loads & self.held_here(state.layer))} both held and loaded")
 
 
 @runtime_checkable

@@ -12,19 +12,28 @@ from models.memory import HUGE_PAGE, HostArrays
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 
 
-def vm_flags(arr: np.ndarray) -> set[str]:
-    """The VmFlags of the mapping that holds `arr`'s first byte (hg: MADV_HUGEPAGE, nh: MADV_NOHUGEPAGE)."""
+def smaps_entry(arr: np.ndarray) -> tuple[tuple[int, int], set[str]]:
+    """The [start, end) addresses and VmFlags (hg: MADV_HUGEPAGE, nh: MADV_NOHUGEPAGE) of the mapping that
+    holds `arr`'s first byte."""
     addr = arr.ctypes.data
-    inside = False
+    inside = None
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
                 lo, hi = (int(v, 16) for v in head.split("-"))
-                inside = lo <= addr < hi
+                inside = (lo, hi) if lo <= addr < hi else None
             elif inside and line.startswith("VmFlags:"):
-                return set(line.split()[1:])
+                return inside, set(line.split()[1:])
     raise AssertionError("no mapping holds the array")
+
+
+def vm_flags(arr: np.ndarray) -> set[str]:
+    return smaps_entry(arr)[1]
+
+
+def mapping(arr: np.ndarray) -> tuple[int, int]:
+    return smaps_entry(arr)[0]
 
 
 def test_huge_pages_only_when_asked():
@@ -61,3 +70,22 @@ def test_the_model_spec_reaches_the_loader(tmp_path, huge):
     table = np.asarray(model.embed[...])
     assert table.nbytes >= HUGE_PAGE
     assert ("hg" if huge else "nh") in vm_flags(table)
+
+
+
+def test_a_capacity_carves_every_array_from_one_mapping():
+    """Reader threads populate slices of one mapping in parallel; a mapping per array serialises them."""
+    wanted = [((3, 5), np.float32), ((HUGE_PAGE // 2 + 7,), np.uint16), ((11,), np.float32), ((HUGE_PAGE,), np.uint8)]
+    arrays = HostArrays(capacity=HostArrays.footprint(wanted))
+    got = [arrays.empty(shape, dtype) for shape, dtype in wanted]
+    assert len({mapping(a) for a in got}) == 1
+    for arr, (shape, dtype) in zip(got, wanted):
+        assert arr.shape == shape and arr.dtype == dtype and arr.ctypes.data % 64 == 0
+        if arr.nbytes >= HUGE_PAGE:
+            assert arr.ctypes.data % 4096 == 0
+        arr[...] = 1  # each slice is its own memory: writing one leaves the others alone
+    assert all(int(a.reshape(-1)[0]) == 1 and a.size == int(np.prod(s)) for a, (s, _) in zip(got, wanted))
+    ends = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in got)
+    assert all(prev_end <= start for (_, prev_end), (start, _) in zip(ends, ends[1:]))
+    beyond = arrays.empty((HUGE_PAGE,), np.uint8)  # past the capacity: a mapping of its own
+    assert mapping(beyond) != mapping(got[0])

@@ -4,7 +4,6 @@ shallow recorded model's predictor driving a deeper simulated model's forecasts.
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest

@@ -4,6 +4,7 @@ scheduler (hypothesis), and the lower bound / exact search against every schedul
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -108,9 +109,10 @@ def test_invariants_hold_for_every_scheduler(routing, batch: int, slots: int, se
     prepared = prepare_routing(spec)
     capacity = slots + spec.scheduler.staging_slots
     # every policy on a pinned + dynamic split, and LayerScope's shipped cache (cached loads, nothing pinned,
-    # token-share eviction) under PreSched and its "no PreSched" ablation
+    # token-share eviction) under PreSched and its "no PreSched" ablation, also with its prefetches held on the link
     schedulers = [OFFLOAD.get(kind).settings(label=kind, dynamic_slots=slots // 2) for kind in OFFLOAD.names()]
-    schedulers += [shipped_scheduler("presched"), shipped_scheduler("layerwise")]
+    layerwise = shipped_scheduler("layerwise")
+    schedulers += [shipped_scheduler("presched"), layerwise, replace(layerwise, keep_queued_prefetches=True)]
     for scheduler in schedulers:
         out = simulate(spec.with_scheduler(scheduler), prepared, record=True)
         check_events(out.sim.events, prepared.passes, staging_slots=spec.scheduler.staging_slots)

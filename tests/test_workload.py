@@ -236,3 +236,22 @@ def test_every_workload_config_builds(tokenizer, name: str) -> None:
     else:
         batch = work.next_batch()
         assert batch.batch_size == cfg.workload.batch_size and max(batch.lengths) <= cfg.workload.prompt_len
+
+
+def test_a_policy_with_two_batches_in_flight_is_served_them_together(tokenizer) -> None:
+    """engine.run hands Klotski two workload batches as one executor batch, as the simulator replays it."""
+    from conf import compose
+    from engine.run import served_batches
+    from schedulers.base import scheduler_settings
+
+    def settings(kind: str):
+        return scheduler_settings(compose("run", [f"scheduler={kind}"]).scheduler)
+
+    def sampler() -> PromptSampler:
+        return PromptSampler(load_sharegpt()[:40], tokenizer, batch_size=2, prompt_len=16, gen_len=4, seed=3)
+
+    alone = served_batches(sampler(), 3, settings("presched"))
+    paired = served_batches(sampler(), 3, settings("klotski"))
+    assert [b.batch_size for b in alone] == [2, 2, 2] and [b.batch_size for b in paired] == [4, 2]
+    assert paired[0].tokens == alone[0].tokens + alone[1].tokens and paired[1].tokens == alone[2].tokens
+    assert paired[0].prompt_ids == alone[0].prompt_ids + alone[1].prompt_ids and paired[0].gen_len == 4

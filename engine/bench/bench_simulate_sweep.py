@@ -24,7 +24,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from conf import compose  # noqa: E402  (the repository on the path first: run as a script)
+from engine.bench.parallel import in_workers  # noqa: E402
 from engine.report import write_report  # noqa: E402
 from engine.sim.bounds import lower_bound  # noqa: E402
 from engine.sim.run import default_predictor, prepare_routing, simulate  # noqa: E402
@@ -184,15 +184,8 @@ def main() -> None:
         work, groups = run_group, [(m, b, systems, args.routing, args.bounds, args.routing_path, tuple(args.set))
                                    for m in args.models.split(",") for b in map(int, args.batches.split(","))]
     groups.sort(key=lambda g: -g[1])  # big batches first: better packing over the workers
-    wall0, cpu0 = time.perf_counter(), time.process_time()
-    rows: list[dict[str, Any]] = []
-    if args.workers > 1:
-        with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            for chunk in pool.map(work, groups):
-                rows.extend(chunk)
-    else:
-        for g in groups:
-            rows.extend(work(g))
+    wall0 = time.perf_counter()
+    rows = [row for chunk in in_workers(work, groups, args.workers) for row in chunk]
     wall = time.perf_counter() - wall0
     cpu_children = sum(r["sim_cpu_s"] + r.get("routing_cpu_s", 0.0) for r in rows)
     out = Path(args.out)

@@ -13,8 +13,8 @@ times in the executor; modelled times from the cost model in the simulator. The 
    accounts it after the plan is issued, outside the plan point it times);
 3. `plan(scheduler, state, validate)`: the scheduler's plan, checked against the contract;
 4. `issue(layer, plan, residency)`: the plan's evictions applied to the residency in plan order, then
-   the new link queue: this layer's on-demand loads in plan order, then the prefetches in plan order,
-   each to its target layer;
+   the new link queue: the held prefetches of earlier plans (`plan.hold`, not dropped), this layer's
+   on-demand loads in plan order, then the prefetches in plan order, each to its target layer;
 5. `transfer(...)`: the link time, bytes and count of every transfer that moved, and its link event;
 6. `close_layer(...)`: the layer's duration, its GPU and CPU busy time and its expert counts.
 
@@ -147,12 +147,14 @@ class LayerAccounting:
         return plan
 
     def issue(self, layer: int, plan: LayerPlan, residency: Residency) -> list[QueuedTransfer]:
-        """Apply the plan's evictions, then return its link queue: on-demand loads, then prefetches."""
+        """Apply the plan's evictions, then return its link queue: held prefetches, on-demand loads, prefetches."""
         for evicted_layer, expert in plan.evict:
             residency.evict(evicted_layer, expert)
-        queue = [QueuedTransfer(layer, expert, retain, False) for expert, retain in zip(plan.ondemand, plan.retain)]
+        queue = [QueuedTransfer(target, expert, True, True) for target, expert in plan.hold]
+        queue += [QueuedTransfer(layer, expert, retain, False) for expert, retain in zip(plan.ondemand, plan.retain)]
         queue += [QueuedTransfer(target, expert, True, True) for target, expert in plan.prefetch]
-        self._queued_prefetches = list(plan.prefetch)
+        # a held prefetch of this layer started after its gate: this layer's hit rate already counted it as missing
+        self._queued_prefetches = [item for item in plan.hold if item[0] > layer] + list(plan.prefetch)
         return queue
 
     def transfer(self, job: TransferLike, start: float, end: float, pass_index: int, record: bool) -> None:

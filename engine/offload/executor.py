@@ -292,9 +292,9 @@ class OffloadExecutor:
                                                          prompt_len=seq_len))
 
     def _issue(self, layer: int, plan: LayerPlan) -> None:
-        """The plan's evictions, then the new link queue: on-demand loads in order, then prefetches."""
+        """The plan's evictions, then the new link queue: held prefetches, on-demand loads in order, prefetches."""
         queue = self.accounting.issue(layer, plan, self.cache)
-        self.link.submit([])  # drop unstarted transfers of earlier plans (their slots come back)
+        self.link.submit([])  # drop unstarted transfers of earlier plans (their slots come back; held ones are re-queued)
         self.link.submit([self._job(item) for item in queue])
 
     def _job(self, item: QueuedTransfer) -> Job:

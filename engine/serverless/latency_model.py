@@ -117,7 +117,9 @@ class ServerlessCostModel:
     def summary(self) -> dict[str, float]:
         return {"alpha_us_per_token": self.alpha_s * 1e6, "beta_us_per_token": self.beta_s * 1e6,
                 "expert_mib": self.expert_bytes / 2**20, "misc_gib": self.misc_bytes / 2**30,
-                "replica_fixed_us": float(self.ops.t_g(1) - self.alpha_s) * 1e6}
+                "replica_fixed_us": float(self.ops.t_g(1) - self.alpha_s) * 1e6,
+                "peer_copy_ms": self.copy_time(np.zeros(1), np.ones(1)) * 1e3,  # one expert from a peer
+                "host_copy_ms": self.copy_time(np.ones(1), np.zeros(1)) * 1e3}  # one expert from host memory
 
     def replica_times(self, replica_loads: np.ndarray) -> np.ndarray:
         w = np.asarray(replica_loads, dtype=np.float64)

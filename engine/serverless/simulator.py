@@ -160,6 +160,8 @@ class SystemResult:
             "p50_moe_ms": q[0] * 1e3, "p90_moe_ms": q[1] * 1e3,
             "p99_moe_ms": q[2] * 1e3, "mean_compute_ms": mean(self.compute_s) * 1e3,
             "mean_comm_ms": mean(self.comm_s) * 1e3,
+            # the layer's attention block (T_misc): a copy issued a layer ahead overlaps it and the MoE part
+            "mean_misc_ms": mean(np.broadcast_to(self.misc_s[:, None], self.moe_s.shape)) * 1e3,
             "total_moe_s": float((self.moe_s * w).sum()),
             "total_cost_gib_s": float((self.cost * w).sum()) / 2**30,
             "mean_replicas_per_layer": mean(self.replicas),
@@ -261,16 +263,12 @@ def simulate_system(trace: ServingTrace, spec: SystemSpec, forecasts: np.ndarray
             decide[s, layer] = time.perf_counter() - t0
             hit_cap += int(policy.last_stats.hit_memory_cap)
             update = maps[layer].apply(placement)
-            host_in, peer_in = np.zeros(G), np.zeros(G)
-            for m in update.moves:
-                moves[m.source.value] += 1
+            counts, host_in, peer_in = update.tally(G)
+            for src, n in counts.items():
+                moves[src.value] += n
                 if live is not None:
-                    later[m.source.value] += 1
-                    weighted[m.source.value] += iters if every_iteration else 1.0
-                if m.source is Source.host:
-                    host_in[m.device] += 1
-                elif m.source is Source.peer:
-                    peer_in[m.device] += 1
+                    later[src.value] += n
+                    weighted[src.value] += n * (iters if every_iteration else 1.0)
             per_dev = cost_model.copy_times(host_in, peer_in)
             copy[s, layer] = float(per_dev.max(initial=0.0))
             ready = clock + misc[s]  # the MoE layer could start once its attention block is done

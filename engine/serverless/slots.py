@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,8 +31,7 @@ class Source(enum.Enum):
     host = "host"  # copied from the host master copy
 
 
-@dataclass(frozen=True)
-class Move:
+class Move(NamedTuple):  # a tuple, not a dataclass: one is built per replica per layer per iteration
     device: int
     slot: int
     expert: int
@@ -45,9 +45,23 @@ class SlotUpdate:
 
     slot_of_replica: np.ndarray
     moves: list[Move] = field(default_factory=list)
+    warm_first: int = 0  # moves[:warm_first] are warm starts (`SlotMap.apply` lists them first)
 
     def count(self, source: Source) -> int:
         return sum(1 for m in self.moves if m.source is source)
+
+    def tally(self, num_devices: int) -> tuple[dict[Source, int], np.ndarray, np.ndarray]:
+        """Moves per source, and the host and peer copies each device receives (float [G] each)."""
+        counts = dict.fromkeys(Source, 0)
+        counts[Source.warm] = self.warm_first
+        host_in, peer_in = [0.0] * num_devices, [0.0] * num_devices  # lists: per-element numpy updates are slow
+        for m in self.moves[self.warm_first:]:
+            counts[m.source] += 1
+            if m.source is Source.host:
+                host_in[m.device] += 1
+            elif m.source is Source.peer:
+                peer_in[m.device] += 1
+        return counts, np.asarray(host_in), np.asarray(peer_in)
 
 
 class SlotMap:
@@ -59,22 +73,37 @@ class SlotMap:
         self.num_experts = num_experts
         self.num_devices = num_devices
         self.slots = slots_per_device
-        self.expert = np.full((num_devices, slots_per_device), EMPTY, dtype=np.int64)
-        self.last_used = np.full((num_devices, slots_per_device), -1, dtype=np.int64)
+        # plain lists [G][S]: the simulator applies a placement per layer per iteration, and numpy's
+        # per-call overhead on these few slots was most of its time
+        self._table = [[EMPTY] * slots_per_device for _ in range(num_devices)]
+        self._last_used = [[-1] * slots_per_device for _ in range(num_devices)]
+        self._resident = 0
         self._clock = 0
         self._live: Placement | None = None
 
+    @property
+    def expert(self) -> np.ndarray:
+        """int64 [G, S]: the expert alive in each slot (EMPTY where none)."""
+        return np.asarray(self._table, dtype=np.int64).reshape(self.num_devices, self.slots)
+
+    @property
+    def last_used(self) -> np.ndarray:
+        """int64 [G, S]: the update that last claimed each slot (-1: never)."""
+        return np.asarray(self._last_used, dtype=np.int64).reshape(self.num_devices, self.slots)
+
     def live(self) -> Placement | None:
-        """Every expert alive in a slot (kept-alive ones included); None while all slots are empty."""
+        """Every expert alive in a slot (kept-alive ones included), device by device, slot by slot; None
+        while all slots are empty."""
         if self._live is None:
-            g, s = np.nonzero(self.expert != EMPTY)
-            if g.size == 0:
+            if not self._resident:
                 return None
-            self._live = Placement(self.num_experts, self.num_devices, self.expert[g, s], g)
+            pairs = [(e, g) for g, row in enumerate(self._table) for e in row if e != EMPTY]
+            experts, devices = zip(*pairs)
+            self._live = Placement.trusted(self.num_experts, self.num_devices, list(experts), list(devices))
         return self._live
 
     def resident_replicas(self) -> int:
-        return int((self.expert != EMPTY).sum())
+        return self._resident
 
     def apply(self, placement: Placement) -> SlotUpdate:
         """Assign every replica of `placement` a slot; return the slots and the copies to make."""
@@ -84,7 +113,7 @@ class SlotMap:
         placement.check_capacity(self.slots)
         self._clock += 1
         self._live = None
-        table = self.expert.tolist()  # [G][S]; plain lists: this runs per layer per iteration
+        table = self._table
         slots_of: dict[tuple[int, int], list[int]] = {}  # (device, expert) -> unclaimed slots holding it
         for g, row in enumerate(table):
             for i, e in enumerate(row):
@@ -107,7 +136,7 @@ class SlotMap:
                 moves.append(Move(g, i, e, Source.warm))
             else:
                 pending.append(r)
-        last_used = self.last_used.tolist()
+        last_used = self._last_used
         for r in pending:
             e, g = pairs[r]
             row, taken = table[g], claimed[g]
@@ -121,8 +150,11 @@ class SlotMap:
                 moves.append(Move(g, i, e, Source.peer, g if g in src else src[0]))  # inside the device if it has e
             else:
                 moves.append(Move(g, i, e, Source.host))
+            self._resident += row[i] == EMPTY
             row[i] = e
-        self.expert = np.asarray(table, dtype=np.int64)
-        self.last_used[np.asarray(claimed)] = self._clock
+        for g, taken in enumerate(claimed):
+            for i, t in enumerate(taken):
+                if t:
+                    last_used[g][i] = self._clock
         slot_of = np.asarray(slot_of, dtype=np.int64)
-        return SlotUpdate(slot_of_replica=slot_of, moves=moves)
+        return SlotUpdate(slot_of_replica=slot_of, moves=moves, warm_first=len(pairs) - len(pending))

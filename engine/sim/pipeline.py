@@ -3,11 +3,11 @@ link with a software queue, a CPU expert pool; a scheduler's plans applied layer
 
 Per MoE layer: attention on the GPU (split per micro-batch where the scheduler pipelines them) ->
 gate -> the link settles (landed transfers become resident, started ones keep going, unstarted ones
-are dropped) -> `scheduler.plan(state)` -> evictions, on-demand loads then prefetches are queued on
-the link -> the GPU runs its experts as their weights become available (resident ones first, loads
-in arrival order, a staging buffer reused once its previous expert is done), the CPU runs its
-experts one after another -> the layer ends when both are done. Dense decoder layers and the LM
-head run on the GPU. Without AsyncIO every copy is synchronous: it blocks the GPU stream, takes
+are dropped) -> `scheduler.plan(state)` -> evictions; the prefetches the plan holds, on-demand loads,
+then prefetches are queued on the link -> the GPU runs its experts as their weights become available
+(resident ones first, loads in arrival order, a staging buffer reused once its previous expert is
+done), the CPU runs its experts one after another -> the layer ends when both are done. Dense
+decoder layers and the LM head run on the GPU. Without AsyncIO every copy is synchronous: it blocks the GPU stream, takes
 `t_io_sync`, and prefetches finish inside the layer that issued them. What a plan does to the cache,
 the link queue and the metrics is `engine.offload.accounting`, shared with the real executor; this
 module only models how long things take.
@@ -212,6 +212,8 @@ class PipelineSim:
         if t_shared > 0:
             self.accounting.record("gpu", gate_last, clock.gpu_free, layer, kind="shared")
         mb_layer = None if mb is None else mb[:, layer]
+        held, queue = queue[:len(plan.hold)], queue[len(plan.hold):]
+        self._prefetch(clock, held)  # they keep the head of the link: this layer's GPU experts among them land first
         self._compute_available(clock, layer, plan, state.tokens, mb_layer)
         self._load(clock, layer, [item for item in queue if not item.prefetch], state.tokens,
                    self._issue_times(layer, plan, gates, mb), mb_layer)
@@ -274,8 +276,8 @@ class PipelineSim:
     def _compute_available(self, clock: "LayerClock", layer: int, plan: LayerPlan, tokens: np.ndarray,
                            mb_layer: Optional[np.ndarray] = None) -> None:
         """The GPU experts whose weights are there: the resident ones in one device call, then those landing
-        from started transfers, in arrival order."""
-        landing = {job.expert: job.end for job in self.jobs if job.layer == layer}
+        from started transfers and held prefetches, in arrival order."""
+        landing = {job.expert: job.end for job in (*self.jobs, *clock.jobs) if job.layer == layer}
         resident = self._resident_experts(plan, landing)
         if resident:
             counts = tokens[resident]

@@ -67,7 +67,7 @@ class RunSpec:
     def sequences(self) -> int:
         """Sequences in one forward pass: the batch times the batches the policy keeps in flight (Klotski's
         multi-batch pipeline runs two batches of `batch_size` through every layer together)."""
-        return self.batch_size * max(1, int(getattr(self.scheduler, "batches_in_flight", 1)))
+        return self.batch_size * self.scheduler.in_flight
 
     def with_scheduler(self, settings: SchedulerSettings) -> "RunSpec":
         return replace(self, scheduler=settings)

@@ -6,7 +6,7 @@ Public API (import from `engine.workloads`):
 - `code_prompts(max_chars=2000) -> list[TextPrompt]`: Python standard-library source chunks.
 - `PromptSampler(prompts, tokenizer, batch_size=, prompt_len=, gen_len=, policy=LengthPolicy.*,
   seed=)`: `.batches(n)` yields deterministic `PromptBatch`es (token ids per prompt, `gen_len`,
-  `pad_to`).
+  `pad_to`); `in_flight(batches, n)` joins them n at a time (a policy keeping n batches in flight).
 - `load_azure_trace("conv" | "code" | path) -> AzureTrace`: arrivals (s), context and generated
   tokens per request; `.window(start, dur)`, `.busiest_window(dur)`, `.thinned(frac, seed)`,
   `.time_scaled(f)`, `.clipped(max_ctx, max_gen)`, `.per_interval(1.0) -> RequestBatches`
@@ -21,12 +21,12 @@ Public API (import from `engine.workloads`):
 from engine.workloads.azure import AzureTrace, RequestBatch, RequestBatches, load_azure_trace
 from core.texts import TextPrompt, WorkloadFormatError, encode_ids
 from engine.workloads.build import azure_trace, build_workload, load_prompts
-from engine.workloads.prompts import LengthPolicy, PromptBatch, PromptSampler, TokenStream
+from engine.workloads.prompts import LengthPolicy, PromptBatch, PromptSampler, TokenStream, in_flight
 from engine.workloads.replay import ReplayBatch, TraceReplay
 from core.sharegpt import load_sharegpt
 from core.stdlib_texts import code_prompts, pydoc_topics, stdlib_docstrings, stdlib_fingerprint
 
 __all__ = ["AzureTrace", "RequestBatch", "RequestBatches", "load_azure_trace", "TextPrompt", "WorkloadFormatError",
            "encode_ids", "azure_trace", "build_workload", "load_prompts", "LengthPolicy", "PromptBatch",
-           "PromptSampler", "TokenStream", "ReplayBatch", "TraceReplay", "load_sharegpt", "code_prompts",
+           "PromptSampler", "in_flight", "TokenStream", "ReplayBatch", "TraceReplay", "load_sharegpt", "code_prompts",
            "pydoc_topics", "stdlib_docstrings", "stdlib_fingerprint"]

@@ -50,6 +50,18 @@ class PromptBatch:
         return [list(t) for t in self.tokens]
 
 
+def in_flight(batches: Sequence[PromptBatch], n: int) -> list[PromptBatch]:
+    """`batches` taken `n` at a time, each group one batch of their prompts (a policy that keeps `n` batches in
+    flight runs them through every layer together); a short last group when `n` does not divide them."""
+    if n <= 1:
+        return list(batches)
+    groups = [batches[i:i + n] for i in range(0, len(batches), n)]
+    return [PromptBatch(index=g[0].index, prompt_ids=tuple(p for b in g for p in b.prompt_ids),
+                        tokens=tuple(t for b in g for t in b.tokens), gen_len=max(b.gen_len for b in g),
+                        pad_to=None if any(b.pad_to is None for b in g) else max(b.pad_to for b in g))
+            for g in groups]
+
+
 class TokenStream:
     """An endless, seeded stream of tokenised prompts: epochs of random permutations.
 

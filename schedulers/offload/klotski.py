@@ -3,7 +3,8 @@ multi-batch pipeline. Two batches are in flight (LayerScope §5.1: "Klotski limi
 parallelism"): both go through every layer together, so an expert loaded for a layer serves both batches'
 tokens, and one batch's attention runs while the experts the other needs are loading (the mechanism issues a
 batch's loads at its own gate; `batches_in_flight` makes the simulator replay `batches_in_flight x batch_size`
-sequences per step, each in-flight batch one micro-batch). The experts the first batch needs are loaded
+sequences per step, each in-flight batch one micro-batch, and `engine.run` serve its workload's batches that many
+at a time, each group one executor batch whose experts are called once for all its tokens). The experts the first batch needs are loaded
 first, hottest first; after the layer's loads, a fixed number of the next layer's statistically hottest
 experts (token counts from profiling plus everything served so far, no gate prediction: Klotski's
 correlation-aware prefetcher reduced to its hot-expert part) are prefetched into the dynamic cache region.
@@ -27,6 +28,10 @@ class KlotskiSettings(SchedulerSettings):
     micro_batches: int = 2  # micro-batches pipelined per layer (each in-flight batch is one)
     batches_in_flight: int = 2  # batches of `batch_size` sequences run through the layers together
     prefetch_count: int = 2  # the next layer's statistically hottest experts prefetched per layer
+
+    @property
+    def in_flight(self) -> int:
+        return max(1, self.batches_in_flight)
 
 
 @register("klotski", settings=KlotskiSettings)

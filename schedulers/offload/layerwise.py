@@ -1,10 +1,15 @@
 """LayerScope's ablation "no PreSched": a greedy layer-by-layer split (eq. 1) and a fixed number of
 prefetches per layer (§5.3: "reverts to a fixed policy of prefetching exactly two experts per layer,
-mimicking HybriMoE"), with LayerScope's hot table and predictor."""
+mimicking HybriMoE"), with LayerScope's hot table and predictor.
+
+`keep_queued_prefetches` makes its issued prefetches non-droppable: one not started by the next plan
+point keeps the head of the link (`LayerPlan.hold`) and that layer's on-demand loads queue behind it,
+as copies issued on one CUDA stream run in order (HybriMoE's `wait_prefetch`: the shared mechanism
+otherwise drops them, and HybriMoE / Fate here only re-list those of the current layer first)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -30,6 +35,7 @@ class LayerwiseSettings(SchedulerSettings):
     kind: str = "layerwise"
     label: str = "LayerScope w/o PreSched"
     prefetch_count: int = 2  # next-layer prefetches per layer, most predicted tokens first
+    keep_queued_prefetches: bool = False  # True: unstarted prefetches are held on the link, loads wait behind them
 
 
 @register("layerwise", settings=LayerwiseSettings)
@@ -37,13 +43,34 @@ class LayerwiseGreedy(OffloadPolicy):
     def plan(self, state: LayerState) -> LayerPlan:
         layer, tokens, cost = state.layer, state.tokens, state.cost
         self.observe_usage(state)
-        ready, missing = split_by_availability(state)
+        hold = self.held(state)
+        ready, missing = self.split(state, hold)
         cur = by_tokens(missing, tokens)
         ready_s = float(np.sum(np.atleast_1d(cost.t_g(tokens[ready])))) if ready.size else 0.0
         t_g = float(cost.t_g(max(int(tokens.max(initial=1)), 1)))
-        i = greedy_split(tokens[cur].astype(np.float64), ready_s, state.alpha_s, state.t_io_s, t_g, cost)
+        alpha = state.alpha_s + len(hold) * state.t_io_s  # the loads start once the held prefetches have moved
+        i = greedy_split(tokens[cur].astype(np.float64), ready_s, alpha, state.t_io_s, t_g, cost)
         loads = cur[i:][::-1]
         gpu = tuple(int(e) for e in ready) + tuple(int(e) for e in loads)
         self.touch(layer, gpu)
-        prefetch = self.next_layer_prefetch(state, self.settings.prefetch_count)
-        return self.plan_with_slots(state, tuple(int(e) for e in cur[:i]), gpu, tuple(int(e) for e in loads), prefetch)
+        prefetch = [p for p in self.next_layer_prefetch(state) if p not in hold][:self.settings.prefetch_count]
+        # the held prefetches keep the cache slots they were issued with
+        slots = replace(state, free_slots=state.free_slots - len(hold)) if hold else state
+        plan = self.plan_with_slots(slots, tuple(int(e) for e in cur[:i]), gpu, tuple(int(e) for e in loads), prefetch)
+        return replace(plan, hold=hold) if hold else plan
+
+    def held(self, state: LayerState) -> tuple[tuple[int, int], ...]:
+        """The queued prefetches this plan keeps at the head of the link (none unless `keep_queued_prefetches`)."""
+        if not self.settings.keep_queued_prefetches:
+            return ()
+        return tuple((t.layer, t.expert) for t in state.queued)
+
+    @staticmethod
+    def split(state: LayerState, hold: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(ready, missing) active experts, those a held prefetch brings counted as ready (they land first)."""
+        ready, missing = split_by_availability(state)
+        here = [e for target, e in hold if target == state.layer]
+        if not here:
+            return ready, missing
+        coming = np.isin(missing, here)
+        return np.concatenate([ready, missing[coming]]), missing[~coming]
