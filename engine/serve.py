@@ -5,7 +5,10 @@
     python -m engine.serve mode=real model=tiny_mixtral serverless=tiny predictor=gate max_batches=2 workload.azure.max_context_tokens=16
     # MoEless's trained predictor drives MoEless: routing + gate inputs recorded from mixtral-tiny (cached)
     python -m engine.serve routing_checkpoint=pkg:models/checkpoints/mixtral-tiny predictor=moeless_mixtral_tiny
-    python -m engine.serve mode=real model=mixtral_tiny serverless=tiny predictor=moeless_mixtral_tiny max_batches=2
+    python -m engine.serve mode=real model=mixtral_tiny serverless=tiny predictor=moeless_mixtral_tiny max_batches=2 \
+        workload.azure.max_context_tokens=64 workload.azure.max_generated_tokens=8
+    # (real mode runs eagerly on host devices: uncapped Azure contexts can keep one device in an op past XLA's
+    # 600-s collective timeout, which aborts the process)
 
 Simulate mode replays the trace's per-second batches (prefill, then decode iterations with the
 trace's token counts) with routing from the synthetic generator or a recorded trace, and prices
