@@ -42,13 +42,16 @@ import numpy as np  # noqa: E402
 from engine.bench.bench_simulate_sweep import hardware, scheduler_settings, sweep_predictor  # noqa: E402
 from engine.bench.parallel import in_workers  # noqa: E402
 from conf import compose  # noqa: E402
+from engine.calibrate_paper import load_points  # noqa: E402
+from engine.report import PUBLISHED  # noqa: E402
 from engine.sim.bounds import lower_bound  # noqa: E402
 from engine.sim.run import PreparedRouting, RunSpec, prepare_routing, simulate  # noqa: E402
 from models.loading import resolve_model_config  # noqa: E402
 from schedulers.hardware import HardwareProfile  # noqa: E402
 
-MODEL, MACHINE, BATCH = "mixtral_8x7b", "a100_pcie4", 64  # the ablation's point (abl_presched_mixtral_a100_b64)
-PAPER_LOSS = 0.541
+# the ablation's point and figure, as engine.calibrate_paper evaluates them
+ABLATION = next(p for p in load_points(PUBLISHED) if p.id == "abl_presched_mixtral_a100_b64")
+MODEL, MACHINE, BATCH, PAPER_LOSS = ABLATION.model, ABLATION.hardware, ABLATION.batch, ABLATION.value
 SYSTEMS = {"presched": ("presched", False), "layerwise": ("layerwise", False), "layerwise_kept": ("layerwise", True)}
 BASELINES = ("layerwise", "layerwise_kept")  # "LayerScope w/o PreSched", as the mechanism runs it / prefetches kept
 REFERENCES = ("fiddler", "fate", "ondemand", "ktransformers")

@@ -38,11 +38,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from conf import compose  # noqa: E402
+from models.loading import resolve_model_config  # noqa: E402
+from schedulers.hardware import load_hardware  # noqa: E402
 from engine.bench.bench_serverless_seeds import mean_std, pct, serve_overrides, study_args, study_rows, study_wall  # noqa: E402
 
 SYSTEMS = "systems=[static_ep,eplb,moeless]"
 GROUPS = ("input", "middle", "output")  # the synthetic routing's layer groups (engine/synthetic_routing.py)
-PAIR_GBPS, HOST_GBPS = 56.25, 31.508  # conf/hardware/a6000.yaml: NVLink pair, PCIe 4.0 x16
+SERVED_ON = load_hardware("a6000")  # engine.serve's default hardware (conf/serve.yaml), whose copy links the axis scales
 
 
 def routing_knob(name: str, value: float) -> list[str]:
@@ -50,12 +53,15 @@ def routing_knob(name: str, value: float) -> list[str]:
 
 
 def copy_speed(f: float) -> list[str]:
-    return [f"hardware.interconnect.pair_gbps={PAIR_GBPS * f:g}", f"hardware.host_link.peak_gbps={HOST_GBPS * f:g}"]
+    return [f"hardware.interconnect.pair_gbps={SERVED_ON.interconnect.pair_gbps * f:g}",
+            f"hardware.host_link.peak_gbps={SERVED_ON.host_link.peak_gbps * f:g}"]
 
 
-def memory(slots: int, num_experts: int = 8, num_devices: int = 8) -> list[str]:
+def memory(slots: int, model: str) -> list[str]:
+    """MoEless and EPLB both holding `slots` replicas per device of `model` on engine.serve's default devices."""
+    experts = resolve_model_config(compose("serve", [f"model={model}"]).model).num_experts
     return [f"serverless.policies.moeless.capacity_slots={slots}",
-            f"serverless.policies.eplb.num_redundant={slots * num_devices - num_experts}"]
+            f"serverless.policies.eplb.num_redundant={slots * SERVED_ON.num_devices - experts}"]
 
 
 # axis -> (what the value is, [(value, overrides)]); the first value of each axis but `copy_speed_varied` is
@@ -63,7 +69,7 @@ def memory(slots: int, num_experts: int = 8, num_devices: int = 8) -> list[str]:
 AXES: dict[str, tuple[str, list[tuple[float, list[str]]]]] = {
     "skew": ("popularity_sigma", [(v, routing_knob("popularity_sigma", v)) for v in (0.2, 0.6, 1.2)]),
     "variation": ("domain_sigma", [(v, routing_knob("domain_sigma", v)) for v in (1.0, 0.0, 2.0)]),
-    "memory": ("slots per device (MoEless = EPLB)", [(s, memory(s)) for s in (2, 3, 4)]),
+    "memory": ("slots per device (MoEless = EPLB)", [(s, []) for s in (2, 3, 4)]),  # overrides: `memory`, per model
     "hit_rate": ("oracle hit rate at d = 1 (UPPER BOUND)", [(h, [f"predictor.oracle.hit_rate={h:g}"])
                                                             for h in (0.9, 0.5, 0.7, 1.0)]),
     "copy_speed": ("copy bandwidth x", [(f, copy_speed(f)) for f in (1, 10, 30, 50, 70, 100, 1000)]),
@@ -86,6 +92,7 @@ def regime_jobs(axes: list[str], model: str, seeds: list[int], duration_s: float
     for axis in axes:
         values = AXES[axis][1] if axis in NOT_DEFAULT_FIRST else AXES[axis][1][1:]
         for value, extra in values:
+            extra = memory(int(value), model) if axis == "memory" else extra
             for seed in seeds:
                 tags = {"axis": axis, "value": value, "seed": seed}
                 folder = str(out / "runs" / f"{axis}_{value:g}_seed{seed}") if out else None
