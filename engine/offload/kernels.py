@@ -134,7 +134,9 @@ def _build(d: _Defs) -> _Fns:
     def experts(g: jax.Array, slot_idx: jax.Array, weights: jax.Array, gate_up: list, down: list) -> jax.Array:
         B, S, H = g.shape
         live = slot_idx >= 0
-        routing = Routing(experts=jnp.where(live, slot_idx, 0).astype(jnp.int32),
+        # a pair routed nowhere (-1: a CPU expert, a padding row) stays out of range, so the grouped kernels leave
+        # it out: mapped to slot 0 it would join that expert's rows, and a row's sums depend on its group's size
+        routing = Routing(experts=slot_idx.astype(jnp.int32),
                           weights=jnp.where(live, weights, 0.0).astype(jnp.float32),
                           logits=jnp.zeros((B * S, 1), jnp.float32))
         return d.executor(-1, g.reshape(B * S, H), routing, SlotExperts(gate_up, down))
