@@ -514,3 +514,43 @@ def _config_or_error(f: GGUFFile) -> ModelConfig:
 def read_gguf_config(path: str | Path) -> ModelConfig:
     """The `ModelConfig` of a GGUF file (its architecture and metadata checked; tensors not read)."""
     return open_gguf(path).cfg
+
+
+# ---- experts in their blocks --------------------------------------------------------------------------
+
+
+def block_experts(ck: OpenCheckpoint) -> dict[int, tuple[list[QuantArray], list[QuantArray]]]:
+    """Decoder layer -> (gate|up, down) `QuantArray`s of every routed expert, in the blocks the file stores them
+    in (the layout `models.quant.experts.install` takes). `down` is a view of the mapped file; gate|up is one
+    [2F, H] matrix per expert, so the file's separate gate and up rows are copied into it (blocks are per row:
+    the bytes are the file's, unchanged). A layer's gate and up must share a block type (llama.cpp's presets
+    give them one)."""
+    reader = ck.reader
+    if not isinstance(reader, GGUFTensors):
+        raise TypeError(f"{ck.folder}: not a GGUF checkpoint")
+    out: dict[int, tuple[list[QuantArray], list[QuantArray]]] = {}
+    for src in ck.sources:
+        if src.expert is None:
+            continue
+        layer = src.expert[0]
+        lists = out.setdefault(layer, ([], []))
+        if src.path[-2] == "gate_up":
+            gate, up = (reader.quant(p) for p in src.pieces)
+            if gate.qtype != up.qtype:
+                raise CheckpointError(f"{ck.folder}: blk.{layer}.ffn_gate_exps ({gate.qtype}) and ffn_up_exps "
+                                      f"({up.qtype}) differ in type; moescope serves gate and up in one type")
+            data = np.concatenate([np.asarray(gate.data), np.asarray(up.data)])
+            lists[0].append(QuantArray(data, gate.qtype, (gate.shape[0] + up.shape[0], gate.shape[1])))
+        else:
+            lists[1].append(reader.quant(src.pieces[0]))
+    return out
+
+
+def has_block_experts(ck: OpenCheckpoint) -> bool:
+    """True for a GGUF checkpoint whose routed experts are in a quantized block type (served by the block kernels)."""
+    from models.quant.blocks import QUANTIZED
+
+    reader = ck.reader
+    if not isinstance(reader, GGUFTensors):
+        return False
+    return any(reader.expert_type(p.name) in QUANTIZED for s in ck.sources if s.expert is not None for p in s.pieces)

@@ -99,8 +99,10 @@ def _q8_folder(hf_folders: dict[str, Path]) -> Path:
 
     cfg = hf_config("qwen3_moe")
     cfg.moe_intermediate_size = 32
+    cfg.num_hidden_layers = 2  # one MoE layer, one dense (mlp_only_layers=[1]): a short compile
     folder = hf_folders["qwen3_moe"].parent / "qwen3_q8"
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    if not (folder / "config.json").is_file():
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     return folder
 
 
@@ -109,7 +111,8 @@ def test_q8_0_experts_stay_in_their_blocks(hf_folders) -> None:
     model built from them equals the HF model whose experts are those dequantized weights."""
     folder = _q8_folder(hf_folders)
     path = folder / "q8.gguf"
-    convert(folder, path, dense="f32", experts="q8_0")
+    if not path.is_file():
+        convert(folder, path, dense="f32", experts="q8_0")
     ck = open_gguf(path)
     mapped = ck.reader.file.reader.data
     pieces = [(src, p) for src in ck.sources if src.expert is not None for p in src.pieces]
@@ -232,3 +235,30 @@ def test_deepseek_expert_width_disagreeing_names_key(hf_folders, tmp_path) -> No
                    fields={"deepseek2.expert_feed_forward_length": 16})
     with pytest.raises(CheckpointError, match=r"deepseek2\.expert_feed_forward_length = 16 .*ffn_gate_exps"):
         open_gguf(bad)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", pytest.param("q4_0", marks=pytest.mark.slow)])
+def test_block_experts_serve_as_their_dequantized_weights(hf_folders, qtype) -> None:
+    """The file's expert blocks installed as QuantExperts (the block-kernel path) give the logits of the model whose
+    experts are those blocks dequantized in float32, within f32 summation error."""
+    from models.gguf import block_experts, has_block_experts
+    from models.quant.experts import install
+
+    folder = _q8_folder(hf_folders)
+    path = folder / f"{qtype}.gguf"
+    if not path.is_file():
+        convert(folder, path, dense="f32", experts=qtype)
+    ck = open_gguf(path)
+    assert has_block_experts(ck)
+    experts = block_experts(ck)
+    assert sorted(experts) == list(ck.cfg.moe_layers)
+    gate_up, down = experts[ck.cfg.moe_layers[0]]
+    assert gate_up[0].qtype == down[0].qtype == qtype and np.shares_memory(down[0].data, ck.reader.file.reader.data)
+    _, deq = load_hf(path, opened=ck)
+    _, blocks = load_hf(path, opened=ck, with_experts=False)
+    install(blocks, experts)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(3, 97, (2, 10)))
+    positions = jnp.tile(jnp.arange(10), (2, 1))
+    a = np.asarray(forward(deq, tokens, init_cache(deq, 2, 16), positions)[0])
+    b = np.asarray(forward(blocks, tokens, init_cache(blocks, 2, 16), positions)[0])
+    np.testing.assert_allclose(b, a, atol=2e-6 * max(1.0, float(np.abs(a).max())))

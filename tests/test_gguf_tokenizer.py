@@ -93,3 +93,12 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(tiny_gguf, tmp_path) ->
     assert check_vocab(tokenizer_from_gguf(path), cfg, "x") is not None
     with pytest.raises(CheckpointError, match="not found"):
         load_tokenizer_for(path, str(tmp_path / "nowhere"), cfg)
+
+
+@pytest.mark.parametrize("ab, bc, want", [(-1.0, -2.0, ["▁", "ab", "c"]), (-2.0, -1.0, ["▁", "a", "bc"])])
+def test_the_higher_scored_piece_merges_first(tmp_path, ab, bc, want) -> None:
+    tokens = ["<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + ["▁", "a", "b", "c", "ab", "bc"]
+    types = [2] + [6] * 256 + [1] * 6
+    scores = [0.0] * 257 + [-5.0, -5.0, -5.0, -5.0, ab, bc]
+    tok = tokenizer_from_gguf(_write(tmp_path / "rank.gguf", tokens, types, scores))
+    assert [tokens[i] for i in tok.encode("abc").ids] == want
