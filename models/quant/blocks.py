@@ -36,13 +36,14 @@ BLOCK_TYPES: dict[str, BlockType] = {
     "f32": BlockType("f32", 0, 1, 4),
     "f16": BlockType("f16", 1, 1, 2),
     "q4_0": BlockType("q4_0", 2, 32, 18),
+    "q5_0": BlockType("q5_0", 6, 32, 22),  # f16 d, 4 bytes of fifth bits, 16 bytes of nibbles: llama.cpp's Q4_K fallback
     "q8_0": BlockType("q8_0", 8, 32, 34),
     "q4_k": BlockType("q4_k", 12, 256, 144),
     "q6_k": BlockType("q6_k", 14, 256, 210),
     "bf16": BlockType("bf16", 30, 1, 2),
 }
 BY_GGML_ID: dict[int, BlockType] = {t.ggml_id: t for t in BLOCK_TYPES.values()}
-QUANTIZED = ("q8_0", "q4_0", "q4_k", "q6_k")
+QUANTIZED = ("q8_0", "q4_0", "q5_0", "q4_k", "q6_k")
 
 
 def block_type(name: str) -> BlockType:
@@ -70,3 +71,19 @@ class QuantArray:
     @property
     def nbytes(self) -> int:
         return int(self.data.shape[0]) * int(self.data.shape[1])
+
+
+def _unflatten(meta: tuple[str, tuple[int, int]], children: tuple[Any]) -> QuantArray:
+    """Rebuild without `__post_init__`'s check: JAX unflattens with tracers, and sometimes with placeholders."""
+    out = object.__new__(QuantArray)
+    object.__setattr__(out, "data", children[0])
+    object.__setattr__(out, "qtype", meta[0])
+    object.__setattr__(out, "shape", meta[1])
+    return out
+
+
+# a JAX pytree: the block bytes are the leaf, the type and the logical shape are static (part of a jitted
+# function's signature, so an expert's dequantization is specialised to its format at trace time)
+import jax  # noqa: E402  (after the numpy-only definitions: blocks.py's contract needs no JAX)
+
+jax.tree_util.register_pytree_node(QuantArray, lambda q: ((q.data,), (q.qtype, tuple(q.shape))), _unflatten)
