@@ -400,6 +400,14 @@ class GGUFTensors:
             out = out.astype(self.dtype(piece.name))
         return out if piece.index is None else out[piece.index]
 
+    @property
+    def run_dtype(self) -> np.dtype:
+        """The dtype `dtype=auto` runs this file in: float32 where its matrices are stored in float32 (the file holds
+        an f32 model exactly), else bfloat16 (bf16 / f16 / quantized files: what llama.cpp computes such a file's
+        activations in is f32, but the dense weights gain nothing from f32 copies of bf16-or-coarser values)."""
+        t = self.file.tensors.get("token_embd.weight")
+        return np.dtype(np.float32) if t is not None and int(t.tensor_type) == 0 else np.dtype(ml_dtypes.bfloat16)
+
     def quant(self, piece: Piece) -> QuantArray:
         """A routed expert's matrix in its stored ggml blocks: a view of the mapped file, no copy."""
         src = self._sources[piece.name]
