@@ -103,6 +103,12 @@ class FP8Tensors:
     def dtype(self, name: str) -> np.dtype:
         return np.dtype(np.float32) if name in self._fp8 else self.inner.dtype(name)
 
+    @property
+    def run_dtype(self) -> np.dtype:
+        """What `dtype=auto` runs the checkpoint in: the dtype of its unquantized tensors (bf16 as released)."""
+        plain = [self.inner.dtype(n) for n in self.keys() if n not in self._fp8 and "embed" in n]
+        return plain[0] if plain else np.dtype(ml_dtypes.bfloat16)
+
     def is_fp8(self, name: str) -> bool:
         return name in self._fp8
 

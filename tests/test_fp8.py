@@ -82,6 +82,7 @@ def test_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path, family) -> No
     assert is_fp8_checkpoint(fp8) and not is_fp8_checkpoint(tmp_path / "deq")
     ck = open_fp8(fp8)
     assert not any(k.endswith("_scale_inv") for k in ck.reader.keys())
+    assert ck.reader.run_dtype == ml_dtypes.bfloat16  # dtype=auto: the release's own bf16, not the f32 views
     _, got = load_hf(fp8, opened=ck)
     _, ref = load_hf(tmp_path / "deq")
     a, b = _params(ref), _params(got)
