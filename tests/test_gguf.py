@@ -237,7 +237,8 @@ def test_deepseek_expert_width_disagreeing_names_key(hf_folders, tmp_path) -> No
         open_gguf(bad)
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", pytest.param("q4_0", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two compiled forwards: ~15 s quiet, ~45 s under load
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 def test_block_experts_serve_as_their_dequantized_weights(hf_folders, qtype) -> None:
     """The file's expert blocks installed as QuantExperts (the block-kernel path) give the logits of the model whose
     experts are those blocks dequantized in float32, within f32 summation error."""
@@ -262,3 +263,34 @@ def test_block_experts_serve_as_their_dequantized_weights(hf_folders, qtype) -> 
     a = np.asarray(forward(deq, tokens, init_cache(deq, 2, 16), positions)[0])
     b = np.asarray(forward(blocks, tokens, init_cache(blocks, 2, 16), positions)[0])
     np.testing.assert_allclose(b, a, atol=2e-6 * max(1.0, float(np.abs(a).max())))
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
+def test_k_quant_experts_stay_in_their_blocks(hf_folders, qtype) -> None:
+    """Q4_K / Q6_K experts (the Q4_K_M preset's types; 256-weight super-blocks, so 256-wide experts): QuantArray views
+    of the file whose dequantization (the gguf package's, independent of moescope's) is what the reader serves."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_tiny import hf_config
+
+    cfg = hf_config("qwen3_moe")
+    cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_hidden_layers, cfg.mlp_only_layers = 256, 256, 1, []
+    folder = hf_folders["qwen3_moe"].parent / "qwen3_k"
+    if not (folder / "config.json").is_file():
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    path = folder / f"{qtype}.gguf"
+    convert(folder, path, experts=qtype)
+    ck = open_gguf(path)
+    ggml = gguf.GGMLQuantizationType[qtype.upper()]
+    _, ref = load_hf(folder)
+    a = _params(ref)
+    for src in [s for s in ck.sources if s.expert is not None][:4]:
+        for piece in src.pieces:
+            q = ck.reader.quant(piece)
+            assert q.qtype == qtype and np.shares_memory(q.data, ck.reader.file.reader.data)
+            deq = gguf.quants.dequantize(np.asarray(q.data), ggml)
+            np.testing.assert_array_equal(ck.reader.view(piece), deq)
+    key = next(k for k in a if "'experts'" in k and "'down'" in k)
+    _, got = load_hf(path, opened=ck, dtype=jnp.float32)
+    w, err = a[key], np.abs(_params(got)[key] - a[key]).max()
+    assert 0 < err < np.abs(w).max() * (0.15 if qtype == "q4_k" else 0.04)  # 4-bit / 6-bit steps

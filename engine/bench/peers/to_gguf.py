@@ -23,7 +23,8 @@ Families (HF `model_type` -> llama.cpp architecture):
 Both the per-expert layout (`experts.E.w1` / `experts.E.gate_proj`) and the fused transformers-v5 layout
 (`experts.gate_up_proj` [E, 2F, H], `experts.down_proj` [E, H, F]) are read. Norm weights, biases and the
 router are written F32, the matrices BF16 (or F32 with `--dense f32`), the routed experts in `--experts`'s type
-(Q8_0 / Q4_0 blocks made by the `gguf` package's quantizer). The vocabulary is the checkpoint's tokenizer.json
+(Q8_0 / Q4_0 blocks made by the `gguf` package's quantizer; Q4_K / Q6_K by moescope's port of llama.cpp's
+reference quantizer, models.quant.formats, the one import outside numpy and gguf, made only for those types). The vocabulary is the checkpoint's tokenizer.json
 where it is a byte-level BPE (written as llama.cpp's `gpt2` tokenizer), else placeholder tokens (ids only):
 the peers feed token ids, never text.
 """
@@ -161,6 +162,11 @@ class Plan:
                 return f32
             if qtype == BF16:
                 return f32_to_bf16(f32)
+            if qtype in K_QUANTS:  # the gguf package has no K-quant quantizer: moescope's (llama.cpp's reference)
+                from models.quant.formats import quantize as quantize_rows
+
+                rows = f32.reshape(-1, f32.shape[-1])
+                return quantize_rows(rows, K_QUANTS[qtype], name).reshape(*f32.shape[:-1], -1)
             return gguf.quants.quantize(f32, qtype)
 
         self.items.append((name, tuple(shape), qtype, stored))
@@ -261,7 +267,9 @@ def _tokens(w: gguf.GGUFWriter, ck: Checkpoint) -> None:
 
 
 # llama_ftype of the file: the type most of its bytes are in
-FILE_TYPES = {F32: 0, BF16: 32, gguf.GGMLQuantizationType.Q8_0: 7, gguf.GGMLQuantizationType.Q4_0: 2}
+FILE_TYPES = {F32: 0, BF16: 32, gguf.GGMLQuantizationType.Q8_0: 7, gguf.GGMLQuantizationType.Q4_0: 2,
+              gguf.GGMLQuantizationType.Q4_K: 14, gguf.GGMLQuantizationType.Q6_K: 18}  # Q4_K_S, Q6_K
+K_QUANTS = {gguf.GGMLQuantizationType.Q4_K: "q4_k", gguf.GGMLQuantizationType.Q6_K: "q6_k"}
 
 
 def _common(w: gguf.GGUFWriter, c: dict, n_head_kv: int, file_type: int) -> None:
@@ -490,8 +498,8 @@ def convert(src: str | Path, dst: str | Path, mla: str = "split", verbose: bool 
             experts: Optional[str] = None) -> dict:
     """Write `dst` from the checkpoint folder `src`; returns {"bytes", "seconds", "tensors"}.
 
-    `dense`: bf16 or f32 matrices; `experts`: the routed experts' type (f32, bf16, q8_0, q4_0; the dense
-    type by default)."""
+    `dense`: bf16 or f32 matrices; `experts`: the routed experts' type (f32, bf16, q8_0, q4_0, q4_k, q6_k; the
+    dense type by default; the K-quants need moescope's quantizer, models.quant.formats, on the path)."""
     t0 = time.perf_counter()
     ck = Checkpoint(src)
     dst = Path(dst)
@@ -520,7 +528,8 @@ def convert(src: str | Path, dst: str | Path, mla: str = "split", verbose: bool 
             "source_tensors": len(used)}
 
 
-TYPES = {"f32": F32, "bf16": BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+TYPES = {"f32": F32, "bf16": BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+         "q4_k": gguf.GGMLQuantizationType.Q4_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}
 
 
 def main(argv: Optional[list[str]] = None) -> None:
