@@ -131,7 +131,7 @@ def load_offload_model(spec: ModelSpec, dtype_choice: DType, compare_choice: Opt
         _, full, _ = load_model(spec, dtype=dtype, seed=seed, opened=opened)
         store = ExpertStore.from_model(full, dtype=np.dtype(dtype))
         model = without_experts(full) if opened is not None else full
-        return LoadedModel(cfg, model, store, load_tokenizer(opened.folder) if opened else None,
+        return LoadedModel(cfg, model, store, load_tokenizer(opened.folder, spec) if opened else None,
                            full if compare else None, dtype, opened.file_bytes if opened else None,
                            time.perf_counter() - start)
     check_offload_fits(opened, dtype)
@@ -142,7 +142,7 @@ def load_offload_model(spec: ModelSpec, dtype_choice: DType, compare_choice: Opt
         full, model = None, load_model(spec, dtype=dtype, with_experts=False, opened=opened)[1]
     check_weights(spec, opened)  # the experts the store maps (a no-op where the in-memory copy was scanned)
     store = ExpertStore.from_checkpoint(opened, dtype=np.dtype(dtype))
-    return LoadedModel(cfg, model, store, load_tokenizer(opened.folder), full, dtype, opened.file_bytes,
+    return LoadedModel(cfg, model, store, load_tokenizer(opened.folder, spec), full, dtype, opened.file_bytes,
                        time.perf_counter() - start)
 
 

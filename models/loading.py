@@ -123,6 +123,9 @@ def model_dtype(choice: Any, checkpoint: Optional["OpenCheckpoint"]) -> Any:
     name = getattr(choice, "value", choice) or "auto"
     if name != "auto":
         return jnp.dtype(name)
+    run_dtype = getattr(checkpoint.reader, "run_dtype", None) if checkpoint is not None else None
+    if run_dtype is not None:  # [GGUF helper] a GGUF file says what its own dtype is (its experts stay in blocks)
+        return jnp.dtype(run_dtype)
     if checkpoint is not None and checkpoint.stored_dtype() == ml_dtypes.bfloat16:
         return jnp.dtype(jnp.bfloat16)
     return jnp.dtype(jnp.float32)

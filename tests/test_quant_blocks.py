@@ -79,3 +79,22 @@ def test_quant_array_is_a_pytree_with_static_type():
     assert len(leaves) == 1 and leaves[0] is q.data
     out = jax.jit(lambda a: dequantize_jnp(a.data, a.qtype, a.shape[1]))(q)
     np.testing.assert_array_equal(np.asarray(out), dequantize(q.data, "q8_0", 32))
+
+
+def test_accuracy_metrics_match_their_definitions():
+    from models.quant.accuracy import compare
+
+    rng = np.random.default_rng(3)
+    ref = rng.standard_normal((2, 5, 7)).astype(np.float32)
+    ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
+    other = ref.copy()
+    other[0, 1] = ref[0, 1][::-1]  # one position's distribution reversed
+    tokens = rng.integers(0, 7, (2, 5))
+    same = compare(ref, ref, tokens)
+    assert same["kl_mean"] == 0 and same["top1_agree"] == 1
+    nll = -np.mean([ref[w, s, tokens[w, s + 1]] for w in range(2) for s in range(4)])
+    assert np.isclose(same["ppl"], np.exp(nll))
+    diff = compare(ref, other, tokens)
+    kl = np.sum(np.exp(ref[0, 1]) * (ref[0, 1] - other[0, 1]))
+    assert np.isclose(diff["kl_mean"], kl / 8) and diff["kl_p99"] > 0
+    assert diff["top1_agree"] == (7 / 8 if np.argmax(ref[0, 1]) != np.argmax(other[0, 1]) else 1.0)

@@ -69,6 +69,11 @@ def mapped_file(address: int) -> str:
     return ""
 
 
+def matrices(experts: QuantExperts) -> list:
+    gate_up, down = experts.arrays()
+    return [q for pair in gate_up for q in pair] + down
+
+
 def test_saved_quantized_checkpoint_loads_mapped(tmp_path):
     cfg, model, folder = load_model(spec("q4_k_m"), dtype="auto")
     save_quantized(model, tmp_path / "q", "q4_k_m", source=folder)
@@ -77,7 +82,7 @@ def test_saved_quantized_checkpoint_loads_mapped(tmp_path):
     for layer in cfg.moe_layers:
         a, b = model.layers[layer].moe.experts, loaded.layers[layer].moe.experts
         assert (a.gate_up_type, a.down_type) == (b.gate_up_type, b.down_type)
-        for x, y in zip(a.arrays()[0] + a.arrays()[1], b.arrays()[0] + b.arrays()[1]):
+        for x, y in zip(matrices(a), matrices(b)):
             np.testing.assert_array_equal(np.asarray(x.data), np.asarray(y.data))
             # no copy: the model's block bytes are the mapped experts file's pages
             assert mapped_file(y.data.unsafe_buffer_pointer()) == str(tmp_path / "q" / "experts.safetensors")

@@ -167,11 +167,8 @@ class ExpertStore:
                 raise ValueError(f"decoder layer {decoder_layer} holds no experts to copy")
             gate_up, down = experts.arrays()
             if isinstance(experts, QuantExperts):  # block bytes: views of the model's arrays (or its mapped file)
-                for e, (gu, dn) in enumerate(zip(gate_up, down)):
-                    data = np.asarray(gu.data)
-                    store.put_quant(i, e, QuantArray(data[:F], gu.qtype, (F, gu.shape[1])),
-                                    QuantArray(data[F:], gu.qtype, (F, gu.shape[1])),
-                                    QuantArray(np.asarray(dn.data), dn.qtype, dn.shape))
+                for e, ((gate, up), dn) in enumerate(zip(gate_up, down)):
+                    store.put_quant(i, e, *(QuantArray(np.asarray(q.data), q.qtype, q.shape) for q in (gate, up, dn)))
                 continue
             for e in range(cfg.num_experts):
                 gu = np.asarray(gate_up[e])

@@ -108,11 +108,12 @@ def save_quantized(model: Any, folder: str | Path, expert_format: str, source: O
         if not isinstance(experts, QuantExperts):
             raise ValueError(f"save_quantized: layer {layer}'s experts are not quantized (load with model.expert_format)")
         prefix = expert_prefix(cfg, layer)
-        for e, (gu, dn) in enumerate(zip(*experts.arrays())):
-            for part, q in (("gate_up", gu), ("down", dn)):
+        for e, ((gate, up), dn) in enumerate(zip(*experts.arrays())):
+            for part, data, qtype in (("gate_up", np.concatenate([np.asarray(jax.device_get(gate.data)),
+                                                                  np.asarray(jax.device_get(up.data))]), gate.qtype),
+                                      ("down", np.asarray(jax.device_get(dn.data)), dn.qtype)):
                 name = f"{prefix}.experts.{e}.{part}"
-                blocks[name] = np.asarray(jax.device_get(q.data))
-                qtypes[name] = q.qtype
+                blocks[name], qtypes[name] = data, qtype
     write_safetensors(folder / EXPERTS_FILE, blocks, {"moescope.qtypes": json.dumps(qtypes)})
     write_safetensors(folder / "model.safetensors", dense, {"format": "pt"})
     hf = config_to_hf(cfg)

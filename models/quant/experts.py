@@ -9,7 +9,7 @@ static). The in-memory executor computes them through `models.quant.matmul.exper
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 from flax import nnx
@@ -86,19 +86,36 @@ class ExpertBlocks(nnx.Variable):
     """The uint8 block bytes of one quantized expert matrix (not a trainable parameter)."""
 
 
-class QuantExperts(nnx.Module):
-    """The routed experts of one layer as ggml blocks: per expert gate|up rows [2F, H] and down [H, F]."""
+GateUp = Union[QuantArray, tuple[QuantArray, QuantArray]]
+"""One expert's gate and up projections: one [2F, H] matrix (gate rows first) or a (gate [F, H], up [F, H]) pair
+(a GGUF file's separate tensors, kept as views of the file: concatenating them would copy them)."""
 
-    def __init__(self, gate_up: Sequence[QuantArray], down: Sequence[QuantArray]):
+
+def split_gate_up(gu: GateUp) -> tuple[QuantArray, QuantArray]:
+    """(gate, up) of a `GateUp`; a [2F, H] matrix is split into two row views (numpy data: no copy)."""
+    if isinstance(gu, tuple):
+        return gu
+    F = gu.shape[0] // 2
+    return (QuantArray(gu.data[:F], gu.qtype, (F, gu.shape[1])), QuantArray(gu.data[F:], gu.qtype, (F, gu.shape[1])))
+
+
+class QuantExperts(nnx.Module):
+    """The routed experts of one layer as ggml blocks: per expert gate [F, H], up [F, H] (one block type) and
+    down [H, F]; `arrays()` gives each expert's gate|up as the pair (gate, up)."""
+
+    def __init__(self, gate_up: Sequence[GateUp], down: Sequence[QuantArray]):
         if not gate_up or len(gate_up) != len(down):
             raise ValueError(f"QuantExperts: {len(gate_up)} gate|up and {len(down)} down matrices")
-        self.gate_up_type, self.gate_up_shape = gate_up[0].qtype, tuple(gate_up[0].shape)
+        pairs = [split_gate_up(gu) for gu in gate_up]
+        self.gate_up_type, self.half_shape = pairs[0][0].qtype, tuple(pairs[0][0].shape)
         self.down_type, self.down_shape = down[0].qtype, tuple(down[0].shape)
-        for q in gate_up:
-            self._same(q, self.gate_up_type, self.gate_up_shape, "gate|up")
+        for g, u in pairs:
+            self._same(g, self.gate_up_type, self.half_shape, "gate")
+            self._same(u, self.gate_up_type, self.half_shape, "up")
         for q in down:
             self._same(q, self.down_type, self.down_shape, "down")
-        self.gate_up = nnx.List([ExpertBlocks(q.data) for q in gate_up])
+        self.gate = nnx.List([ExpertBlocks(g.data) for g, _ in pairs])
+        self.up = nnx.List([ExpertBlocks(u.data) for _, u in pairs])
         self.down = nnx.List([ExpertBlocks(q.data) for q in down])
 
     @staticmethod
@@ -108,14 +125,20 @@ class QuantExperts(nnx.Module):
 
     @property
     def num_experts(self) -> int:
-        return len(self.gate_up)
+        return len(self.gate)
+
+    @property
+    def gate_up_shape(self) -> tuple[int, int]:
+        return 2 * self.half_shape[0], self.half_shape[1]
 
     @property
     def nbytes(self) -> int:
-        return sum(int(v[...].nbytes) for v in list(self.gate_up) + list(self.down))
+        return sum(int(v[...].nbytes) for v in list(self.gate) + list(self.up) + list(self.down))
 
-    def arrays(self) -> tuple[list[QuantArray], list[QuantArray]]:
-        return ([QuantArray(v[...], self.gate_up_type, self.gate_up_shape) for v in self.gate_up],
+    def arrays(self) -> tuple[list[tuple[QuantArray, QuantArray]], list[QuantArray]]:
+        """Per expert (gate, up) and down as `QuantArray`s over the module's arrays."""
+        t, hs = self.gate_up_type, self.half_shape
+        return ([(QuantArray(g[...], t, hs), QuantArray(u[...], t, hs)) for g, u in zip(self.gate, self.up)],
                 [QuantArray(v[...], self.down_type, self.down_shape) for v in self.down])
 
 
@@ -141,17 +164,20 @@ def quantized_layers(cfg: ModelConfig, expert_format: str, source: ExpertSource
     return out
 
 
-def install(model: nnx.Module, layers: dict[int, tuple[Sequence[QuantArray], Sequence[QuantArray]]]) -> None:
+def install(model: nnx.Module, layers: dict[int, tuple[Sequence[GateUp], Sequence[QuantArray]]]) -> None:
     """Put quantized experts in `model` (decoder layer -> (gate|up list, down list)); host arrays go to the device
-    (aliased, not copied, on the CPU backend)."""
+    (aliased, not copied, on the CPU backend: a [2F, H] gate|up is split into row views on the host first)."""
     import jax
 
     for layer, (gate_up, down) in layers.items():
-        data = jax.device_put([q.data for q in gate_up] + [q.data for q in down], may_alias=True)
-        n = len(gate_up)
+        pairs = [split_gate_up(gu) for gu in gate_up]
+        flat = [q for pair in pairs for q in pair] + list(down)
+        data = jax.device_put([np.asarray(q.data) if not isinstance(q.data, jax.Array) else q.data for q in flat],
+                              may_alias=True)
+        placed = [dataclasses.replace(q, data=d) for q, d in zip(flat, data)]
+        n = 2 * len(pairs)
         model.layers[layer].moe.experts = nnx.data(QuantExperts(
-            [dataclasses.replace(q, data=d) for q, d in zip(gate_up, data[:n])],
-            [dataclasses.replace(q, data=d) for q, d in zip(down, data[n:])]))
+            [(placed[i], placed[i + 1]) for i in range(0, n, 2)], placed[n:]))
 
 
 def model_source(model: nnx.Module) -> ExpertSource:
@@ -195,4 +221,4 @@ def quantized_model_format(model: nnx.Module) -> Optional[dict[int, LayerFormat]
 
 __all__ = ["EXPERT_FORMATS", "QUANTIZED", "LayerFormat", "QuantExperts", "ExpertBlocks", "check_format",
            "install", "layer_formats", "model_source", "quantize_expert", "quantized_layers", "use_more_bits",
-           "quantized_model_format", "checkpoint_source"]
+           "quantized_model_format", "checkpoint_source", "GateUp", "split_gate_up"]

@@ -20,22 +20,26 @@ from models.layers import swiglu
 from models.quant.blocks import QuantArray
 from models.quant.formats import dequantize, dequantize_jnp
 
-Weight = Union[jax.Array, QuantArray]
+Weight = Union[jax.Array, QuantArray, tuple]  # tuple: a quantized expert's (gate, up)
 
 
 def is_quantized(w: Any) -> bool:
-    return isinstance(w, QuantArray)
+    """A QuantArray, or a quantized expert's (gate, up) pair."""
+    return isinstance(w, QuantArray) or (isinstance(w, tuple) and bool(w) and isinstance(w[0], QuantArray))
 
 
 def dense_weight(w: Weight) -> jax.Array:
     """A quantized matrix dequantized to float32 [rows, cols] (traceable); other weights as they are."""
+    if isinstance(w, tuple):  # (gate, up): gate|up rows
+        return jnp.concatenate([dense_weight(part) for part in w], axis=0)
     if isinstance(w, QuantArray):
         return dequantize_jnp(w.data, w.qtype, w.shape[1])
     return w
 
 
 def expert_swiglu(x: jax.Array, gate_up: Weight, down: Weight) -> jax.Array:
-    """One SwiGLU expert: x [T, H], gate|up rows [2F, H] (gate first), down [H, F] -> float32 [T, H].
+    """One SwiGLU expert: x [T, H], gate|up rows [2F, H] (gate first; quantized: a QuantArray or a (gate, up) pair
+    of QuantArrays), down [H, F] -> float32 [T, H].
 
     Quantized weights: dequantized inside the jitted program (only this expert's blocks, so a `switch`
     or `cond` around the call reads just the chosen experts' bytes), activations in float32."""
