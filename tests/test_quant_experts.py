@@ -35,7 +35,9 @@ def test_block_size_that_does_not_divide_the_rows_names_the_tensor():
 
 
 def test_q4_k_m_follows_llama_cpp_more_bits_layers():
-    assert [use_more_bits(i, 32) for i in range(32)].count(True) == 4 + 4 + len(range(6, 28, 3))
+    # llama.cpp's layers for 32 and 8 blocks: first and last eighth, and every third from n/8 + 2
+    assert [i for i in range(32) if use_more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]
     from models.hf import read_config
     from core.config import resolve_path
 
