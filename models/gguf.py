@@ -527,16 +527,14 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
 # ---- experts in their blocks --------------------------------------------------------------------------
 
 
-def block_experts(ck: OpenCheckpoint) -> dict[int, tuple[list[QuantArray], list[QuantArray]]]:
-    """Decoder layer -> (gate|up, down) `QuantArray`s of every routed expert, in the blocks the file stores them
-    in (the layout `models.quant.experts.install` takes). `down` is a view of the mapped file; gate|up is one
-    [2F, H] matrix per expert, so the file's separate gate and up rows are copied into it (blocks are per row:
-    the bytes are the file's, unchanged). A layer's gate and up must share a block type (llama.cpp's presets
-    give them one)."""
+def block_experts(ck: OpenCheckpoint) -> dict[int, tuple[list[tuple[QuantArray, QuantArray]], list[QuantArray]]]:
+    """Decoder layer -> ((gate, up) pairs, down) `QuantArray`s of every routed expert, in the blocks the file stores
+    them in: views of the mapped file, no copy (the layout `models.quant.experts.install` takes). A layer's gate and
+    up must share a block type (llama.cpp's presets give them one); down may differ (Q4_K_M's Q6_K layers)."""
     reader = ck.reader
     if not isinstance(reader, GGUFTensors):
         raise TypeError(f"{ck.folder}: not a GGUF checkpoint")
-    out: dict[int, tuple[list[QuantArray], list[QuantArray]]] = {}
+    out: dict[int, tuple[list[tuple[QuantArray, QuantArray]], list[QuantArray]]] = {}
     for src in ck.sources:
         if src.expert is None:
             continue
@@ -546,9 +544,8 @@ def block_experts(ck: OpenCheckpoint) -> dict[int, tuple[list[QuantArray], list[
             gate, up = (reader.quant(p) for p in src.pieces)
             if gate.qtype != up.qtype:
                 raise CheckpointError(f"{ck.folder}: blk.{layer}.ffn_gate_exps ({gate.qtype}) and ffn_up_exps "
-                                      f"({up.qtype}) differ in type; moescope serves gate and up in one type")
-            data = np.concatenate([np.asarray(gate.data), np.asarray(up.data)])
-            lists[0].append(QuantArray(data, gate.qtype, (gate.shape[0] + up.shape[0], gate.shape[1])))
+                                      f"({up.qtype}) differ in type; moescope serves a layer's gate and up in one type")
+            lists[0].append((gate, up))
         else:
             lists[1].append(reader.quant(src.pieces[0]))
     return out

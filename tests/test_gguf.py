@@ -254,7 +254,9 @@ def test_block_experts_serve_as_their_dequantized_weights(hf_folders, qtype) -> 
     experts = block_experts(ck)
     assert sorted(experts) == list(ck.cfg.moe_layers)
     gate_up, down = experts[ck.cfg.moe_layers[0]]
-    assert gate_up[0].qtype == down[0].qtype == qtype and np.shares_memory(down[0].data, ck.reader.file.reader.data)
+    (gate, up), mapped = gate_up[0], ck.reader.file.reader.data
+    assert gate.qtype == up.qtype == down[0].qtype == qtype
+    assert all(np.shares_memory(q.data, mapped) for q in (gate, up, down[0]))  # no copy of any expert
     _, deq = load_hf(path, opened=ck)
     _, blocks = load_hf(path, opened=ck, with_experts=False)
     install(blocks, experts)
