@@ -298,21 +298,30 @@ def quantize(x: np.ndarray, qtype: str, name: str = "weight") -> np.ndarray:
     if cols % t.block_elems:
         raise ValueError(f"{name}: a row of {cols} weights is not a whole number of {qtype}'s "
                          f"{t.block_elems}-weight blocks")
-    x32 = x.astype(np.float32)
     if qtype == "f32":
-        return x32.view(np.uint8).reshape(rows, -1)
+        return np.ascontiguousarray(x.astype(np.float32)).view(np.uint8).reshape(rows, -1)
     if qtype in ("f16", "bf16"):
         import ml_dtypes
 
         dt = np.float16 if qtype == "f16" else ml_dtypes.bfloat16
         return np.ascontiguousarray(x.astype(dt)).view(np.uint8).reshape(rows, -1)
-    flat = x32.reshape(-1, t.block_elems)
-    if qtype == "q4_k":
-        out = quantize_q4_k(flat)
-    elif qtype == "q6_k":
-        out = quantize_q6_k(flat)
-    else:
-        import gguf
+    out = np.empty((rows, t.row_bytes(cols)), np.uint8)
+    step = max(1, CHUNK_WEIGHTS // cols)  # rows per call: the search's float32 temporaries stay ~tens of MB
+    for r in range(0, rows, step):
+        out[r:r + step] = _quantize_blocks(x[r:r + step].astype(np.float32).reshape(-1, t.block_elems),
+                                           t).reshape(-1, out.shape[1])
+    return out
 
-        out = gguf.quants.quantize(flat, gguf.GGMLQuantizationType(t.ggml_id))
-    return np.ascontiguousarray(out).reshape(rows, t.row_bytes(cols))
+
+CHUNK_WEIGHTS = 1 << 20
+
+
+def _quantize_blocks(flat: np.ndarray, t: BlockType) -> np.ndarray:
+    """float32 [N, block_elems] -> uint8 [N, block_bytes]."""
+    if t.name == "q4_k":
+        return quantize_q4_k(flat)
+    if t.name == "q6_k":
+        return quantize_q6_k(flat)
+    import gguf
+
+    return gguf.quants.quantize(flat, gguf.GGMLQuantizationType(t.ggml_id))
