@@ -43,7 +43,7 @@ from models.config import ModelConfig
 from models.generation import Generator
 from models.hf import OpenCheckpoint
 from models.loading import (DType, ModelSpec, check_weights, load_model, load_tokenizer, model_dtype,
-                            open_model_checkpoint, resolve_model_config)
+                            open_model_checkpoint, quantized_experts, resolve_model_config)
 from models.memory import GIB, PeakMemory, check_fits, host_memory, memory_report
 from models.transformer import param_bytes, without_experts
 from predictors.factory import make_predictors
@@ -126,9 +126,13 @@ def load_offload_model(spec: ModelSpec, dtype_choice: DType, compare_choice: Opt
     opened = open_model_checkpoint(spec)
     dtype = model_dtype(dtype_choice, opened)
     compare = wants_comparison(compare_choice, opened, dtype)
-    if opened is None:
-        _, full, _ = load_model(spec, dtype=dtype, seed=seed)
-        return LoadedModel(cfg, full, ExpertStore.from_model(full), None, full if compare else None, dtype, None,
+    if opened is None or quantized_experts(spec, opened):
+        # random weights, or quantized experts (small: the store views the model's blocks, or its mapped file's)
+        _, full, _ = load_model(spec, dtype=dtype, seed=seed, opened=opened)
+        store = ExpertStore.from_model(full, dtype=np.dtype(dtype))
+        model = without_experts(full) if opened is not None else full
+        return LoadedModel(cfg, model, store, load_tokenizer(opened.folder, spec) if opened else None,
+                           full if compare else None, dtype, opened.file_bytes if opened else None,
                            time.perf_counter() - start)
     check_offload_fits(opened, dtype)
     if compare:
@@ -138,7 +142,7 @@ def load_offload_model(spec: ModelSpec, dtype_choice: DType, compare_choice: Opt
         full, model = None, load_model(spec, dtype=dtype, with_experts=False, opened=opened)[1]
     check_weights(spec, opened)  # the experts the store maps (a no-op where the in-memory copy was scanned)
     store = ExpertStore.from_checkpoint(opened, dtype=np.dtype(dtype))
-    return LoadedModel(cfg, model, store, load_tokenizer(opened.folder), full, dtype, opened.file_bytes,
+    return LoadedModel(cfg, model, store, load_tokenizer(opened.folder, spec), full, dtype, opened.file_bytes,
                        time.perf_counter() - start)
 
 
@@ -256,7 +260,7 @@ def serve_offloaded(rc: RunConfig, hardware: tuple[HardwareProfile, dict[str, ob
     settings = scheduler_settings(rc.scheduler)
     batches = served_batches(sampler, rc.workload.num_batches, settings)
     hw, hw_defaults = hardware
-    cost = CostModel(cfg, hw, str(rc.model.name), bytes_per_param=store.dtype.itemsize)
+    cost = CostModel(cfg, hw, str(rc.model.name), bytes_per_param=store.dtype.itemsize, expert_bytes=store.expert_bytes)
     slots = cache_slots(cfg, rc.offload, store.expert_bytes, dense_bytes=param_bytes(model))
     mech = replace(rc.offload, cache_slots=slots)
     L, E = len(cfg.moe_layers), cfg.num_experts
@@ -271,7 +275,7 @@ def serve_offloaded(rc: RunConfig, hardware: tuple[HardwareProfile, dict[str, ob
     predictors = make_predictors(rc.predictor, distances, model=model, trace=trace) if settings.use_predictor and distances else {}
     lookup = (lambda s, p: np.array([rows[(int(a), int(b))] for a, b in zip(s, p)])) if rows else None
 
-    cache = new_cache(cfg, mech, loaded.dtype)  # one set of device slots for every executor of the run
+    cache = new_cache(cfg, mech, loaded.dtype, store)  # one set of device slots for every executor of the run
     # the Counter: profiling batches served with on-demand loading rank the experts for the hot table
     profile_loads = np.zeros((L, E), np.int64)
     if profile:

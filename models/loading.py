@@ -37,6 +37,14 @@ class ModelSpec:
     # the in-memory weights on 2 MiB pages: decode reads them a few per cent faster, loading can take several
     # times longer (models.memory.HostArrays)
     huge_pages: bool = False
+    # routed experts' format (models.quant.experts.EXPERT_FORMATS): bf16 = as stored, in the run's dtype; q8_0, q4_0,
+    # q4_k, q6_k = every expert tensor in that ggml block type, quantized on load; q4_k_m = llama.cpp's Q4_K_M preset.
+    # A folder written by `python -m models.quant.save` is served in its own format (bf16 here means "as saved").
+    expert_format: str = "bf16"
+    # [GGUF helper] an HF folder holding tokenizer.json (or the file itself) to use instead of the checkpoint's own
+    # tokenizer (a GGUF file's metadata tokenizer, or the tokenizer.json beside an HF checkpoint); its ids must fit
+    # the model's vocabulary
+    tokenizer: Optional[str] = None
 
 
 store(ModelSpec, name="base_model", group="model")
@@ -63,12 +71,17 @@ def resolve_model_config(spec: Any) -> ModelConfig:
         if from_arch is None:
             raise ValueError("model: set model.arch or model.checkpoint")
         return from_arch
+    from models.gguf import is_gguf_path, read_gguf_config
     from models.hf import config_from_hf
 
     path = resolve_path(ckpt) / "config.json"
-    if not path.is_file():
+    if is_gguf_path(ckpt):  # [GGUF helper] a llama.cpp file: the config is its metadata
+        path = resolve_path(ckpt)
+        from_ckpt = read_gguf_config(path)
+    elif not path.is_file():
         raise FileNotFoundError(f"model.checkpoint: {path} not found")
-    from_ckpt = config_from_hf(json.loads(path.read_text()), where=str(path))
+    else:
+        from_ckpt = config_from_hf(json.loads(path.read_text()), where=str(path))
     if from_arch is not None and from_arch != from_ckpt:
         diff = [f for f in from_ckpt.__dataclass_fields__ if getattr(from_arch, f) != getattr(from_ckpt, f)]
         raise ValueError(f"model.arch disagrees with {path} on {diff}")
@@ -79,8 +92,20 @@ def open_model_checkpoint(spec: Any) -> Optional["OpenCheckpoint"]:
     """The checkpoint a `model` config node names, opened and checked (headers only), or None (random weights)."""
     from models.hf import open_checkpoint
 
+    from models.quant.checkpoint import open_dense, quantized_info
+
     ckpt = spec_node(spec).get("checkpoint")
-    return None if ckpt is None else open_checkpoint(resolve_path(ckpt))
+    if ckpt is None:
+        return None
+    folder = resolve_path(ckpt)
+    from models.fp8 import is_fp8_checkpoint, open_fp8
+    from models.gguf import is_gguf_path, open_gguf
+
+    if is_gguf_path(folder):  # [GGUF helper] a GGUF file / an FP8 folder: readers behind the same interface
+        return open_gguf(folder)
+    if is_fp8_checkpoint(folder):
+        return open_fp8(folder)
+    return open_dense(folder) if quantized_info(folder) else open_checkpoint(folder)
 
 
 def check_weights(spec: Any, checkpoint: "OpenCheckpoint") -> None:
@@ -98,6 +123,9 @@ def model_dtype(choice: Any, checkpoint: Optional["OpenCheckpoint"]) -> Any:
     name = getattr(choice, "value", choice) or "auto"
     if name != "auto":
         return jnp.dtype(name)
+    run_dtype = getattr(checkpoint.reader, "run_dtype", None) if checkpoint is not None else None
+    if run_dtype is not None:  # [GGUF helper] a GGUF file says what its own dtype is (its experts stay in blocks)
+        return jnp.dtype(run_dtype)
     if checkpoint is not None and checkpoint.stored_dtype() == ml_dtypes.bfloat16:
         return jnp.dtype(jnp.bfloat16)
     return jnp.dtype(jnp.float32)
@@ -113,25 +141,79 @@ def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool =
     """
     from models.hf import load_hf
     from models.memory import check_fits
+    from models.quant.checkpoint import mapped_experts, quantized_info
+    from models.quant.experts import checkpoint_source, install, layer_formats, model_source, quantized_layers
     from models.transformer import build_model
 
     cfg = resolve_model_config(spec)
+    fmt = expert_format(spec)
+    formats = layer_formats(cfg, fmt)  # a format the experts' widths do not fit fails here, before any weight is read
     ck = opened or open_model_checkpoint(spec)
     dtype = model_dtype(dtype or "float32", ck) if dtype is None or isinstance(dtype, str) else dtype
+    saved = quantized_info(ck.folder) if ck is not None else None
+    from models.gguf import block_experts, has_block_experts
+
+    blocks = ck is not None and has_block_experts(ck)  # [GGUF helper] a GGUF file's experts, served in their blocks
+    if blocks and fmt != "bf16":
+        raise ValueError(f"model.expert_format={fmt}: model.checkpoint {ck.folder} is a GGUF file whose experts are "
+                         "already in ggml blocks (leave model.expert_format at bf16 to serve them as stored)")
     if ck is None:
-        return cfg, build_model(cfg, seed=seed, dtype=dtype, with_experts=with_experts), None
+        model = build_model(cfg, seed=seed, dtype=dtype, with_experts=with_experts)
+        if formats and with_experts:
+            install(model, quantized_layers(cfg, fmt, model_source(model)))
+        return cfg, model, None
+    quantized = bool(formats or saved or blocks)
+    if saved and fmt not in ("bf16", saved.get("expert_format")):
+        raise ValueError(f"model.expert_format={fmt}: model.checkpoint {ck.folder} holds {saved.get('expert_format')} "
+                         "experts (leave model.expert_format at bf16 to serve them as saved)")
     what = f"model.checkpoint {ck.folder} in {np.dtype(dtype).name}" + ("" if with_experts else " without its experts")
-    check_fits(ck.param_bytes(np.dtype(dtype), experts=with_experts), what,
+    check_fits(ck.param_bytes(np.dtype(dtype), experts=with_experts and not quantized), what,
                "serve it offloaded (python -m engine.run ... compare_in_memory=false), whose experts stay in the "
                "checkpoint's mapped files")
     scan = not spec_node(spec).get("allow_nonfinite", False)  # each copy is scanned as it is written
-    _, model = load_hf(ck.folder, dtype=dtype, with_experts=with_experts, opened=ck, check_finite=scan,
-                       huge_pages=bool(spec_node(spec).get("huge_pages", False)))
+    _, model = load_hf(ck.folder, dtype=dtype, with_experts=with_experts and not quantized, opened=ck,
+                       check_finite=scan, huge_pages=bool(spec_node(spec).get("huge_pages", False)))
+    if quantized and with_experts:
+        if saved:
+            install(model, mapped_experts(ck.folder, cfg))
+        elif blocks:
+            install(model, block_experts(ck))
+        else:
+            if scan:
+                ck.check_finite()
+            install(model, quantized_layers(cfg, fmt, checkpoint_source(ck)))
     return cfg, model, ck.folder
 
 
-def load_tokenizer(folder: Optional[Path]) -> Any:
-    """The `tokenizers.Tokenizer` saved next to a checkpoint (tokenizer.json), or None."""
+def quantized_experts(spec: Any, opened: Optional["OpenCheckpoint"] = None) -> bool:
+    """Whether a `model` node's routed experts are served quantized (an `expert_format` or a saved quantized folder)."""
+    from models.quant.checkpoint import quantized_info
+
+    from models.gguf import has_block_experts
+
+    return expert_format(spec) != "bf16" or (opened is not None and (quantized_info(opened.folder) is not None
+                                                                     or has_block_experts(opened)))
+
+
+def expert_format(spec: Any) -> str:
+    """The `model.expert_format` of a model node (bf16 when unset), checked against the supported formats."""
+    from models.quant.experts import check_format
+
+    return check_format(str(spec_node(spec).get("expert_format", None) or "bf16"))
+
+
+def load_tokenizer(folder: Optional[Path], spec: Any = None) -> Any:
+    """The `tokenizers.Tokenizer` saved next to a checkpoint (tokenizer.json), or None. [GGUF helper] A GGUF file's
+    own (from its metadata), or the `model.tokenizer` of `spec` when set, checked against the model's vocabulary."""
+    from models.gguf import is_gguf_path
+
+    override = spec_node(spec).get("tokenizer") if spec is not None else None
+    if override is not None or (folder is not None and is_gguf_path(folder)):
+        from models.gguf import read_gguf_config
+        from models.gguf_tokenizer import load_tokenizer_for
+
+        cfg = resolve_model_config(spec) if spec is not None else read_gguf_config(folder)
+        return load_tokenizer_for(folder, None if override is None else resolve_path(override), cfg)
     if folder is None or not (Path(folder) / "tokenizer.json").is_file():
         return None
     from tokenizers import Tokenizer

@@ -23,7 +23,8 @@ from flax import nnx
 
 from models import native
 from models.config import ModelConfig, ScoringFunc, TopkMethod
-from models.layers import SwiGLU, _init, linear, swiglu
+from models.layers import SwiGLU, _init, linear
+from models.quant.matmul import expert_swiglu, is_quantized
 
 
 @jax.tree_util.register_dataclass
@@ -168,7 +169,7 @@ def experts_per_slot(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array
                      ) -> jax.Array:
     """Few tokens: one `lax.switch` per (token, slot) so only the chosen experts' weights are read."""
     T, k = routing.experts.shape
-    branches = [lambda row, gu=gu, dn=dn: swiglu(row, gu, dn, jnp.float32) for gu, dn in zip(gate_up, down)]
+    branches = [lambda row, gu=gu, dn=dn: expert_swiglu(row, gu, dn) for gu, dn in zip(gate_up, down)]
     rows = []
     for t in range(T):
         acc = jnp.zeros((1, x.shape[-1]), jnp.float32)
@@ -186,7 +187,7 @@ def experts_dense_skip(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Arr
     out = jnp.zeros(x.shape, jnp.float32)
     for e, (gu, dn) in enumerate(zip(gate_up, down)):
         w = comb[:, e:e + 1]
-        out = jax.lax.cond(jnp.any(w > 0), lambda o, gu=gu, dn=dn, w=w: o + swiglu(x, gu, dn, jnp.float32) * w,
+        out = jax.lax.cond(jnp.any(w > 0), lambda o, gu=gu, dn=dn, w=w: o + expert_swiglu(x, gu, dn) * w,
                            lambda o: o, out)
     return out
 
@@ -248,7 +249,7 @@ def experts_grouped(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array]
         start = starts[e] + i * chunk
         live = rows + i * chunk < counts[e]
         w = jnp.where(live, jax.lax.dynamic_slice(wts, (start,), (chunk,)), 0.0)
-        y = swiglu(jax.lax.dynamic_slice(xs, (start, 0), (chunk, H)), gate_up[e], down[e], jnp.float32)
+        y = expert_swiglu(jax.lax.dynamic_slice(xs, (start, 0), (chunk, H)), gate_up[e], down[e])
         return jnp.where(live[:, None], y * w[:, None], 0.0), jax.lax.dynamic_slice(tok, (start,), (chunk,))
 
     def add_chunk(e: int, i: jax.Array, acc: jax.Array) -> jax.Array:
@@ -288,6 +289,8 @@ class InMemoryExperts:
     T * k <= slot_limit (batch-1 decode): a `switch` per (token, slot) reads only the chosen experts.
     T <= dense_limit: each used expert runs on all T rows (no gather/scatter; unused experts skipped).
     Otherwise (larger decode batches, prefill): pairs grouped by expert, `chunk` rows per expert call.
+    Quantized experts (`models.quant.QuantExperts`) take the XLA strategies everywhere, each expert through
+    `models.quant.matmul.expert_swiglu` (its blocks dequantized inside the chosen branch).
     """
 
     def __init__(self, slot_limit: int = 4, dense_limit: int = 8, chunk: Optional[int] = None):
@@ -306,7 +309,7 @@ class InMemoryExperts:
         if experts is None:
             raise ValueError(f"layer {layer}: the model holds no expert weights; pass an expert executor")
         gate_up, down = experts.arrays()
-        if x.dtype == gate_up[0].dtype and x.dtype in (jnp.bfloat16, jnp.float32) and native.available_experts():
+        if not is_quantized(gate_up[0]) and x.dtype == gate_up[0].dtype and x.dtype in (jnp.bfloat16, jnp.float32) and native.available_experts():
             return jax.lax.platform_dependent(x, routing, gate_up, down, cpu=experts_native, default=self.by_count)
         return self.by_count(x, routing, gate_up, down)
 
@@ -314,7 +317,9 @@ class InMemoryExperts:
                  ) -> jax.Array:
         """The XLA strategies, by token count (see the class docstring)."""
         T, k = routing.experts.shape
-        if T * k <= self.slot_limit:
+        # quantized experts skip the per-slot switch: T * k copies of every expert's dequantizing branch compile
+        # slowly (~1 s per switch of 8 on XLA:CPU), and each used expert's blocks are read once either way
+        if T * k <= self.slot_limit and not is_quantized(gate_up[0]):
             return experts_per_slot(x, routing, gate_up, down)
         if T <= self.dense_limit:
             return experts_dense_skip(x, routing, gate_up, down)

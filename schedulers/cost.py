@@ -179,11 +179,13 @@ class CostModel:
     """Per-operation times of one model on one machine (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, hw: "HardwareProfile", model_name: str = "", bytes_per_param: int = 2,
-                 ema: float = 0.2):
+                 ema: float = 0.2, expert_bytes: Optional[int] = None):
+        """`expert_bytes`: one routed expert's bytes where they are not `bytes_per_param` per weight (quantized
+        experts: `ExpertStore.expert_bytes`, from their block types); transfers and CPU reads follow them."""
         self.cfg, self.hw = cfg, hw
         self.bytes_per_param = bytes_per_param
         self.ema = ema
-        self.expert_bytes = cfg.expert_bytes(bytes_per_param)
+        self.expert_bytes = expert_bytes or cfg.expert_bytes(bytes_per_param)
         self.expert_flops = 2 * cfg.expert_params  # per token
         measured = hw.measured.get(model_name) if model_name else None
         gpu, cpu, link = hw.gpu, hw.cpu, hw.host_link

@@ -72,7 +72,9 @@ class DeviceExpertCache:
     """`cache_slots + staging_slots` expert slots on one device, each gate|up rows [2F, H] and down [H, F]."""
 
     def __init__(self, cfg: ModelConfig, cache_slots: int, staging_slots: int = 2, dtype: Any = jnp.float32,
-                 device: Optional[jax.Device] = None):
+                 device: Optional[jax.Device] = None, block_widths: Optional[tuple[int, int]] = None):
+        """`block_widths`: quantized experts' slots, uint8 gate|up [2F, widths[0]] and down [H, widths[1]] (row
+        bytes wide enough for every layer's block types; a layer's expert fills the first row bytes)."""
         if staging_slots < 1:
             raise ValueError("offload.staging_slots: on-demand loads need at least one staging buffer")
         self.cfg = cfg
@@ -86,12 +88,16 @@ class DeviceExpertCache:
         self.num_layers, self.num_experts = len(cfg.moe_layers), cfg.num_experts
         n = cache_slots + staging_slots
         self.slots = [Slot(i, staging=i >= cache_slots) for i in range(n)]
-        self.gate_up = [jax.device_put(jnp.zeros((2 * F, H), dtype), self.sharding) for _ in range(n)]
-        self.down = [jax.device_put(jnp.zeros((H, F), dtype), self.sharding) for _ in range(n)]
+        gu_shape, down_shape = ((2 * F, H), (H, F)) if block_widths is None else ((2 * F, block_widths[0]),
+                                                                                  (H, block_widths[1]))
+        dtype = dtype if block_widths is None else jnp.uint8
+        self.gate_up = [jax.device_put(jnp.zeros(gu_shape, dtype), self.sharding) for _ in range(n)]
+        self.down = [jax.device_put(jnp.zeros(down_shape, dtype), self.sharding) for _ in range(n)]
         self._where: dict[tuple[int, int], int] = {}
         self._lock = threading.RLock()
         self._freed = threading.Condition(self._lock)
-        self.bytes_per_slot = 3 * H * F * jnp.dtype(dtype).itemsize
+        self.bytes_per_slot = (3 * H * F * jnp.dtype(dtype).itemsize if block_widths is None
+                               else 2 * F * block_widths[0] + H * block_widths[1])
 
     # ---- inspection --------------------------------------------------------------------------------
     @property

@@ -6,7 +6,8 @@ one call of moescope's native kernels (`models.native.experts_host`: bf16 or f32
 accumulation, the weighted scatter into the token rows), which streams each expert's weights once at
 memory bandwidth and costs no per-expert Python. Where the native library is unavailable, torch runs
 the same experts one by one (`F.linear` on the [out, in] weights). The worker thread overlaps with
-device compute; both paths release the GIL while they compute.
+device compute; both paths release the GIL while they compute. Quantized experts (a store of block bytes)
+run one by one through `models.quant.matmul.host_expert`, where the native quantized kernels plug in.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from engine.offload.store import ExpertStore
 from models import native
+from models.quant.matmul import host_expert
 
 
 def torch_view(arr: np.ndarray) -> torch.Tensor:
@@ -43,7 +45,7 @@ class CpuExperts:
     def __init__(self, store: ExpertStore, threads: int = 1):
         self.store = store
         self.threads = max(int(threads), 1)
-        self.native = native.available()
+        self.native = native.available() and not store.quantized
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moescope-cpu-experts")
         self._layers: dict[int, native.ExpertWeights] = {}  # every expert of a layer, validated once
         self.timings: list[tuple[int, float]] = []  # (tokens, seconds) per expert computed, for the Timer
@@ -74,8 +76,11 @@ class CpuExperts:
         counts = np.bincount(flat[pairs], minlength=E)
         tokens = (pairs // k).astype(np.int32)
         pair_w = weights.reshape(-1)[pairs].astype(np.float32)
-        xs = np.ascontiguousarray(np.asarray(x).astype(self.store.dtype, copy=False))
         used = np.flatnonzero(counts)
+        if self.store.quantized:  # activations in float32, as the device's quantized experts take them
+            self._quantized(out, layer, np.asarray(x, np.float32), used, counts[used], tokens, pair_w)
+            return out
+        xs = np.ascontiguousarray(np.asarray(x).astype(self.store.dtype, copy=False))
         if self.native:  # every expert of the layer passed, the unused ones with no pairs (never read)
             seconds = np.zeros(E, np.float64)
             offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -87,6 +92,18 @@ class CpuExperts:
             views = [self.store.numpy_views(layer, int(e)) for e in used]
             self._torch(out, xs, views, np.concatenate([[0], np.cumsum(counts[used])]), tokens, pair_w)
         return out
+
+    def _quantized(self, out: np.ndarray, layer: int, x: np.ndarray, used: np.ndarray, counts: np.ndarray,
+                   tokens: np.ndarray, pair_w: np.ndarray) -> None:
+        """Quantized experts one by one (`host_expert`), each weighted output added into its token rows."""
+        start_pair = 0
+        for e, n in zip(used, counts):
+            start = time.perf_counter()
+            idx = tokens[start_pair:start_pair + n]
+            y = host_expert(x[idx], *self.store.quant_views(layer, int(e)))
+            np.add.at(out, idx, y * pair_w[start_pair:start_pair + n, None])
+            start_pair += n
+            self.timings.append((int(n), time.perf_counter() - start))
 
     def _torch(self, out: np.ndarray, xs: np.ndarray, views: list, offsets: np.ndarray, tokens: np.ndarray,
                pair_w: np.ndarray) -> None:

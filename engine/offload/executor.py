@@ -103,9 +103,11 @@ def link_view(active: Optional[Job], resident: np.ndarray, t_io: float, now: flo
     return (Transfer(active.layer, active.expert, alpha, active.retain),), alpha
 
 
-def new_cache(cfg: ModelConfig, settings: OffloadSettings, dtype: Any) -> DeviceExpertCache:
-    """The device expert cache `settings` ask for, in the model's dtype."""
-    return DeviceExpertCache(cfg, settings.slots(), settings.staging_slots, dtype)
+def new_cache(cfg: ModelConfig, settings: OffloadSettings, dtype: Any, store: Optional[ExpertStore] = None
+              ) -> DeviceExpertCache:
+    """The device expert cache `settings` ask for, in the model's dtype (block bytes for a quantized `store`)."""
+    widths = store.slot_widths() if store is not None and store.quantized else None
+    return DeviceExpertCache(cfg, settings.slots(), settings.staging_slots, dtype, block_widths=widths)
 
 
 def padded_shapes(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> tuple[int, int, int]:
@@ -134,7 +136,7 @@ class OffloadExecutor:
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
         dtype = model.embed[...].dtype
         self._owns_cache = cache is None
-        self.cache = cache if cache is not None else new_cache(cfg, settings, dtype)
+        self.cache = cache if cache is not None else new_cache(cfg, settings, dtype, store)
         self.cache.reset()
         if (self.cache.cache_slots, len(self.cache.slots) - self.cache.cache_slots) != (settings.slots(),
                                                                                        settings.staging_slots):
@@ -145,16 +147,16 @@ class OffloadExecutor:
         self.link = TransferLink(store, self.cache, settings.chunks, synchronous=not settings.async_io,
                                  retries=settings.retries, on_done=self._on_io_done, fault=fault)
         self.cpu = CpuExperts(store, settings.cpu_threads)
-        self.kernels = LayerKernels(model)
+        self.formats = tuple(store.formats[m] for m in range(self.L)) if store.quantized else None
+        self.kernels = LayerKernels(model, formats=self.formats)
         self.book = LiveForecastBook(predictors or {}, self.k, self.E)
         for predictor in (predictors or {}).values():  # online learning compiles now, not inside a decode step
             getattr(predictor, "warm_up", lambda: None)()
         self.row_lookup = row_lookup
-        H, F = cfg.hidden_size, cfg.expert_intermediate_size
         # committed to the cache's device like the slots: an uncommitted filler would make every pattern of
         # (slot, filler) positions a new jit cache entry (a compile in the middle of serving)
-        self._dummy = (jax.device_put(jnp.zeros((2 * F, H), dtype), self.cache.sharding),
-                       jax.device_put(jnp.zeros((H, F), dtype), self.cache.sharding))
+        self._dummy = (jax.device_put(jnp.zeros_like(self.cache.gate_up[0]), self.cache.sharding),
+                       jax.device_put(jnp.zeros_like(self.cache.down[0]), self.cache.sharding))
         self.expert_tokens = np.zeros((self.L, self.E), np.int64)  # tokens routed per expert (the Counter)
         self.seq_offset = 0  # sequence id of the next batch's first row (row_lookup into a reference trace)
         self._t0 = time.perf_counter()
@@ -362,7 +364,7 @@ class OffloadExecutor:
         filler = self.E - len(slots)
         gate_up_slots = [gate_up[slot] for slot in slots] + [self._dummy[0]] * filler  # type: ignore[index]
         down_slots = [down[slot] for slot in slots] + [self._dummy[1]] * filler  # type: ignore[index]
-        out = self.kernels.experts(hidden, index, weights, gate_up_slots, down_slots)
+        out = self.kernels.experts(hidden, index, weights, gate_up_slots, down_slots, layer)
         return out, slots  # type: ignore[return-value]
 
     def _join(self, run: LayerRun, plan: LayerPlan) -> tuple[float, float]:

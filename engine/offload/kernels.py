@@ -32,6 +32,7 @@ from models.config import ModelConfig
 from models.generation import bucket, decode_loop
 from models.native import take_rows
 from models.moe import DEFAULT_EXECUTOR, ExpertExecutor, Routing
+from models.quant.blocks import QuantArray, block_type
 from models.transformer import EXACT_ROUNDING, KVCache, MoETransformer, attention_inputs, model_rope
 
 
@@ -72,6 +73,7 @@ class _Defs:
     shared: Any
     head: Any
     executor: ExpertExecutor
+    formats: Optional[tuple] = None  # per MoE layer its LayerFormat, for quantized experts (slots hold block bytes)
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,18 @@ def _build(d: _Defs) -> _Fns:
         x, layer_cache, g = attend(states, x, ai, layer_cache)
         return x + merge(d.mlp, mlp)(g), layer_cache
 
-    def experts(g: jax.Array, slot_idx: jax.Array, weights: jax.Array, gate_up: list, down: list) -> jax.Array:
+    def quantized(m: int, gate_up: list, down: list) -> tuple[list, list]:
+        """Slots of MoE layer m as its QuantArrays (a slot's first row bytes hold the layer's blocks)."""
+        fmt, (H, F) = d.formats[m], (d.cfg.hidden_size, d.cfg.expert_intermediate_size)
+        gu_w, dn_w = block_type(fmt.gate_up).row_bytes(H), block_type(fmt.down).row_bytes(F)
+        return ([QuantArray(a[:, :gu_w], fmt.gate_up, (2 * F, H)) for a in gate_up],
+                [QuantArray(a[:, :dn_w], fmt.down, (H, F)) for a in down])
+
+    def experts(g: jax.Array, slot_idx: jax.Array, weights: jax.Array, gate_up: list, down: list,
+                layer: Optional[int] = None) -> jax.Array:
+        """`layer` (static): the MoE layer, needed only for quantized slots (its block types)."""
+        if d.formats is not None:
+            gate_up, down = quantized(layer, gate_up, down)
         B, S, H = g.shape
         live = slot_idx >= 0
         # a pair routed nowhere (-1: a CPU expert, a padding row) stays out of range, so the grouped kernels leave
@@ -158,7 +171,7 @@ def _build(d: _Defs) -> _Fns:
                 continue
             m = len(routed)
             x, layers[i], g, chosen, weights = front(params["attn"][i], params["router"][i], x, ai, layers[i])
-            y = experts(g, jnp.where(live, chosen, -1), weights, list(gate_up[m]), list(down[m]))
+            y = experts(g, jnp.where(live, chosen, -1), weights, list(gate_up[m]), list(down[m]), m)
             x = finish(x, g, [y], params["shared"].get(i))
             routed.append(chosen)
         kv = KVCache(layers=layers, valid=kv.valid, positions=kv.positions, index=kv.index + tokens.shape[1])
@@ -180,7 +193,7 @@ def _build(d: _Defs) -> _Fns:
     jit = functools.partial(jax.jit, compiler_options=EXACT_ROUNDING)  # the rounding of the in-memory model
     return _Fns(prepare=jit(lambda cache, pos, valid: attention_inputs(d.cfg, cache, pos, valid)),
                 embed=jit(take_rows), front=jit(front),
-                back_front=jit(back_front), back=jit(finish), dense=jit(dense), experts=jit(experts),
+                back_front=jit(back_front), back=jit(finish), dense=jit(dense), experts=jit(experts, static_argnames=("layer",)),
                 head=jit(head), resident_pass=jit(resident_forward, donate_argnames=("kv",)),
                 resident_decode=jit(resident_decode, static_argnames=("n_buffer", "keep_logits")))
 
@@ -193,7 +206,9 @@ def _pure(module: nnx.Module) -> tuple[Any, dict]:
 class LayerKernels:
     """The device calls of one model's offloaded forward pass (see the module docstring)."""
 
-    def __init__(self, model: MoETransformer, expert_executor: ExpertExecutor = DEFAULT_EXECUTOR):
+    def __init__(self, model: MoETransformer, expert_executor: ExpertExecutor = DEFAULT_EXECUTOR,
+                 formats: Optional[tuple] = None):
+        """`formats`: per MoE layer the block types of quantized experts (`ExpertStore.formats`), else None."""
         self.cfg = model.cfg
         layers = list(model.layers)
         moe = [l for l in layers if l.is_moe]
@@ -211,10 +226,11 @@ class LayerKernels:
                                                                        layers[0].post_norm)),
                      router=_pure(moe[0].moe.router)[0] if moe else None, mlp=_pure(dense[0].mlp)[0] if dense else None,
                      shared=_pure(shared[0].moe.shared)[0] if shared else None, head=head_def,
-                     executor=expert_executor)
+                     executor=expert_executor, formats=formats)
         if defs not in _COMPILED:
             _COMPILED[defs] = _build(defs)
         self.fns = _COMPILED[defs]
+        self.formats = formats
 
     def prepare(self, cache: KVCache, positions: jax.Array, valid: jax.Array) -> tuple[Any, KVCache]:
         return self.fns.prepare(cache, positions, valid)
@@ -238,8 +254,10 @@ class LayerKernels:
     def dense(self, layer: int, x: jax.Array, ai: Any, layer_cache: dict) -> tuple[jax.Array, dict]:
         return self.fns.dense(self.attn[layer], self.mlp[layer], x, ai, layer_cache)
 
-    def experts(self, g: jax.Array, slot_idx: Any, weights: Any, gate_up: list, down: list) -> jax.Array:
-        return self.fns.experts(g, slot_idx, weights, gate_up, down)
+    def experts(self, g: jax.Array, slot_idx: Any, weights: Any, gate_up: list, down: list,
+                layer: Optional[int] = None) -> jax.Array:
+        """Device experts over cache slots; `layer` (the MoE layer) only matters for quantized slots."""
+        return self.fns.experts(g, slot_idx, weights, gate_up, down, layer=layer if self.formats else None)
 
     def logits(self, x_last: jax.Array) -> jax.Array:
         return self.fns.head(self.head, x_last)

@@ -9,6 +9,10 @@ Where the device is not the host (a GPU), the store copies every expert once int
 memory (`pinned_host`) so transfers are DMA; on the CPU backend nothing is copied, since a "transfer"
 is already a copy between two places in the same memory. A checkpoint stored in another dtype than
 the run's is converted once, expert by expert. Nothing is ever put on the device here.
+
+Quantized experts (`model.expert_format`, a saved quantized folder): each part is its ggml block bytes,
+uint8 [rows, row bytes] (`put_quant`), views of the model's or the mapped file's blocks; transfers move
+those bytes, and `formats` gives each MoE layer's block types (the device expert dequantizes them).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from jax.sharding import SingleDeviceSharding
 
 from models.config import ModelConfig
 from models.hf import OpenCheckpoint, open_checkpoint
+from models.quant.blocks import QuantArray, block_type
+from models.quant.experts import LayerFormat, QuantExperts
 from models.transformer import MoETransformer
 
 PARTS = ("gate", "up", "down")
@@ -51,14 +57,62 @@ class ExpertStore:
         self._sharding = pinned_sharding() if (wants_pinned() if pinned is None else pinned) else None
         self._parts: dict[tuple[int, int], dict[str, Any]] = {}
         self.allocated_bytes = 0  # host memory the store allocated itself (views of mapped files cost none)
+        self.formats: dict[int, LayerFormat] = {}  # MoE layer -> block types, for quantized experts (else empty)
 
     @property
     def pinned(self) -> bool:
         return self._sharding is not None
 
     @property
+    def quantized(self) -> bool:
+        return bool(self.formats)
+
+    def layer_expert_bytes(self, layer: int) -> int:
+        """Bytes one expert of MoE layer `layer` moves (its blocks when quantized)."""
+        H, F = self.cfg.hidden_size, self.cfg.expert_intermediate_size
+        if not self.formats:
+            return 3 * H * F * self.dtype.itemsize
+        fmt = self.formats[layer]
+        return 2 * F * block_type(fmt.gate_up).row_bytes(H) + H * block_type(fmt.down).row_bytes(F)
+
+    @property
     def expert_bytes(self) -> int:
-        return 3 * self.cfg.hidden_size * self.cfg.expert_intermediate_size * self.dtype.itemsize
+        """Bytes of one expert (the mean over layers where a quantized preset mixes block types)."""
+        if not self.formats:
+            return self.layer_expert_bytes(0)
+        return round(sum(self.layer_expert_bytes(l) for l in range(self.num_layers)) / self.num_layers)
+
+    def slot_widths(self) -> tuple[int, int]:
+        """Row bytes of a device slot able to hold any layer's quantized expert: (gate|up rows, down rows)."""
+        H, F = self.cfg.hidden_size, self.cfg.expert_intermediate_size
+        return (max(block_type(f.gate_up).row_bytes(H) for f in self.formats.values()),
+                max(block_type(f.down).row_bytes(F) for f in self.formats.values()))
+
+    def put_quant(self, layer: int, expert: int, gate: QuantArray, up: QuantArray, down: QuantArray) -> None:
+        """Store one quantized expert (MoE layer index): its three matrices' block bytes, kept as given (views)."""
+        F, H = self.cfg.expert_intermediate_size, self.cfg.hidden_size
+        if gate.shape != (F, H) or up.shape != (F, H) or down.shape != (H, F) or gate.qtype != up.qtype:
+            raise ValueError(f"expert ({layer}, {expert}): quantized shapes {gate.shape}, {up.shape}, {down.shape} "
+                             f"({gate.qtype}, {up.qtype}, {down.qtype}); expected ({F}, {H}) x2 sharing a type, ({H}, {F})")
+        fmt = LayerFormat(gate.qtype, down.qtype)
+        if self.formats.setdefault(layer, fmt) != fmt:
+            raise ValueError(f"expert ({layer}, {expert}): {fmt} differs from its layer's {self.formats[layer]}")
+        self._parts[(layer, expert)] = {name: self._host_bytes(q.data) for name, q in zip(PARTS, (gate, up, down))}
+
+    def _host_bytes(self, data: Any) -> Any:
+        host = np.asarray(data)
+        if self._sharding is not None:
+            self.allocated_bytes += host.nbytes
+            return jax.device_put(np.ascontiguousarray(host), self._sharding)
+        return host
+
+    def quant_views(self, layer: int, expert: int) -> tuple[QuantArray, QuantArray, QuantArray]:
+        """(gate, up, down) of a quantized expert as `QuantArray`s over numpy views of its block bytes."""
+        F, H = self.cfg.expert_intermediate_size, self.cfg.hidden_size
+        fmt = self.formats[layer]
+        gate, up, down = self.numpy_views(layer, expert)
+        return (QuantArray(gate, fmt.gate_up, (F, H)), QuantArray(up, fmt.gate_up, (F, H)),
+                QuantArray(down, fmt.down, (H, F)))
 
     def put(self, layer: int, expert: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> None:
         """Store one expert: gate [F, H], up [F, H], down [H, F] (kept as given when already in the store's
@@ -112,6 +166,10 @@ class ExpertStore:
             if experts is None:
                 raise ValueError(f"decoder layer {decoder_layer} holds no experts to copy")
             gate_up, down = experts.arrays()
+            if isinstance(experts, QuantExperts):  # block bytes: views of the model's arrays (or its mapped file)
+                for e, ((gate, up), dn) in enumerate(zip(gate_up, down)):
+                    store.put_quant(i, e, *(QuantArray(np.asarray(q.data), q.qtype, q.shape) for q in (gate, up, dn)))
+                continue
             for e in range(cfg.num_experts):
                 gu = np.asarray(gate_up[e])
                 store.put(i, e, gu[:F], gu[F:], np.asarray(down[e]))
