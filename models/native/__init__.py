@@ -54,6 +54,7 @@ __all__ = [
     "linear", "swiglu", "linear_reference", "swiglu_reference", "take_rows", "take_rows_reference",
     "experts", "experts_reference", "available_experts",
     "ExpertWeights", "pack_experts", "experts_host", "linear_host", "stream_read", "count_nonfinite", "native_or",
+    "QTYPE_IDS", "quantize_activations", "dequantize", "qlinear_reference", "qswiglu_reference", "qexperts_reference",
 ]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -102,6 +103,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_linear.argtypes = [vp, i64, i64, vp, i64, vp, i32, i32]
     lib.ms_experts.restype = i32
     lib.ms_experts.argtypes = [vp, i64, i64, i64, i32, i64, vp, vp, vp, vp, i64, vp, vp, vp, i32, vp, i32]
+    lib.ms_qlinear.restype = i32
+    lib.ms_qlinear.argtypes = [vp, i32, i64, i64, vp, i32, i64, vp, i32]
+    lib.ms_qquantize.restype = i32
+    lib.ms_qquantize.argtypes = [vp, i64, i64, i32, vp, vp]
+    lib.ms_qexperts.restype = i32
+    lib.ms_qexperts.argtypes = [vp, i32, i64, i64, i64, i32, i32, i32, i64, vp, vp, vp, vp, i64, vp, vp, vp, i32, vp, i32]
     lib.ms_read.restype = c.c_double
     lib.ms_read.argtypes = [vp, i64, i32]
     lib.ms_nonfinite.restype = i64
@@ -496,9 +503,11 @@ def _wdtype(dt: np.dtype, what: str) -> int:
 
 
 class ExpertWeights:
-    """Validated weights of several SwiGLU experts (gate [F, H], up [F, H], down [H, F] each, one dtype),
-    with their addresses packed for `experts_host`. Holds references to the arrays. Pack a layer's
-    experts once and pass the result to `experts_host` to skip the per-call checks."""
+    """Validated weights of several SwiGLU experts (gate [F, H], up [F, H], down [H, F] each), with their
+    addresses packed for `experts_host`: all bf16 or all f32 arrays (numpy / torch), or all block-quantized
+    (`models.quant.blocks.QuantArray` with host numpy data; gates share one block type, ups one, downs one, as
+    a GGUF layer's stacked expert tensors do). Holds references to the arrays. Pack a layer's experts once
+    and pass the result to `experts_host` to skip the per-call checks."""
 
     def __init__(self, gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any]):
         n = len(gates)
@@ -509,8 +518,11 @@ class ExpertWeights:
         self.hidden = self.intermediate = 0
         self.wdtype = _W_BF16  # set from the first weight
         self.dtype: Optional[np.dtype] = None
+        self.qtypes: Optional[tuple[str, str, str]] = None  # block types of gate, up, down when quantized
         ptrs = np.zeros((3, n), np.uintp)
-        for e in range(n):
+        if n and _is_quant(gates[0]):
+            self._pack_quant(gates, ups, downs, ptrs)
+        for e in range(n if self.qtypes is None else 0):
             for j, (arr, name) in enumerate(zip((gates[e], ups[e], downs[e]), ("gate", "up", "down"))):
                 addr, dt, shape = _host_array(arr, f"expert {e} {name}")
                 if self.dtype is None:
@@ -527,6 +539,19 @@ class ExpertWeights:
                 ptrs[j, e] = addr
         self.ptrs = ptrs
         self.addresses = tuple(int(row.ctypes.data) for row in ptrs)  # what each call passes
+
+    def _pack_quant(self, gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any], ptrs: np.ndarray) -> None:
+        F, H = gates[0].shape
+        self.intermediate, self.hidden = F, H
+        self.qtypes = (gates[0].qtype, ups[0].qtype, downs[0].qtype)
+        for e in range(self.n):
+            for j, (arr, name) in enumerate(zip((gates[e], ups[e], downs[e]), ("gate", "up", "down"))):
+                want = (H, F) if name == "down" else (F, H)
+                if not _is_quant(arr) or arr.qtype != self.qtypes[j] or tuple(arr.shape) != want:
+                    got = f"{arr.qtype} {tuple(arr.shape)}" if _is_quant(arr) else type(arr).__name__
+                    raise ValueError(f"expert {e} {name}: {got}, expected a {self.qtypes[j]} QuantArray {list(want)} "
+                                     f"like expert 0's")
+                ptrs[j, e] = _quant_address(arr, f"expert {e} {name}")
 
 
 def pack_experts(gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any]) -> ExpertWeights:
@@ -565,6 +590,8 @@ def experts_host(out: np.ndarray, x: Any, gates: Sequence[Any] | ExpertWeights, 
     Experts without pairs are never read."""
     lib = _need()
     w = gates if isinstance(gates, ExpertWeights) else ExpertWeights(gates, ups or (), downs or ())
+    if w.qtypes is not None:
+        return _qexperts_host(lib, out, x, w, offsets, tokens, pair_weight, threads, seconds, strategy)
     xa, xdt, xshape = _host_array(x, "x")
     oa, odt, oshape = _host_array(out, "out", writeable=True)
     if odt != _F32 or len(oshape) != 2:
@@ -590,8 +617,11 @@ def experts_host(out: np.ndarray, x: Any, gates: Sequence[Any] | ExpertWeights, 
 
 def linear_host(x: Any, w: Any, threads: int = 1) -> np.ndarray:
     """f32 [..., N] = x [..., K] times w [N, K]^T (x bf16 for bf16 w, f32 for f32 w; C-contiguous numpy or
-    torch CPU arrays), with `threads` threads (<= 0: the library default)."""
+    torch CPU arrays), with `threads` threads (<= 0: the library default). w may be a block-quantized
+    `QuantArray` (host data): then x is bf16 or f32 and is quantized as llama.cpp does (see `qlinear_reference`)."""
     lib = _need()
+    if _is_quant(w):
+        return _qlinear_host(lib, x, w, threads)
     xa, xdt, xshape = _host_array(x, "x")
     wa, wdt, wshape = _host_array(w, "w")
     wdtype = _wdtype(wdt, "w")
@@ -630,3 +660,160 @@ def count_nonfinite(a: np.ndarray, threads: int = 0) -> int:
     mask = {32: 0x7F800000, 16: 0x7F80 if a.dtype == _BF16 else 0x7C00}[bits]
     step = 1 << 24
     return sum(int(np.count_nonzero((raw[i:i + step] & mask) == mask)) for i in range(0, raw.size, step))
+
+
+# ---- block-quantized weights (ggml layouts; models.quant.blocks.QuantArray) --------------------------------
+#
+# Activation rounding, as llama.cpp's CPU backend does before its integer dot products: for Q8_0 / Q4_0
+# weights each row of x is quantized per 32 values to Q8_0 (d = max|x| / 127 stored as f16, q = roundf(x / d)
+# computed with the unrounded d); for Q4_K / Q6_K per 256 values to Q8_K (f32 d = max / -127 where max is the
+# value of largest magnitude, q = round-half-even(x * (-127 / max)), at most 127). The kernels then compute
+# exact integer sums per weight-scale group, scaled in f32: each result equals `qlinear_reference` (dequantized
+# quantized activations times the dequantized blocks, an f32/f64 matmul) to within f32 summation error. A
+# quantized SwiGLU expert keeps g = x gate^T and u = x up^T in f32, h = silu(g) * u in f32, quantizes h the
+# same way for the down projection, and returns f32.
+
+QTYPE_IDS = {"q4_0": 2, "q8_0": 8, "q4_k": 12, "q6_k": 14}
+_XBLK = {"q4_0": 32, "q8_0": 32, "q4_k": 256, "q6_k": 256}
+
+
+def _is_quant(a: Any) -> bool:
+    return hasattr(a, "qtype") and hasattr(a, "data") and not hasattr(a, "dtype")
+
+
+def _qtype_id(qtype: str, what: str) -> int:
+    if qtype not in QTYPE_IDS:
+        raise ValueError(f"{what}: block type {qtype!r} has no native kernel; supported: {', '.join(QTYPE_IDS)}")
+    return QTYPE_IDS[qtype]
+
+
+def _quant_address(w: Any, what: str) -> int:
+    _qtype_id(w.qtype, what)
+    data = w.data
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or not data.flags.c_contiguous:
+        raise ValueError(f"{what}: QuantArray data must be a C-contiguous numpy uint8 array (host memory)")
+    return data.__array_interface__["data"][0]
+
+
+def _x_rows(x: Any, what: str = "x") -> tuple[int, int, tuple[int, ...]]:
+    """(address, 1 if bf16 else 0, shape) of a bf16 or f32 activation array."""
+    xa, xdt, xshape = _host_array(x, what)
+    if xdt not in (_BF16, _F32):
+        raise ValueError(f"{what}: dtype {xdt}, expected bfloat16 or float32 for block-quantized weights")
+    return xa, int(xdt == _BF16), tuple(xshape)
+
+
+def _qlinear_host(lib: ctypes.CDLL, x: Any, w: Any, threads: int) -> np.ndarray:
+    xa, xbf, xshape = _x_rows(x)
+    N, K = w.shape
+    if len(xshape) < 1 or xshape[-1] != K:
+        raise ValueError(f"x {xshape}, w {w.qtype} {tuple(w.shape)}: expected x [..., K], w [N, K]")
+    M = int(np.prod(xshape[:-1], dtype=np.int64))
+    y = np.empty((*xshape[:-1], N), np.float32)
+    if lib.ms_qlinear(xa, xbf, M, K, _quant_address(w, "w"), QTYPE_IDS[w.qtype], N, y.ctypes.data, int(threads)) != 0:
+        raise ValueError(lib.ms_last_error().decode())
+    return y
+
+
+def _qexperts_host(lib: ctypes.CDLL, out: np.ndarray, x: Any, w: ExpertWeights, offsets: np.ndarray,
+                   tokens: np.ndarray, pair_weight: np.ndarray, threads: int, seconds: Optional[np.ndarray],
+                   strategy: str) -> None:
+    xa, xbf, xshape = _x_rows(x)
+    oa, odt, oshape = _host_array(out, "out", writeable=True)
+    if odt != _F32 or len(oshape) != 2:
+        raise ValueError(f"out: {odt} {oshape}, expected float32 [T, H]")
+    T, H = oshape
+    if tuple(xshape) != (T, H):
+        raise ValueError(f"x: shape {tuple(xshape)}, expected {[T, H]} like out")
+    if w.hidden != H:
+        raise ValueError(f"experts: hidden size {w.hidden}, but x and out have {H}")
+    offs = _check_vec(offsets, np.int64, w.n + 1, "offsets")
+    n_pairs = int(tokens.shape[0]) if isinstance(tokens, np.ndarray) else -1
+    toks = _check_vec(tokens, np.int32, None, "tokens")
+    pws = _check_vec(pair_weight, np.float32, n_pairs, "pair_weight")
+    secs = None if seconds is None else _check_vec(seconds, np.float64, w.n, "seconds", writeable=True)
+    qg, qu, qd = (QTYPE_IDS[q] for q in w.qtypes)
+    rc = lib.ms_qexperts(xa, xbf, T, H, w.intermediate, qg, qu, qd, w.n, *w.addresses, offs, n_pairs, toks, pws, oa,
+                         int(threads), secs, _strategy(strategy))
+    if rc != 0:
+        raise ValueError(lib.ms_last_error().decode())
+
+
+def _round_away(v: np.ndarray) -> np.ndarray:
+    """C's roundf (halves away from zero), exactly, in float32."""
+    t = np.trunc(v)
+    return np.where(np.abs(v - t) == np.float32(0.5), t + np.sign(v), np.rint(v)).astype(np.float32)
+
+
+def quantize_activations(x: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' activation rounding for weights of `qtype`, in numpy: x f32 [M, K] -> (q int8 [M, K],
+    d f32 [M, K / B]) with x ~ d * q per block of B = 32 (Q8_0: Q8_0 / Q4_0 weights) or 256 (Q8_K: Q4_K /
+    Q6_K weights), computed as llama.cpp's quantize_row_q8_0 / quantize_row_q8_K do."""
+    B = _XBLK[qtype] if qtype in _XBLK else _qtype_id(qtype, "quantize_activations")
+    x = np.asarray(x, np.float32)
+    M, K = x.shape
+    if K % B:
+        raise ValueError(f"quantize_activations: {K} columns are not a whole number of {B}-value blocks")
+    v = x.reshape(M, K // B, B)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if B == 32:
+            amax = np.abs(v).max(-1)
+            d = (amax / np.float32(127)).astype(np.float32)
+            inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+            q = _round_away(v * inv[..., None])
+            d = d.astype(np.float16).astype(np.float32)  # stored as f16, round to nearest even
+        else:
+            idx = np.abs(v).argmax(-1)
+            mx = np.take_along_axis(v, idx[..., None], -1)[..., 0]
+            zero = mx == 0
+            iscale = np.where(zero, np.float32(0), np.float32(-127) / np.where(zero, 1, mx)).astype(np.float32)
+            q = np.minimum(np.float32(127), np.rint(v * iscale[..., None]))
+            d = np.where(zero, np.float32(0), np.float32(1) / np.where(zero, 1, iscale)).astype(np.float32)
+    return q.astype(np.int8).reshape(M, K), d.astype(np.float32)
+
+
+def dequantize(w: Any) -> np.ndarray:
+    """f32 [rows, cols] of a block-quantized `QuantArray` (gguf.quants.dequantize: the reference)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    t = GGMLQuantizationType(_qtype_id(w.qtype, "dequantize"))
+    return np.asarray(gguf_dequantize(np.asarray(w.data), t), np.float32).reshape(w.shape)
+
+
+def _rounded_x(x: Any, qtype: str) -> np.ndarray:
+    xf = np.asarray(x, np.float32)
+    q, d = quantize_activations(xf.reshape(-1, xf.shape[-1]), qtype)
+    B = _XBLK[qtype]
+    return (q.astype(np.float32).reshape(q.shape[0], -1, B) * d[..., None]).reshape(xf.shape)
+
+
+def qlinear_reference(x: Any, w: Any) -> np.ndarray:
+    """What `linear_host(x, w)` computes for a QuantArray w, in numpy: x's activation rounding for w's block
+    type (`quantize_activations`), dequantized, times `dequantize(w)`^T, summed in f64, returned f32 [..., N]."""
+    xr = _rounded_x(x, w.qtype)
+    return (xr.astype(np.float64) @ dequantize(w).astype(np.float64).T).astype(np.float32)
+
+
+def qswiglu_reference(x: Any, gate: Any, up: Any, down: Any) -> np.ndarray:
+    """A block-quantized SwiGLU expert in numpy: g, u = `qlinear_reference` (f32), h = silu(g) * u (f32), then
+    `qlinear_reference(h, down)`: f32 [..., H]."""
+    g = qlinear_reference(x, gate)
+    u = qlinear_reference(x, up)
+    h = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
+    return qlinear_reference(h, down)
+
+
+def qexperts_reference(out0: np.ndarray, x: Any, gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any],
+                       offsets: np.ndarray, tokens: np.ndarray, pair_weight: np.ndarray) -> np.ndarray:
+    """What `experts_host` adds for block-quantized experts, in numpy: out0 + sum over pairs of
+    pair_weight * `qswiglu_reference`(x[token]) (f32 [T, H], a new array)."""
+    out = np.array(out0, np.float32, copy=True)
+    xf = np.asarray(x, np.float32)
+    for e in range(len(gates)):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        if hi > lo:
+            tok = np.asarray(tokens[lo:hi])
+            y = qswiglu_reference(xf[tok], gates[e], ups[e], downs[e])
+            np.add.at(out, tok, (pair_weight[lo:hi, None] * y).astype(np.float32))
+    return out
