@@ -54,7 +54,8 @@ __all__ = [
     "linear", "swiglu", "linear_reference", "swiglu_reference", "take_rows", "take_rows_reference",
     "experts", "experts_reference", "available_experts",
     "ExpertWeights", "pack_experts", "experts_host", "linear_host", "stream_read", "count_nonfinite", "native_or",
-    "QTYPE_IDS", "quantize_activations", "dequantize", "qlinear_reference", "qswiglu_reference", "qexperts_reference",
+    "QTYPE_IDS", "quantize_activations", "dequantize", "qlinear_reference", "qswiglu_reference", "qexperts_host_reference",
+    "dequantize_jax", "qlinear_jax_reference", "qlinear", "qswiglu", "qexperts", "qexperts_reference",
 ]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -70,6 +71,9 @@ _TARGETS = {
     "moescope_take_rows": "ms_ffi_take_rows",
     "moescope_experts": "ms_ffi_experts_bf16",
     "moescope_experts_f32": "ms_ffi_experts_f32",
+    "moescope_qlinear": "ms_ffi_qlinear",
+    "moescope_qswiglu": "ms_ffi_qswiglu",
+    "moescope_qexperts": "ms_ffi_qexperts",
 }
 _STRATEGIES = {"auto": 0, "rows": 1, "experts": 2}
 
@@ -272,6 +276,8 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., K] times w [N, K]^T -> [..., N]: bf16 x and w give bf16 (f32 sums rounded once); f32 gives f32.
     On the CPU backend a native FFI kernel; elsewhere, for other dtypes, or without the library,
     `linear_reference`. Usable under jit and control flow; differentiable (through the reference math)."""
+    if _is_quant(w):
+        return qlinear(x, w)
     if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"linear: x {x.shape} and w {w.shape}: expected x [..., K] and w [N, K]")
     if not _native_ok(x, w):
@@ -286,6 +292,8 @@ def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     All bf16 (roundings as in `swiglu_reference`) or all f32. On the CPU backend a native FFI kernel;
     elsewhere, for other dtypes, or without the library, `swiglu_reference`. Usable under jit and control
     flow; differentiable (through the reference math)."""
+    if _is_quant(gate_up) or _is_quant(down):
+        return qswiglu(x, gate_up, down)
     h = x.shape[-1] if x.ndim else -1
     if (x.ndim < 1 or gate_up.ndim != 2 or down.ndim != 2 or gate_up.shape[0] % 2 or gate_up.shape[1] != h
             or down.shape != (h, gate_up.shape[0] // 2)):
@@ -425,7 +433,9 @@ def experts(x: jax.Array, tokens: jax.Array, pair_weight: jax.Array, offsets: ja
     This is a raw CPU-only custom call (lowering for another backend fails): wrap it in
     `lax.platform_dependent(..., cpu=experts, default=<XLA path>)`, e.g. with `experts_reference`, and
     check `available_experts()` first (RuntimeError without the library). Usable under jit, while_loop,
-    cond, switch; not differentiable."""
+    cond, switch; not differentiable. Block-quantized experts (lists of `QuantArray`s): `qexperts`."""
+    if isinstance(gate_up, (list, tuple)) and gate_up and _is_quant(gate_up[0]):
+        return qexperts(x, tokens, pair_weight, offsets, gate_up, down, strategy=strategy)
     tokens, pair_weight, offsets = _routing(x, tokens, pair_weight, offsets, "experts")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"experts: x dtype {x.dtype}, expected bfloat16 or float32")
@@ -804,7 +814,7 @@ def qswiglu_reference(x: Any, gate: Any, up: Any, down: Any) -> np.ndarray:
     return qlinear_reference(h, down)
 
 
-def qexperts_reference(out0: np.ndarray, x: Any, gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any],
+def qexperts_host_reference(out0: np.ndarray, x: Any, gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any],
                        offsets: np.ndarray, tokens: np.ndarray, pair_weight: np.ndarray) -> np.ndarray:
     """What `experts_host` adds for block-quantized experts, in numpy: out0 + sum over pairs of
     pair_weight * `qswiglu_reference`(x[token]) (f32 [T, H], a new array)."""
@@ -817,3 +827,210 @@ def qexperts_reference(out0: np.ndarray, x: Any, gates: Sequence[Any], ups: Sequ
             y = qswiglu_reference(xf[tok], gates[e], ups[e], downs[e])
             np.add.at(out, tok, (pair_weight[lo:hi, None] * y).astype(np.float32))
     return out
+
+
+# ---- block-quantized weights in JAX (XLA FFI on the CPU backend, the same math in XLA elsewhere) ------------
+
+def _jnp_f16(b: jax.Array) -> jax.Array:
+    """f32 of little-endian f16 bytes b [..., 2] (uint8)."""
+    return lax.bitcast_convert_type(b, jnp.float16).astype(jnp.float32)
+
+
+def _jnp_scale_min_k4(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Q4_K's 8 six-bit scales and mins from its 12 scale bytes s [..., 12] (ggml's get_scale_min_k4)."""
+    s = s.astype(jnp.int32)
+    lo_sc, lo_m = s[..., 0:4] & 63, s[..., 4:8] & 63
+    hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    hi_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return jnp.concatenate([lo_sc, hi_sc], -1), jnp.concatenate([lo_m, hi_m], -1)
+
+
+def dequantize_jax(data: jax.Array, qtype: str, cols: int) -> jax.Array:
+    """f32 [rows, cols] of block data uint8 [rows, row_bytes] of `qtype` (ggml's dequantize_row_*, in XLA)."""
+    _qtype_id(qtype, "dequantize_jax")
+    rows = data.shape[0]
+    b = data.reshape(rows, -1, {"q8_0": 34, "q4_0": 18, "q4_k": 144, "q6_k": 210}[qtype])
+    if qtype == "q8_0":
+        w = _jnp_f16(b[..., 0:2])[..., None] * lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
+    elif qtype == "q4_0":
+        qs = b[..., 2:18].astype(jnp.int32)
+        q = jnp.concatenate([qs & 15, qs >> 4], -1) - 8
+        w = _jnp_f16(b[..., 0:2])[..., None] * q.astype(jnp.float32)
+    elif qtype == "q4_k":
+        sc, m = _jnp_scale_min_k4(b[..., 4:16])
+        qs = b[..., 16:].astype(jnp.int32).reshape(rows, -1, 4, 32)
+        q = jnp.stack([qs & 15, qs >> 4], -2).reshape(rows, -1, 8, 32).astype(jnp.float32)
+        d = _jnp_f16(b[..., 0:2])[..., None] * sc.astype(jnp.float32)
+        dm = _jnp_f16(b[..., 2:4])[..., None] * m.astype(jnp.float32)
+        w = d[..., None] * q - dm[..., None]
+    else:
+        ql = b[..., :128].astype(jnp.int32).reshape(rows, -1, 2, 2, 32)
+        qh = b[..., 128:192].astype(jnp.int32).reshape(rows, -1, 2, 32)
+        A, B = ql[..., 0, :], ql[..., 1, :]
+        q = jnp.stack([(A & 15) | ((qh & 3) << 4), (B & 15) | (((qh >> 2) & 3) << 4),
+                       (A >> 4) | (((qh >> 4) & 3) << 4), (B >> 4) | (((qh >> 6) & 3) << 4)], -2)
+        q = (q.reshape(rows, -1, 16, 16) - 32).astype(jnp.float32)
+        sc = lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.float32)
+        w = (_jnp_f16(b[..., 208:210])[..., None] * sc)[..., None] * q
+    return w.reshape(rows, cols)
+
+
+def _jnp_round_x(x: jax.Array, qtype: str) -> jax.Array:
+    """x f32 [M, K] after the kernels' activation rounding for `qtype` (see `quantize_activations`)."""
+    B = _XBLK[qtype]
+    M, K = x.shape
+    v = x.astype(jnp.float32).reshape(M, K // B, B)
+    if B == 32:
+        d = jnp.abs(v).max(-1) / jnp.float32(127)
+        inv = jnp.where(d != 0, 1 / jnp.where(d != 0, d, 1), 0)
+        s = v * inv[..., None]
+        t = jnp.trunc(s)
+        q = jnp.where(jnp.abs(s - t) == 0.5, t + jnp.sign(s), jnp.round(s))
+        d = d.astype(jnp.float16).astype(jnp.float32)
+    else:
+        idx = jnp.abs(v).argmax(-1)
+        mx = jnp.take_along_axis(v, idx[..., None], -1)[..., 0]
+        zero = mx == 0
+        iscale = jnp.where(zero, 0, jnp.float32(-127) / jnp.where(zero, 1, mx))
+        q = jnp.minimum(127, jnp.round(v * iscale[..., None]))
+        d = jnp.where(zero, 0, 1 / jnp.where(zero, 1, iscale))
+    return (q * d[..., None]).reshape(M, K)
+
+
+def qlinear_jax_reference(x: jax.Array, data: jax.Array, qtype: str) -> jax.Array:
+    """Pure-XLA block-quantized linear: x [M, K] rounded as the kernels round it, times the dequantized
+    blocks data uint8 [N, row_bytes] transposed, f32 [M, N] (HIGHEST precision dot)."""
+    w = dequantize_jax(data, qtype, x.shape[-1])
+    return jnp.dot(_jnp_round_x(x, qtype), w.T, precision=lax.Precision.HIGHEST)
+
+
+def _qswiglu_jax(x: jax.Array, gate_up: jax.Array, down: jax.Array, qgu: str, qdown: str) -> jax.Array:
+    F = gate_up.shape[0] // 2
+    gu = qlinear_jax_reference(x, gate_up, qgu)
+    g, u = gu[:, :F], gu[:, F:]
+    return qlinear_jax_reference(jax.nn.silu(g) * u, down, qdown)
+
+
+_q_fns: dict = {}
+
+
+def _q_fn(kind: str, *key: Any) -> Callable[..., jax.Array]:
+    """native_or(FFI call, XLA reference) for one block type combination (the types are static attributes)."""
+    if (kind, *key) in _q_fns:
+        return _q_fns[(kind, *key)]
+    if kind == "linear":
+        (qt,) = key
+
+        def ffi_fn(x2: jax.Array, data: jax.Array) -> jax.Array:
+            out = jax.ShapeDtypeStruct((x2.shape[0], data.shape[0]), jnp.float32)
+            return jax.ffi.ffi_call("moescope_qlinear", out, vmap_method="sequential")(
+                x2, data, qtype=np.int32(QTYPE_IDS[qt]))
+
+        fn = native_or(ffi_fn, lambda x2, data: qlinear_jax_reference(x2, data, qt))
+    else:
+        qgu, qdown = key
+
+        def ffi_fn(x2: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+            out = jax.ShapeDtypeStruct((x2.shape[0], x2.shape[1]), jnp.float32)
+            return jax.ffi.ffi_call("moescope_qswiglu", out, vmap_method="sequential")(
+                x2, gate_up, down, qgu=np.int32(QTYPE_IDS[qgu]), qdown=np.int32(QTYPE_IDS[qdown]),
+                F=np.int64(gate_up.shape[0] // 2))
+
+        fn = native_or(ffi_fn, lambda x2, gu, dn: _qswiglu_jax(x2, gu, dn, qgu, qdown))
+    _q_fns[(kind, *key)] = fn
+    return fn
+
+
+def _q_native_ok(x: Any) -> bool:
+    return x.dtype in (jnp.bfloat16, jnp.float32) and available_experts()
+
+
+def qlinear(x: jax.Array, w: Any) -> jax.Array:
+    """x [..., K] times a block-quantized w (`QuantArray` [N, K], data a jax uint8 array) -> [..., N] in x's
+    dtype (f32 sums rounded once). Activation rounding: see `quantize_activations`. CPU backend: the native
+    FFI kernel; elsewhere (or without the library): `qlinear_jax_reference`. `linear(x, w)` calls this for a
+    QuantArray w."""
+    N, K = w.shape
+    if x.ndim < 1 or x.shape[-1] != K:
+        raise ValueError(f"linear: x {x.shape} and {w.qtype} w {tuple(w.shape)}: expected x [..., K] and w [N, K]")
+    _qtype_id(w.qtype, "linear: w")
+    x2 = x.reshape(-1, K)
+    data = jnp.asarray(w.data)
+    if _q_native_ok(x):
+        y = _q_fn("linear", w.qtype)(x2, data)
+    else:
+        y = qlinear_jax_reference(x2.astype(jnp.float32), data, w.qtype)
+    return y.astype(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def qswiglu(x: jax.Array, gate_up: Any, down: Any) -> jax.Array:
+    """Block-quantized SwiGLU expert: x [..., H], gate_up `QuantArray` [2F, H] (gate rows first), down
+    `QuantArray` [H, F] -> f32 [..., H] (g and u f32, h = silu(g) * u f32 and rounded for down's type as x is
+    for gate_up's; see `qswiglu_reference`). `swiglu(x, gate_up, down)` calls this for QuantArrays."""
+    h = x.shape[-1] if x.ndim else -1
+    if (x.ndim < 1 or gate_up.shape[0] % 2 or gate_up.shape[1] != h or tuple(down.shape) != (h, gate_up.shape[0] // 2)):
+        raise ValueError(f"swiglu: x {x.shape}, gate_up {gate_up.qtype} {tuple(gate_up.shape)}, down "
+                         f"{down.qtype} {tuple(down.shape)}: expected x [..., H], gate_up [2F, H], down [H, F]")
+    _qtype_id(gate_up.qtype, "swiglu: gate_up")
+    _qtype_id(down.qtype, "swiglu: down")
+    x2 = x.reshape(-1, h)
+    gu, dn = jnp.asarray(gate_up.data), jnp.asarray(down.data)
+    if _q_native_ok(x):
+        y = _q_fn("swiglu", gate_up.qtype, down.qtype)(x2, gu, dn)
+    else:
+        y = _qswiglu_jax(x2.astype(jnp.float32), gu, dn, gate_up.qtype, down.qtype)
+    return y.reshape(*x.shape[:-1], h)
+
+
+def qexperts_reference(x: jax.Array, tokens: jax.Array, pair_weight: jax.Array, offsets: jax.Array,
+                       gate_up: Sequence[Any], down: Sequence[Any]) -> jax.Array:
+    """Pure-XLA `experts` over block-quantized experts (lists of QuantArrays): each expert's `qswiglu`
+    reference math on all pair rows, masked to its live pairs, weighted, added in expert order. f32 [T, H]."""
+    tokens, pair_weight, offsets = _routing(x, tokens, pair_weight, offsets, "experts_reference")
+    T, H = x.shape
+    out = jnp.zeros((T, H), jnp.float32)
+    P = tokens.shape[0]
+    if P == 0 or T == 0:
+        return out
+    tok = jnp.clip(tokens, 0, T - 1)
+    rows = x[tok].astype(jnp.float32)
+    p = jnp.arange(P, dtype=jnp.int32)
+    for e, (gu, dn) in enumerate(zip(gate_up, down)):
+        live = (p >= offsets[e]) & (p < offsets[e + 1])
+        y = _qswiglu_jax(rows, jnp.asarray(gu.data), jnp.asarray(dn.data), gu.qtype, dn.qtype)
+        out = out.at[tok].add(jnp.where(live[:, None], pair_weight[:, None] * y, 0.0))
+    return out
+
+
+def qexperts(x: jax.Array, tokens: jax.Array, pair_weight: jax.Array, offsets: jax.Array, gate_up: Sequence[Any],
+             down: Sequence[Any], *, strategy: str = "auto") -> jax.Array:
+    """`experts` over block-quantized experts: gate_up E `QuantArray`s [2F, H] (one block type), down E
+    `QuantArray`s [H, F] (one block type), data jax uint8 arrays; the rest as `experts` (raw CPU-only FFI call,
+    routing checked at run time, deterministic for any thread count and strategy). Numerics: `qswiglu`'s per
+    pair, pair_weight * y rounded once to f32, added in expert order. `experts(...)` calls this for QuantArrays."""
+    tokens, pair_weight, offsets = _routing(x, tokens, pair_weight, offsets, "experts")
+    E = offsets.shape[0] - 1
+    gate_up, down = list(gate_up), list(down)
+    if len(gate_up) != E or len(down) != E or not all(map(_is_quant, gate_up + down)):
+        raise ValueError(f"experts: expected {E} gate_up and {E} down QuantArrays, got {len(gate_up)} and {len(down)}")
+    T, H = x.shape
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"experts: x dtype {x.dtype}, expected bfloat16 or float32 with block-quantized experts")
+    F = gate_up[0].shape[0] // 2 if E else 0
+    qgu = {g.qtype for g in gate_up}
+    qdn = {d.qtype for d in down}
+    if len(qgu) > 1 or len(qdn) > 1 or any(tuple(g.shape) != (2 * F, H) for g in gate_up) or any(
+            tuple(d.shape) != (H, F) for d in down):
+        raise ValueError(f"experts: gate_up {sorted(qgu)} {sorted({tuple(g.shape) for g in gate_up})}, down "
+                         f"{sorted(qdn)} {sorted({tuple(d.shape) for d in down})}: expected one block type each, "
+                         f"gate_up [2F, H] and down [H, F] with H = {H}")
+    if not available_experts():
+        raise RuntimeError(f"models.native: library unavailable ({_error})")
+    if E == 0:
+        return jnp.zeros((T, H), jnp.float32)
+    qg, qd = next(iter(qgu)), next(iter(qdn))
+    out = jax.ShapeDtypeStruct((T, H), jnp.float32)
+    args = [jnp.asarray(g.data) for g in gate_up] + [jnp.asarray(d.data) for d in down]
+    return jax.ffi.ffi_call("moescope_qexperts", out, vmap_method="sequential")(
+        x, tokens, pair_weight, offsets, *args, strategy=np.int32(_strategy(strategy)),
+        qgu=np.int32(QTYPE_IDS[qg]), qdown=np.int32(QTYPE_IDS[qd]), F=np.int64(F))

@@ -1831,15 +1831,15 @@ void qgemm_amx_t(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t r
           const int32_t* crow = cb + (mi / 16) * 512 + (mi % 16) * 16;
           const __m512 dx = _mm512_set1_ps(dxg[(mb + mi) * GS + g]);
           float* ar = acc + mi * 32;
-          __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(crow)), _mm512_mul_ps(s0, dx), _mm512_load_ps(ar));
-          __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(crow + 256)), _mm512_mul_ps(s1, dx), _mm512_load_ps(ar + 16));
+          __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(crow)), _mm512_mul_ps(s0, dx), _mm512_loadu_ps(ar));
+          __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(crow + 256)), _mm512_mul_ps(s1, dx), _mm512_loadu_ps(ar + 16));
           if constexpr (QT == kQ4_K) {
             const __m512 xs = _mm512_set1_ps(xsg[(mb + mi) * GS + g]);
             v0 = _mm512_fmadd_ps(c0, xs, v0);
             v1 = _mm512_fmadd_ps(c1, xs, v1);
           }
-          _mm512_store_ps(ar, v0);
-          _mm512_store_ps(ar + 16, v1);
+          _mm512_storeu_ps(ar, v0);
+          _mm512_storeu_ps(ar + 16, v1);
         }
       }
       for (int mi = 0; mi < 32 && mb + mi < M; ++mi)
@@ -2424,6 +2424,126 @@ ffi::Error experts_impl(ffi::Buffer<DT, 2> x, ffi::Buffer<ffi::DataType::S32, 1>
   return ffi::Error::Success();
 }
 
+// Block-quantized weights: x bf16 or f32 [M, K]; weights uint8 [rows, K / blk * bytes] of ggml type `qtype`.
+std::string qcheck_rows(int qt, int64_t rows, int64_t cols, ffi::Span<const int64_t> d, size_t rank, const char* what) {
+  std::string bad = qcheck(qt, cols, what);
+  if (!bad.empty()) return bad;
+  const size_t rb = qrow_bytes(qt, cols);
+  if (d.size() != rank || d[rank - 2] != rows || size_t(d[rank - 1]) != rb)
+    return std::string(what) + " " + dims_str(d) + ": expected uint8 [" + (rank == 3 ? "E, " : "") +
+           std::to_string(rows) + ", " + std::to_string(rb) + "] (" + std::to_string(cols) + " columns in blocks)";
+  return "";
+}
+
+bool x_kind(const ffi::AnyBuffer& x, bool& bf16) {
+  bf16 = x.element_type() == ffi::DataType::BF16;
+  return bf16 || x.element_type() == ffi::DataType::F32;
+}
+
+ffi::Error qlinear_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::DataType::U8, 2> w, ffi::ResultBuffer<ffi::DataType::F32, 2> y,
+                        int32_t qtype) {
+  auto xd = x.dimensions(), yd = y->dimensions();
+  bool xbf16;
+  if (xd.size() != 2 || !x_kind(x, xbf16)) return ffi::Error::InvalidArgument("moescope_qlinear: x must be bf16 or f32 [M, K]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  std::string bad = qcheck_rows(qtype, N, K, w.dimensions(), 2, "moescope_qlinear: w");
+  if (bad.empty() && yd[0] != M) bad = "moescope_qlinear: y " + dims_str(yd) + ": expected [M, N]";
+  if (!bad.empty()) return ffi::Error::InvalidArgument(bad);
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  QSpec sp;
+  qspec(qtype, sp);
+  const int isa = g_isa.load();
+  const QAct a = quantize_rows(sp, x.untyped_data(), xbf16, size_t(K), nullptr, M, K, t_scratch.xa);
+  qgemm(isa, qtype, a, M, K, w.typed_data(), N, y->typed_data(), size_t(N), 0, [](int64_t, int64_t) {});
+  return ffi::Error::Success();
+}
+
+ffi::Error qswiglu_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::DataType::U8, 2> gate_up, ffi::Buffer<ffi::DataType::U8, 2> down,
+                        ffi::ResultBuffer<ffi::DataType::F32, 2> y, int32_t qgu, int32_t qdown, int64_t F) {
+  auto xd = x.dimensions(), yd = y->dimensions();
+  bool xbf16;
+  if (xd.size() != 2 || !x_kind(x, xbf16)) return ffi::Error::InvalidArgument("moescope_qswiglu: x must be bf16 or f32 [M, H]");
+  const int64_t M = xd[0], H = xd[1];
+  std::string bad = qcheck_rows(qgu, 2 * F, H, gate_up.dimensions(), 2, "moescope_qswiglu: gate_up");
+  if (bad.empty()) bad = qcheck_rows(qdown, H, F, down.dimensions(), 2, "moescope_qswiglu: down");
+  if (bad.empty() && (yd[0] != M || yd[1] != H)) bad = "moescope_qswiglu: y " + dims_str(yd) + ": expected [M, H]";
+  if (!bad.empty()) return ffi::Error::InvalidArgument(bad);
+  if (M == 0 || H == 0) return ffi::Error::Success();
+  float* out = y->typed_data();
+  if (F == 0) {
+    std::fill(out, out + M * H, 0.0f);
+    return ffi::Error::Success();
+  }
+  const uint8_t* gu = gate_up.typed_data();
+  qswiglu_expert(g_isa.load(), qgu, qgu, qdown, x.untyped_data(), xbf16, nullptr, M, H, F, gu,
+                 gu + size_t(F) * qrow_bytes(qgu, H), down.typed_data(), out, 0, [](int64_t, int64_t) {});
+  return ffi::Error::Success();
+}
+
+// A layer's block-quantized experts: weights E gate_up [2F, rb] then E down [H, rbd], or one [E, 2F, rb] and one
+// [E, H, rbd] (uint8); see experts_impl for the routing arguments.
+ffi::Error qexperts_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::DataType::S32, 1> tokens,
+                         ffi::Buffer<ffi::DataType::F32, 1> pair_weight, ffi::Buffer<ffi::DataType::S32, 1> offsets,
+                         ffi::RemainingArgs weights, ffi::ResultBuffer<ffi::DataType::F32, 2> y, int32_t strategy,
+                         int32_t qgu, int32_t qdown, int64_t F) {
+  auto xd = x.dimensions(), yd = y->dimensions();
+  auto bad = [](const std::string& m) { return ffi::Error::InvalidArgument("moescope_qexperts: " + m); };
+  bool xbf16;
+  if (xd.size() != 2 || !x_kind(x, xbf16)) return bad("x must be bf16 or f32 [T, H]");
+  const int64_t T = xd[0], H = xd[1], P = tokens.dimensions()[0];
+  const int64_t E = offsets.dimensions()[0] - 1;
+  if (yd[0] != T || yd[1] != H) return bad("x " + dims_str(xd) + ", out " + dims_str(yd) + ": expected the same [T, H]");
+  if (pair_weight.dimensions()[0] != P) return bad("tokens and pair_weight: expected the same length");
+  if (E < 0) return bad("offsets must have E + 1 >= 1 elements");
+  if (strategy < kStrategyAuto || strategy > kStrategyExperts) return bad("strategy must be 0, 1 or 2");
+  const size_t nw = weights.size();
+  const bool stacked = nw == 2 && weights.get<ffi::AnyBuffer>(0).value().dimensions().size() == 3;
+  if (!stacked && nw != size_t(2 * E))
+    return bad(std::to_string(nw) + " weight operands for " + std::to_string(E) + " experts");
+  for (size_t i = 0; i < nw; ++i) {
+    auto b = weights.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return bad("weight operand " + std::to_string(i) + " could not be decoded");
+    const ffi::AnyBuffer w = b.value();
+    const bool down = stacked ? i == 1 : int64_t(i) >= E;
+    if (w.element_type() != ffi::DataType::U8) return bad("weight operand " + std::to_string(i) + ": expected uint8 blocks");
+    const size_t rank = stacked ? 3 : 2;
+    if (stacked && (w.dimensions().size() != 3 || w.dimensions()[0] != E))
+      return bad("stacked weight operand " + std::to_string(i) + " " + dims_str(w.dimensions()) + ": expected E first");
+    const std::string m = down ? qcheck_rows(qdown, H, F, w.dimensions(), rank, "down")
+                               : qcheck_rows(qgu, 2 * F, H, w.dimensions(), rank, "gate_up");
+    if (!m.empty()) return bad(m);
+  }
+  const int32_t* off32 = offsets.typed_data();
+  const int32_t* tok = tokens.typed_data();
+  for (int64_t e = 0; e <= E; ++e)
+    if (off32[e] < 0 || off32[e] > P || (e > 0 && off32[e] < off32[e - 1]))
+      return bad("offsets must be >= 0, not decrease and stay <= P = " + std::to_string(P));
+  if (E > 0)
+    for (int64_t p = off32[0]; p < off32[E]; ++p)
+      if (tok[p] < 0 || tok[p] >= T) return bad("token " + std::to_string(tok[p]) + " of live pair " + std::to_string(p) + " is outside [0, T)");
+  float* out = y->typed_data();
+  if (T * H > 0) std::memset(out, 0, size_t(T * H) * sizeof(float));
+  if (E == 0 || T == 0 || H == 0) return ffi::Error::Success();
+  int64_t* offs = grow(t_scratch.offs, size_t(E + 1));
+  for (int64_t e = 0; e <= E; ++e) offs[e] = off32[e];
+  const size_t gu_bytes = size_t(2 * F) * qrow_bytes(qgu, H), dn_bytes = size_t(H) * qrow_bytes(qdown, F);
+  auto expert = [&](int64_t e) {
+    const uint8_t* gu;
+    const uint8_t* dn;
+    if (stacked) {
+      gu = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(0).value().untyped_data()) + size_t(e) * gu_bytes;
+      dn = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(1).value().untyped_data()) + size_t(e) * dn_bytes;
+    } else {
+      gu = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(size_t(e)).value().untyped_data());
+      dn = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(size_t(E + e)).value().untyped_data());
+    }
+    return ExpertW{gu, gu + gu_bytes / 2, dn};
+  };
+  quant_experts(g_isa.load(), qgu, qgu, qdown, x.untyped_data(), xbf16, H, F, E, expert, offs, tok,
+                pair_weight.typed_data(), out, 0, strategy, nullptr);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 using BufBf16 = ffi::Buffer<ffi::DataType::BF16, 2>;
@@ -2498,6 +2618,49 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_experts_f32, experts_f32,
                                   .RemainingArgs()
                                   .Ret<BufF32>()
                                   .Attr<int32_t>("strategy")
+                                  .Ctx<Pool_>());
+
+using BufU8 = ffi::Buffer<ffi::DataType::U8, 2>;
+
+static ffi::Error qlinear_ffi(ffi::AnyBuffer x, BufU8 w, RetF32 y, int32_t qtype, Pool_ p) {
+  LendPool lend(p);
+  return qlinear_impl(x, w, y, qtype);
+}
+static ffi::Error qswiglu_ffi(ffi::AnyBuffer x, BufU8 gu, BufU8 d, RetF32 y, int32_t qgu, int32_t qdown, int64_t F,
+                              Pool_ p) {
+  LendPool lend(p);
+  return qswiglu_impl(x, gu, d, y, qgu, qdown, F);
+}
+static ffi::Error qexperts_ffi(ffi::AnyBuffer x, BufS32 t, BufW pw, BufS32 o, ffi::RemainingArgs w, RetF32 y, int32_t st,
+                               int32_t qgu, int32_t qdown, int64_t F, Pool_ p) {
+  LendPool lend(p);
+  return qexperts_impl(x, t, pw, o, w, y, st, qgu, qdown, F);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_qlinear, qlinear_ffi,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<BufU8>().Ret<BufF32>().Attr<int32_t>("qtype").Ctx<Pool_>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_qswiglu, qswiglu_ffi,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<BufU8>()
+                                  .Arg<BufU8>()
+                                  .Ret<BufF32>()
+                                  .Attr<int32_t>("qgu")
+                                  .Attr<int32_t>("qdown")
+                                  .Attr<int64_t>("F")
+                                  .Ctx<Pool_>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_qexperts, qexperts_ffi,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<BufS32>()
+                                  .Arg<BufW>()
+                                  .Arg<BufS32>()
+                                  .RemainingArgs()
+                                  .Ret<BufF32>()
+                                  .Attr<int32_t>("strategy")
+                                  .Attr<int32_t>("qgu")
+                                  .Attr<int32_t>("qdown")
+                                  .Attr<int64_t>("F")
                                   .Ctx<Pool_>());
 
 extern "C" int ms_has_ffi() { return 1; }
