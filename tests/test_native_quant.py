@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from models import native
-from models.quant.blocks import BLOCK_TYPES, QuantArray
+from models.quant.blocks import QuantArray
 
 BF16 = ml_dtypes.bfloat16
 ISAS = ["amx", "avx512bf16", "avx2", "scalar"]
@@ -36,23 +36,6 @@ def isa(request):
     native.set_isa(name)
     yield name
     native.set_isa(None)
-
-
-def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, scale: float = 0.01) -> QuantArray:
-    """Random blocks of `qtype`: random code bytes and f16 scales (and Q4_K mins), weights of about `scale`."""
-    t = BLOCK_TYPES[qtype]
-    scale /= {"q8_0": 64, "q4_0": 8, "q4_k": 32 * 8, "q6_k": 64 * 32}[qtype]  # typical |code| (x sub-scale)
-    nb = cols // t.block_elems
-    data = rng.integers(0, 256, size=(rows, nb, t.block_bytes), dtype=np.uint8)
-
-    def f16() -> np.ndarray:
-        v = rng.uniform(0.25, 1.0, size=(rows, nb)) * scale * rng.choice([-1, 1], size=(rows, nb))
-        return v.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
-
-    at = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}[qtype]
-    for o in at:
-        data[:, :, o:o + 2] = f16()
-    return QuantArray(np.ascontiguousarray(data.reshape(rows, nb * t.block_bytes)), qtype, (rows, cols))
 
 
 def bound(x: np.ndarray, w: QuantArray) -> np.ndarray:
@@ -74,7 +57,7 @@ def test_qlinear_host(isa, qtype):
     rng = np.random.default_rng(QTYPES.index(qtype))
     for M in (1, 3, 6, 17, 40):
         K, N = cols_for(qtype, rng), int(rng.integers(1, 70))
-        w = random_blocks(rng, qtype, N, K)
+        w = native.random_blocks(rng, qtype, N, K)
         x = rng.standard_normal((M, K)).astype(np.float32)
         y = native.linear_host(x, w, threads=2)
         ref = native.qlinear_reference(x, w)
@@ -85,7 +68,7 @@ def test_qlinear_host(isa, qtype):
 def test_qlinear_host_bf16_x_and_threads_identical(isa):
     rng = np.random.default_rng(7)
     for qtype in QTYPES:
-        w = random_blocks(rng, qtype, 300, 512)
+        w = native.random_blocks(rng, qtype, 300, 512)
         x = rng.standard_normal((20, 512)).astype(BF16)
         y1 = native.linear_host(x, w, threads=1)
         y2 = native.linear_host(x, w, threads=2)
@@ -123,9 +106,9 @@ def make_routing(rng, T, E, k):
 
 
 def quant_experts(rng, E, H, F, qgu, qdn):
-    gates = [random_blocks(rng, qgu, F, H, 0.02) for _ in range(E)]
-    ups = [random_blocks(rng, qgu, F, H, 0.02) for _ in range(E)]
-    downs = [random_blocks(rng, qdn, H, F, 0.02) for _ in range(E)]
+    gates = [native.random_blocks(rng, qgu, F, H, 0.02) for _ in range(E)]
+    ups = [native.random_blocks(rng, qgu, F, H, 0.02) for _ in range(E)]
+    downs = [native.random_blocks(rng, qdn, H, F, 0.02) for _ in range(E)]
     return gates, ups, downs
 
 
@@ -232,7 +215,7 @@ def test_bf16_amx_matches_avx512():
 
 def test_quant_bad_input_one_line_errors():
     rng = np.random.default_rng(0)
-    w = random_blocks(rng, "q4_k", 8, 256)
+    w = native.random_blocks(rng, "q4_k", 8, 256)
     with pytest.raises(ValueError, match="expected x"):
         native.linear_host(np.zeros((2, 128), np.float32), w)
     with pytest.raises(ValueError, match="no native kernel"):
@@ -243,4 +226,4 @@ def test_quant_bad_input_one_line_errors():
     assert "whole number of 256-weight blocks" in lib.ms_last_error().decode()
     g, u, d = quant_experts(rng, 2, 256, 256, "q8_0", "q8_0")
     with pytest.raises(ValueError, match="expert 1 up"):
-        native.pack_experts(g, [u[0], random_blocks(rng, "q4_0", 256, 256)], d)
+        native.pack_experts(g, [u[0], native.random_blocks(rng, "q4_0", 256, 256)], d)

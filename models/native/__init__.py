@@ -55,7 +55,7 @@ __all__ = [
     "experts", "experts_reference", "available_experts",
     "ExpertWeights", "pack_experts", "experts_host", "linear_host", "stream_read", "count_nonfinite", "native_or",
     "QTYPE_IDS", "quantize_activations", "dequantize", "qlinear_reference", "qswiglu_reference", "qexperts_host_reference",
-    "dequantize_jax", "qlinear_jax_reference", "qlinear", "qswiglu", "qexperts", "qexperts_reference",
+    "dequantize_jax", "qlinear_jax_reference", "qlinear", "qswiglu", "qexperts", "qexperts_reference", "random_blocks",
 ]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -1034,3 +1034,22 @@ def qexperts(x: jax.Array, tokens: jax.Array, pair_weight: jax.Array, offsets: j
     return jax.ffi.ffi_call("moescope_qexperts", out, vmap_method="sequential")(
         x, tokens, pair_weight, offsets, *args, strategy=np.int32(_strategy(strategy)),
         qgu=np.int32(QTYPE_IDS[qg]), qdown=np.int32(QTYPE_IDS[qd]), F=np.int64(F))
+
+
+_CODE_SCALE = {"q8_0": 64, "q4_0": 8, "q4_k": 32 * 8, "q6_k": 64 * 32}  # typical |code| (x sub-block scale)
+_SCALE_AT = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}  # byte offsets of a block's f16 scales
+
+
+def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, scale: float = 0.01) -> Any:
+    """A random block-quantized `QuantArray` [rows, cols] of `qtype` (tests, benchmarks): random code bytes, f16
+    block scales (and Q4_K mins) of random sign chosen so that weights are about `scale` in magnitude."""
+    from models.quant.blocks import BLOCK_TYPES, QuantArray
+
+    t = BLOCK_TYPES[qtype]
+    nb = cols // t.block_elems
+    data = rng.integers(0, 256, size=(rows, nb, t.block_bytes), dtype=np.uint8)
+    s = scale / _CODE_SCALE[qtype]
+    for at in _SCALE_AT[qtype]:
+        v = rng.uniform(0.25, 1.0, size=(rows, nb)) * s * rng.choice(np.array([-1.0, 1.0]), size=(rows, nb))
+        data[:, :, at:at + 2] = v.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+    return QuantArray(data.reshape(rows, nb * t.block_bytes), qtype, (rows, cols))

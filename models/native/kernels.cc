@@ -1205,6 +1205,8 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // calls of 16 rows or more (the same integer sums per scale group, so the same terms up to the summation order).
 // ------------------------------------------------------------------------------------------------
 
+#define MS_INLINE inline __attribute__((always_inline))
+
 enum QType { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 
 struct QSpec {
@@ -1250,7 +1252,7 @@ const float* f16_table() {
 }
 const float* const g_f16 = f16_table();
 
-inline float f16_at(const uint8_t* p) {
+MS_INLINE float f16_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return g_f16[h];
@@ -1378,7 +1380,7 @@ struct U64 {
   alignas(64) float c[16];
 };
 
-inline void scale_min_k4(int j, const uint8_t* q, uint8_t& d, uint8_t& m) {  // ggml's get_scale_min_k4
+MS_INLINE void scale_min_k4(int j, const uint8_t* q, uint8_t& d, uint8_t& m) {  // ggml's get_scale_min_k4
   if (j < 4) {
     d = q[j] & 63;
     m = q[j + 4] & 63;
@@ -1388,8 +1390,10 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t& d, uint8_t& m) {  // 
   }
 }
 
-// Scales of group g (s, c) for every type; shared by the unpackers of all ISA paths.
-void group_scales(int qt, const uint8_t* row, int64_t g, int n, float* s, float* c) {
+// Scales of group g (s, c) for every type; shared by the unpackers of all ISA paths. Always inlined: a call
+// from the AVX-512 loops into this baseline-ISA code (vzeroupper, accumulators spilled around it) measured
+// 15-50x slower for the K-quants than the scalar path.
+MS_INLINE void group_scales(int qt, const uint8_t* row, int64_t g, int n, float* s, float* c) {
   for (int l = 0; l < 16; ++l) s[l] = c[l] = 0.0f;
   switch (qt) {
     case kQ8_0:
@@ -1429,7 +1433,7 @@ void group_scales(int qt, const uint8_t* row, int64_t g, int n, float* s, float*
   }
 }
 
-void unpack_codes(int qt, const uint8_t* row, int64_t g, int n, uint8_t* u) {
+MS_INLINE void unpack_codes(int qt, const uint8_t* row, int64_t g, int n, uint8_t* u) {
   std::memset(u, 0, 64);
   switch (qt) {
     case kQ8_0:
@@ -1475,7 +1479,7 @@ void unpack_codes(int qt, const uint8_t* row, int64_t g, int n, uint8_t* u) {
   }
 }
 
-inline void unpack64(int qt, const uint8_t* row, int64_t g, int n, U64& w) {
+MS_INLINE void unpack64(int qt, const uint8_t* row, int64_t g, int n, U64& w) {
   unpack_codes(qt, row, g, n, w.u);
   group_scales(qt, row, g, n, w.s, w.c);
 }
