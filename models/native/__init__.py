@@ -1,4 +1,11 @@
-"""moescope's compiled CPU kernels for bf16 (and f32) weights: dots and SwiGLU experts.
+"""moescope's compiled CPU kernels for bf16 (and f32) and block-quantized weights: dots and SwiGLU experts.
+
+Block-quantized weights (ggml's Q8_0, Q4_0, Q4_K, Q6_K blocks byte for byte, as `models.quant.blocks.QuantArray`)
+go through the same entry points: `linear(x, w)`, `swiglu(x, gate_up, down)` and `experts(...)` in JAX
+(`qlinear`, `qswiglu`, `qexperts`), `linear_host`, `pack_experts` and `experts_host` on the host; activations
+are quantized as llama.cpp does (Q8_0 per 32 for Q8_0 / Q4_0, Q8_K per 256 for Q4_K / Q6_K), integer dot
+products (VNNI VPDPBUSD, AVX2 VPMADDWD, scalar, AMX TDPBSSD for calls of >= 16 rows), scales applied per
+group; references: `qlinear_reference` (numpy, gguf's dequantizer), `qlinear_jax_reference` (XLA).
 
 XLA:CPU converts a whole bf16 weight to f32 on every bf16 dot (a matvec runs far below the memory
 read rate), and torch's bf16 linear also stays well below it; these kernels stream bf16 weights at close
@@ -28,8 +35,9 @@ The library is compiled on first use (`models/native/build.py`, 5-10 s with g++ 
 Without a compiler every entry point still works (pure XLA in JAX; `experts_host` and `linear_host`
 raise, check `available()` first); `load()` warns once, naming the cause.
 
-Environment: `MOESCOPE_NATIVE_DISABLE=1` skips the library; `MOESCOPE_NATIVE_ISA=avx2|scalar` forces a
-slower path (also `set_isa`); `MOESCOPE_NATIVE_DIR` chooses the build folder; `CXX` the compiler;
+Environment: `MOESCOPE_NATIVE_DISABLE=1` skips the library; `MOESCOPE_NATIVE_ISA=avx512bf16|avx2|scalar`
+forces a slower path (also `set_isa`; "amx" -- AMX-BF16 / AMX-INT8 tiles for calls of >= 16 rows, AVX-512 below
+that -- is the best where the CPU has it and the kernel grants the tile state); `MOESCOPE_NATIVE_DIR` chooses the build folder; `CXX` the compiler;
 `MOESCOPE_NATIVE_EP_MAX_MB` (default 64) the largest expert (MiB of weights) a layer call shares out whole
 to a thread; `MOESCOPE_NATIVE_XLA_POOL=0` keeps FFI calls on the library's own threads instead of
 borrowing XLA's intra-op pool.
@@ -167,7 +175,7 @@ def _need() -> ctypes.CDLL:
 
 
 def isa() -> str:
-    """The ISA path in use: "avx512bf16", "avx2" or "scalar" ("none" without the library)."""
+    """The ISA path in use: "amx", "avx512bf16" (with VNNI), "avx2" or "scalar" ("none" without the library)."""
     lib = load()
     return lib.ms_isa().decode() if lib is not None else "none"
 
@@ -179,7 +187,7 @@ def best_isa() -> str:
 
 
 def set_isa(name: Optional[str]) -> None:
-    """Force an ISA path ("avx512bf16", "avx2", "scalar"; None: the best). ValueError if the CPU lacks it.
+    """Force an ISA path ("amx", "avx512bf16", "avx2", "scalar"; None: the best). ValueError if the CPU lacks it.
     Process-wide; meant for tests and benchmarks."""
     lib = _need()
     if lib.ms_set_isa((name or "").encode()) != 0:

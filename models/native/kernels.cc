@@ -1,10 +1,12 @@
-// moescope native CPU kernels: dense dots over [out, in] weights (bf16 or f32), SwiGLU experts, a
-// layer's routed experts in one call, and row gathers (embedding lookups). Used from jitted JAX programs
-// through XLA FFI custom calls (moescope_linear, moescope_swiglu, moescope_experts, each with an _f32
-// variant, and moescope_take_rows) and from Python through ctypes (ms_linear, ms_experts;
-// models/native/__init__.py). Built by models/native/build.py with plain -O3:
-// the ISA-specific code is compiled under `#pragma GCC target` and chosen once at load time
-// (AVX512-BF16, AVX2+FMA, or portable scalar code; MOESCOPE_NATIVE_ISA or ms_set_isa force a slower one).
+// moescope native CPU kernels: dense dots over [out, in] weights (bf16, f32, or ggml's Q8_0 / Q4_0 / Q4_K /
+// Q6_K blocks: see "Block-quantized weights" below), SwiGLU experts, a layer's routed experts in one call,
+// and row gathers (embedding lookups). Used from jitted JAX programs through XLA FFI custom calls
+// (moescope_linear, moescope_swiglu, moescope_experts, each with an _f32 variant, moescope_qlinear,
+// moescope_qswiglu, moescope_qexperts, and moescope_take_rows) and from Python through ctypes (ms_linear,
+// ms_experts, ms_qlinear, ms_qexperts; models/native/__init__.py). Built by models/native/build.py with plain
+// -O3: the ISA-specific code is compiled under `#pragma GCC target` and chosen once at load time (AMX tiles
+// for calls of >= 16 activation rows where the CPU has AMX-BF16/INT8 and the kernel grants the tile state,
+// AVX512-BF16 + VNNI, AVX2+FMA, or portable scalar code; MOESCOPE_NATIVE_ISA or ms_set_isa force a slower one).
 //
 // Layout. Every weight is [N, K] row-major with contiguous rows (HF/torch [out, in]):
 //   y[m, n] = sum_k x[m, k] * W[n, k].
@@ -1606,6 +1608,35 @@ inline __m512i codes512(const uint8_t* row, int64_t g, int n) {
   }
 }
 
+// Per-lane scales of group g in registers (group_scales' values; building them through memory would make
+// each vector load wait on 16 scalar stores).
+template <int QT>
+MS_INLINE void scales512(const uint8_t* row, int64_t g, int n, __m512& s, __m512& c) {
+  if constexpr (QT == kQ8_0 || QT == kQ4_0) {
+    constexpr int bytes = QT == kQ8_0 ? 34 : 18;
+    const float d0 = f16_at(row + 2 * g * bytes), d1 = n > 32 ? f16_at(row + (2 * g + 1) * bytes) : 0.0f;
+    s = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+    c = _mm512_setzero_ps();
+  } else if constexpr (QT == kQ4_K) {
+    const uint8_t* sb = row + (g / 4) * 144;
+    const int j = int(g % 4);
+    const float d = f16_at(sb), dmin = f16_at(sb + 2);
+    uint8_t sc0, m0, sc1, m1;
+    scale_min_k4(2 * j, sb + 4, sc0, m0);
+    scale_min_k4(2 * j + 1, sb + 4, sc1, m1);
+    s = _mm512_insertf32x8(_mm512_set1_ps(d * float(sc0)), _mm256_set1_ps(d * float(sc1)), 1);
+    c = _mm512_insertf32x8(_mm512_set1_ps(-(dmin * float(m0))), _mm256_set1_ps(-(dmin * float(m1))), 1);
+  } else {
+    const uint8_t* sb = row + (g / 4) * 210;
+    const int j = int(g % 4);
+    int32_t sc4;
+    std::memcpy(&sc4, sb + 192 + 8 * (j / 2) + 4 * (j % 2), 4);
+    const __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(sc4))), _mm_set1_ps(f16_at(sb + 208)));
+    s = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(v));
+    c = _mm512_setzero_ps();
+  }
+}
+
 template <int QT>
 void qmk512_t(QMK_ARGS) {
   (void)qt;
@@ -1614,20 +1645,19 @@ void qmk512_t(QMK_ARGS) {
     for (int i = 0; i < kQMR; ++i) accv[j][i] = _mm512_setzero_ps();
   QRow xr[kQMR];
   for (int i = 0; i < mr; ++i) xr[i] = a.row(m0 + i);
-  alignas(64) float s[16], c[16];
   for (int64_t g = g0; g < g1; ++g) {
     const int n = int(std::min<int64_t>(64, K - 64 * g));
     for (int j = 0; j < r; ++j) {
       const __m512i u = codes512<QT>(wr[j], g, n);
-      group_scales(QT, wr[j], g, n, s, c);
-      const __m512 sv = _mm512_load_ps(s);
+      __m512 sv, cv;
+      scales512<QT>(wr[j], g, n, sv, cv);
       for (int i = 0; i < mr; ++i) {
         const int64_t lane = 16 * g;
         const __m512i v = _mm512_dpbusd_epi32(_mm512_load_si512(xr[i].nxo + lane), u,
                                               _mm512_load_si512(xr[i].q + 64 * g));
         const __m512 sd = _mm512_mul_ps(sv, _mm512_load_ps(xr[i].dl + lane));
         accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), sd, accv[j][i]);
-        if constexpr (QT == kQ4_K) accv[j][i] = _mm512_fmadd_ps(_mm512_load_ps(c), _mm512_load_ps(xr[i].xs + lane), accv[j][i]);
+        if constexpr (QT == kQ4_K) accv[j][i] = _mm512_fmadd_ps(cv, _mm512_load_ps(xr[i].xs + lane), accv[j][i]);
       }
     }
   }
