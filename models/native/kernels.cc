@@ -1637,32 +1637,57 @@ MS_INLINE void scales512(const uint8_t* row, int64_t g, int n, __m512& s, __m512
   }
 }
 
-template <int QT>
-void qmk512_t(QMK_ARGS) {
-  (void)qt;
-  __m512 accv[kQR][kQMR];
-  for (int j = 0; j < kQR; ++j)
-    for (int i = 0; i < kQMR; ++i) accv[j][i] = _mm512_setzero_ps();
-  QRow xr[kQMR];
-  for (int i = 0; i < mr; ++i) xr[i] = a.row(m0 + i);
+// R weight rows x MR activation rows, both compile-time: the accumulators stay in registers.
+template <int QT, int R, int MR>
+void qmk512_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K, float* y,
+               size_t ldy, const int* nc, bool acc) {
+  __m512 accv[R][MR];
+  for (int j = 0; j < R; ++j)
+    for (int i = 0; i < MR; ++i) accv[j][i] = _mm512_setzero_ps();
+  QRow xr[MR];
+  for (int i = 0; i < MR; ++i) xr[i] = a.row(m0 + i);
+  // the R rows' codes and scales first, then each activation row's vectors loaded once for all of them
   for (int64_t g = g0; g < g1; ++g) {
     const int n = int(std::min<int64_t>(64, K - 64 * g));
-    for (int j = 0; j < r; ++j) {
-      const __m512i u = codes512<QT>(wr[j], g, n);
-      __m512 sv, cv;
-      scales512<QT>(wr[j], g, n, sv, cv);
-      for (int i = 0; i < mr; ++i) {
-        const int64_t lane = 16 * g;
-        const __m512i v = _mm512_dpbusd_epi32(_mm512_load_si512(xr[i].nxo + lane), u,
-                                              _mm512_load_si512(xr[i].q + 64 * g));
-        const __m512 sd = _mm512_mul_ps(sv, _mm512_load_ps(xr[i].dl + lane));
-        accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), sd, accv[j][i]);
-        if constexpr (QT == kQ4_K) accv[j][i] = _mm512_fmadd_ps(cv, _mm512_load_ps(xr[i].xs + lane), accv[j][i]);
+    __m512i u[R];
+    __m512 sv[R], cv[R];
+    for (int j = 0; j < R; ++j) {
+      u[j] = codes512<QT>(wr[j], g, n);
+      scales512<QT>(wr[j], g, n, sv[j], cv[j]);
+    }
+    const int64_t lane = 16 * g;
+    for (int i = 0; i < MR; ++i) {
+      const __m512i nxo = _mm512_load_si512(xr[i].nxo + lane), q = _mm512_load_si512(xr[i].q + 64 * g);
+      const __m512 dl = _mm512_load_ps(xr[i].dl + lane);
+      __m512 xs = _mm512_setzero_ps();
+      if constexpr (QT == kQ4_K) xs = _mm512_load_ps(xr[i].xs + lane);
+      for (int j = 0; j < R; ++j) {
+        const __m512i v = _mm512_dpbusd_epi32(nxo, u[j], q);
+        accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(sv[j], dl), accv[j][i]);
+        if constexpr (QT == kQ4_K) accv[j][i] = _mm512_fmadd_ps(cv[j], xs, accv[j][i]);
       }
     }
   }
-  for (int j = 0; j < r; ++j)
-    for (int i = 0; i < mr; ++i) put(y + (m0 + i) * ldy + nc[j], hsum512(accv[j][i]), acc);
+  for (int j = 0; j < R; ++j)
+    for (int i = 0; i < MR; ++i) put(y + (m0 + i) * ldy + nc[j], hsum512(accv[j][i]), acc);
+}
+
+template <int QT, int R>
+void qmk512_r(const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1, int64_t K, float* y,
+              size_t ldy, const int* nc, bool acc) {
+  switch (mr) {
+    case 1: return qmk512_rm<QT, R, 1>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+    case 2: return qmk512_rm<QT, R, 2>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+    case 3: return qmk512_rm<QT, R, 3>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+    default: return qmk512_rm<QT, R, 4>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+  }
+}
+
+template <int QT>
+void qmk512_t(QMK_ARGS) {
+  (void)qt;
+  if (r == kQR) return qmk512_r<QT, kQR>(wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
+  return qmk512_r<QT, 1>(wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
 }
 
 void qmk_avx512(QMK_ARGS) {
