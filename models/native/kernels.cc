@@ -894,13 +894,14 @@ Act prepare(int isa, int wt, const SRC* src, size_t ld, const int32_t* rows, int
   const int64_t Kp = (K + kE - 1) / kE * kE;
   if (std::is_same<SRC, uint16_t>::value && amx_bf16_rows(isa, wt, M)) {
     // AMX: plain rows of Kp elements, zero padded, rows padded with zeros to a multiple of 32
-    const int64_t Mp = (M + 31) / 32 * 32;
-    SRC* d = static_cast<SRC*>(grow_bytes(buf, size_t(Mp * Kp) * sizeof(SRC) + 64));
+    // (row stride Kp + 32: rows a multiple of 4 KiB apart would share L1 sets under the tile loads)
+    const int64_t Mp = (M + 31) / 32 * 32, ld = Kp + 32;
+    SRC* d = static_cast<SRC*>(grow_bytes(buf, size_t(Mp * ld) * sizeof(SRC) + 64));
     d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64 / sizeof(SRC);
-    std::memset(d, 0, size_t(Mp * Kp) * sizeof(SRC));
-    for (int64_t m = 0; m < M; ++m) std::memcpy(d + m * Kp, row(m), size_t(K) * sizeof(SRC));
+    std::memset(d, 0, size_t(Mp * ld) * sizeof(SRC));
+    for (int64_t m = 0; m < M; ++m) std::memcpy(d + m * ld, row(m), size_t(K) * sizeof(SRC));
     a.x = d;
-    a.ld = size_t(Kp);
+    a.ld = size_t(ld);
     return a;
   }
   if (M == 1) {
@@ -1293,8 +1294,9 @@ inline int64_t pad64(int64_t k) { return (k + 63) / 64 * 64; }
 struct QAct {
   const uint8_t* base = nullptr;
   int64_t Kp = 0;
+  int64_t stride = 0;  // bytes from row to row: 4 Kp + 64 (rows 4 KiB-multiples apart share L1 sets: AMX loads)
   QRow row(int64_t m) const {
-    const uint8_t* r = base + size_t(m) * size_t(4 * Kp);
+    const uint8_t* r = base + size_t(m) * size_t(stride);
     return {reinterpret_cast<const int8_t*>(r), reinterpret_cast<const int32_t*>(r + Kp),
             reinterpret_cast<const float*>(r + 2 * Kp), reinterpret_cast<const float*>(r + 3 * Kp)};
   }
@@ -1352,9 +1354,10 @@ QAct quantize_rows(const QSpec& sp, const void* x, bool xbf16, size_t ld, const 
   QAct a;
   a.Kp = pad64(K);
   const int64_t Mp = (M + 31) / 32 * 32;  // AMX takes activation rows 32 at a time: zero rows past M
-  uint8_t* d = static_cast<uint8_t*>(grow_bytes(buf, size_t(Mp * 4 * a.Kp) + 64));
+  a.stride = 4 * a.Kp + 64;
+  uint8_t* d = static_cast<uint8_t*>(grow_bytes(buf, size_t(Mp * a.stride) + 64));
   d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64;
-  std::memset(d + size_t(M * 4 * a.Kp), 0, size_t((Mp - M) * 4 * a.Kp));
+  std::memset(d + size_t(M * a.stride), 0, size_t((Mp - M) * a.stride));
   std::vector<float> tmp(xbf16 ? size_t(K) : 0);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t r = rows ? int64_t(rows[m]) : m;
@@ -1366,7 +1369,7 @@ QAct quantize_rows(const QSpec& sp, const void* x, bool xbf16, size_t ld, const 
     } else {
       src = static_cast<const float*>(x) + r * int64_t(ld);
     }
-    quantize_row(sp, src, K, d + size_t(m) * size_t(4 * a.Kp), a.Kp);
+    quantize_row(sp, src, K, d + size_t(m) * size_t(a.stride), a.Kp);
   }
   a.base = d;
   return a;
@@ -1866,7 +1869,7 @@ void qgemm_amx_t(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t r
       std::memset(acc, 0, 32 * 32 * sizeof(float));
       const int8_t* a0 = a.row(mb).q;
       const int8_t* a1 = a.row(mb + 16).q;
-      const size_t lda = size_t(4 * Kp);
+      const size_t lda = size_t(a.stride);
       for (int64_t g = 0; g < GS; ++g) {
         _tile_zero(0);
         _tile_zero(1);
@@ -1925,11 +1928,11 @@ void qgemm_range_amx(int qt, const QAct& a, int64_t M, int64_t K, const uint8_t*
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-int8,amx-bf16")
 
-// bf16 weights on AMX: x plain bf16 rows of a.ld elements (a multiple of 32, zero padded; rows padded with
+// bf16 weights on AMX: x plain bf16 rows a.ld elements apart (K zero padded to a multiple of 32; rows padded with
 // zeros to a multiple of 32), weights [N, K] bf16 rows of ldw elements.
 void gemm_range_amx_bf16(const Act& a, int64_t M, int64_t K, const uint16_t* w, size_t ldw, int64_t n0, int64_t n1,
                          float* y, size_t ldy) {
-  const int64_t Kp = int64_t(a.ld), KB = Kp / 32;
+  const int64_t ld = int64_t(a.ld), Kp = (K + 31) / 32 * 32, KB = Kp / 32;
   AmxScratch& s = t_amx;
   uint16_t* panel = reinterpret_cast<uint16_t*>(grow_bytes(s.panel, size_t(64 * Kp) + 64));
   panel += (64 - reinterpret_cast<uintptr_t>(panel) % 64) % 64 / 2;
@@ -1957,11 +1960,11 @@ void gemm_range_amx_bf16(const Act& a, int64_t M, int64_t K, const uint16_t* w, 
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      const uint16_t* a0 = x + mb * Kp;
-      const uint16_t* a1 = x + (mb + 16) * Kp;
+      const uint16_t* a0 = x + mb * ld;
+      const uint16_t* a1 = x + (mb + 16) * ld;
       for (int64_t kb = 0; kb < KB; ++kb) {
-        _tile_loadd(4, a0 + 32 * kb, size_t(2 * Kp));
-        _tile_loadd(5, a1 + 32 * kb, size_t(2 * Kp));
+        _tile_loadd(4, a0 + 32 * kb, size_t(2 * ld));
+        _tile_loadd(5, a1 + 32 * kb, size_t(2 * ld));
         _tile_loadd(6, panel + kb * 16 * 32, 64);
         _tile_loadd(7, panel + size_t(16 * Kp) + kb * 16 * 32, 64);
         _tile_dpbf16ps(0, 4, 6);
