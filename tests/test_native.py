@@ -1,5 +1,5 @@
 """models.native: the compiled CPU kernels (FFI in jitted JAX, ctypes on host arrays) against float64 numpy
-references that apply the same bf16 roundings, on every ISA path this CPU has (AVX512-BF16, AVX2, scalar).
+references that apply the same bf16 roundings, on every ISA path this CPU has (AMX, AVX512-BF16, AVX2, scalar).
 
 Tolerances are element-wise bounds: a bf16 result may differ from the rounded float64 one by one bf16
 step (2^-7 relative), a SwiGLU output by at most the effect of every h element one bf16 step off
@@ -27,7 +27,7 @@ from models import native
 from models.native import build
 
 BF16 = ml_dtypes.bfloat16
-ISAS = ["avx512bf16", "avx2", "scalar"]
+ISAS = ["amx", "avx512bf16", "avx2", "scalar"]
 ROOT = Path(__file__).resolve().parents[1]
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native library unavailable: {native.build_error()}")

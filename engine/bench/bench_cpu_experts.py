@@ -27,7 +27,18 @@ also run through the XLA FFI `models.native.experts` inside one jitted program (
 buffers get no huge pages and stream ~15% slower -- the mean per call, best of the rounds).
 
 A last table gives the fixed cost per expert of a tiny model layer (H 256) run in one native call
-against one torch call chain per expert. Prints; asserts nothing.
+against one torch call chain per expert.
+
+Types section (`--types`, default bf16,q8_0,q4_0,q4_k,q6_k; `--types-only` runs just it): one expert per
+call at each width and m = 1, 4, 16, 64 for every weight type, bf16 and ggml's block types (random blocks,
+distinct experts ~5x the L3 as above), on the best ISA path (AMX for m >= 16 where the CPU has it) and
+bf16 also on "today's" AVX512-BF16 path (`bf16@avx512`). Columns: GB/s of the expert's (quantized) bytes
+and their fraction of the read rate measured around the figure; TOP/s (2 x m x 3HF / time) and its ratio
+to today's bf16 kernel at the same width and m. DeepSeek-V2-Lite's F = 1408 is not a whole number of
+256-weight blocks: its K-quant experts take down in llama.cpp's fallback type (q4_k -> q4_0, q6_k -> q8_0),
+named in the table.
+    python -m engine.bench.bench_cpu_experts --types-only --threads 2 --rounds 2
+Prints; asserts nothing.
 """
 
 from __future__ import annotations
@@ -307,6 +318,80 @@ def print_layers(experts: dict[str, Experts], threads_list: list[int], fig: Figu
                                         else "copied into XLA buffers (4 KiB pages: slower to stream than numpy's)"))
 
 
+TYPES = ("bf16", "q8_0", "q4_0", "q4_k", "q6_k")
+DOWN_FALLBACK = {"q4_k": "q4_0", "q6_k": "q8_0"}  # llama.cpp's type for a K-quant tensor whose rows are not 256-aligned
+
+
+class TypedExperts:
+    """`count` distinct experts of one width in one weight type (bf16 arrays or block-quantized QuantArrays),
+    each packed on its own; weights together ~5x the L3 so every call reads from memory."""
+
+    def __init__(self, hidden: int, inter: int, qtype: str, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.hidden, self.inter, self.qtype = hidden, inter, qtype
+        self.down_type = DOWN_FALLBACK.get(qtype, qtype) if inter % 256 and qtype != "bf16" else qtype
+        if qtype == "bf16":
+            make = [lambda r, c: random_bf16(rng, (r, c))] * 3
+        else:
+            make = [lambda r, c: native.random_blocks(rng, qtype, r, c)] * 2 + [
+                lambda r, c: native.random_blocks(rng, self.down_type, r, c)]
+        first = (make[0](inter, hidden), make[1](inter, hidden), make[2](hidden, inter))
+        self.bytes = sum(w.nbytes for w in first)
+        count = max(3, math.ceil(5 * L3_BYTES / self.bytes))
+        self.packed = [native.pack_experts([first[0]], [first[1]], [first[2]])]
+        for _ in range(count - 1):
+            self.packed.append(native.pack_experts([make[0](inter, hidden)], [make[1](inter, hidden)],
+                                                   [make[2](hidden, inter)]))
+
+    def seconds(self, m: int, threads: int, calls: int) -> float:
+        x = np.ascontiguousarray(random_bf16(np.random.default_rng(m), (m, self.hidden)) * BF16(64))
+        out = np.zeros((m, self.hidden), np.float32)
+        offsets, tokens, pw = np.array([0, m], np.int64), np.arange(m, dtype=np.int32), np.ones(m, np.float32)
+
+        def call(i: int) -> None:
+            native.experts_host(out, x, self.packed[i % len(self.packed)], None, None, offsets, tokens, pw,
+                                threads=threads)
+
+        return best_seconds(call, calls)
+
+
+def types_table(types: list[str], threads: int, repeats: int, rounds: int) -> None:
+    """The types section (see the module docstring); one width's experts in memory at a time."""
+    best = native.best_isa()
+    print(f"\ntypes: one expert per call, {threads} thread(s), best ISA {best}; GB/s of the expert's bytes "
+          f"(quantized), 'of read' against the read rate measured around the figure; TOP/s = 2 m 3HF / time")
+    head = (f"{'width':17s} {'type':13s} {'MiB':>6s} {'m':>3s} | {'ms':>8s} {'GB/s':>6s} {'of read':>7s} | "
+            f"{'TOP/s':>6s} {'x bf16@avx512':>13s}")
+    print(f"{head}\n{'-' * len(head)}", flush=True)
+    runs = [(t, best) for t in types] + ([("bf16", "avx512bf16")] if "bf16" in types and best == "amx" else [])
+    for name, (H, F) in WIDTHS.items():
+        fig = Figures()
+        rows: list[tuple] = []
+        for qtype, isa in runs:
+            ex = TypedExperts(H, F, qtype)
+            native.set_isa(isa)
+            try:
+                for _ in range(max(rounds, 1)):
+                    for m in ROWS:
+                        fig.measure((qtype, isa, m), threads, lambda: ex.seconds(m, threads, max(repeats, 2)))
+            finally:
+                native.set_isa(None)
+            label = qtype if qtype == ex.down_type else f"{qtype}/{ex.down_type}"
+            rows.append((qtype, isa, label + ("@avx512" if isa != best else ""), ex.bytes))
+            del ex
+        today = {m: fig.best[("bf16", "avx512bf16" if best == "amx" else best, m)] for m in ROWS
+                 if ("bf16", "avx512bf16" if best == "amx" else best, m) in fig.best}
+        for qtype, isa, label, nbytes in rows:
+            for m in ROWS:
+                s, gbs, frac = fig.gbs((qtype, isa, m), nbytes)
+                tops = 2 * m * 3 * H * F / s / 1e12
+                ratio = f"{today[m] / s:13.2f}" if m in today else f"{'-':>13s}"
+                print(f"{name:17s} {label:13s} {nbytes / 2**20:6.1f} {m:3d} | {s * 1e3:8.3f} {gbs:6.1f} {frac:7.0%} | "
+                      f"{tops:6.3f} {ratio}", flush=True)
+    print("'x bf16@avx512': today's bf16 kernel time (AVX512-BF16 dot products, no AMX) over this row's, same width "
+          "and m (higher: faster); K-quant experts at DeepSeek-V2-Lite width take down in the type after the slash")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
@@ -315,12 +400,24 @@ def main(argv: list[str] | None = None) -> int:
                     help="passes over every native figure and read rate, best kept (default 3)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch comparisons")
     ap.add_argument("--no-layer", action="store_true", help="skip the layer tables (host call and XLA FFI)")
+    ap.add_argument("--types", default=",".join(TYPES),
+                    help=f"weight types of the types section (default {','.join(TYPES)}; empty: skip it)")
+    ap.add_argument("--types-only", action="store_true", help="run only the types section")
     args = ap.parse_args(argv)
     threads_list = [int(t) for t in args.threads.split(",")]
     if not native.available():
         print(f"native kernels unavailable: {native.build_error()}")
         return 1
+    types = [t for t in args.types.split(",") if t]
+    unknown = sorted(set(types) - set(TYPES))
+    if unknown:
+        print(f"--types: unknown {unknown}; supported: {', '.join(TYPES)}")
+        return 2
     start = time.perf_counter()
+    if args.types_only:
+        types_table(types, max(threads_list), args.repeats, args.rounds)
+        print(f"\ntotal {time.perf_counter() - start:.0f} s")
+        return 0
     print(f"native ISA: {native.isa()}; weights cycle over distinct experts (~5x the {L3_BYTES >> 20} MiB L3); "
           f"best of {args.repeats} calls x {args.rounds} rounds; GB/s of bf16 weight bytes")
     experts = {name: Experts(h, f, *LAYERS[name]) for name, (h, f) in WIDTHS.items()}
@@ -376,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
           "torch's time over the native time (higher: native faster; torch timed in one round only)")
     if not args.no_layer:
         print_layers(experts, threads_list, fig, list(ffi.values()))
+    if types:
+        del experts, ffi
+        types_table(types, max(threads_list), args.repeats, args.rounds)
     print("\ntiny layer (H 256, F 128, 8 experts x 2 tokens in one call): microseconds per expert")
     for th in threads_list:
         nat, tor = tiny_overhead(th, max(20, args.repeats))

@@ -1,4 +1,11 @@
-"""moescope's compiled CPU kernels for bf16 (and f32) weights: dots and SwiGLU experts.
+"""moescope's compiled CPU kernels for bf16 (and f32) and block-quantized weights: dots and SwiGLU experts.
+
+Block-quantized weights (ggml's Q8_0, Q4_0, Q4_K, Q6_K blocks byte for byte, as `models.quant.blocks.QuantArray`)
+go through the same entry points: `linear(x, w)`, `swiglu(x, gate_up, down)` and `experts(...)` in JAX
+(`qlinear`, `qswiglu`, `qexperts`), `linear_host`, `pack_experts` and `experts_host` on the host; activations
+are quantized as llama.cpp does (Q8_0 per 32 for Q8_0 / Q4_0, Q8_K per 256 for Q4_K / Q6_K), integer dot
+products (VNNI VPDPBUSD, AVX2 VPMADDWD, scalar, AMX TDPBSSD for calls of >= 16 rows), scales applied per
+group; references: `qlinear_reference` (numpy, gguf's dequantizer), `qlinear_jax_reference` (XLA).
 
 XLA:CPU converts a whole bf16 weight to f32 on every bf16 dot (a matvec runs far below the memory
 read rate), and torch's bf16 linear also stays well below it; these kernels stream bf16 weights at close
@@ -28,8 +35,9 @@ The library is compiled on first use (`models/native/build.py`, 5-10 s with g++ 
 Without a compiler every entry point still works (pure XLA in JAX; `experts_host` and `linear_host`
 raise, check `available()` first); `load()` warns once, naming the cause.
 
-Environment: `MOESCOPE_NATIVE_DISABLE=1` skips the library; `MOESCOPE_NATIVE_ISA=avx2|scalar` forces a
-slower path (also `set_isa`); `MOESCOPE_NATIVE_DIR` chooses the build folder; `CXX` the compiler;
+Environment: `MOESCOPE_NATIVE_DISABLE=1` skips the library; `MOESCOPE_NATIVE_ISA=avx512bf16|avx2|scalar`
+forces a slower path (also `set_isa`; "amx" -- AMX-BF16 / AMX-INT8 tiles for calls of >= 16 rows, AVX-512 below
+that -- is the best where the CPU has it and the kernel grants the tile state); `MOESCOPE_NATIVE_DIR` chooses the build folder; `CXX` the compiler;
 `MOESCOPE_NATIVE_EP_MAX_MB` (default 64) the largest expert (MiB of weights) a layer call shares out whole
 to a thread; `MOESCOPE_NATIVE_XLA_POOL=0` keeps FFI calls on the library's own threads instead of
 borrowing XLA's intra-op pool.
@@ -54,6 +62,8 @@ __all__ = [
     "linear", "swiglu", "linear_reference", "swiglu_reference", "take_rows", "take_rows_reference",
     "experts", "experts_reference", "available_experts",
     "ExpertWeights", "pack_experts", "experts_host", "linear_host", "stream_read", "count_nonfinite", "native_or",
+    "QTYPE_IDS", "quantize_activations", "dequantize", "qlinear_reference", "qswiglu_reference", "qexperts_host_reference",
+    "dequantize_jax", "qlinear_jax_reference", "qlinear", "qswiglu", "qexperts", "qexperts_reference", "random_blocks",
 ]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -69,6 +79,9 @@ _TARGETS = {
     "moescope_take_rows": "ms_ffi_take_rows",
     "moescope_experts": "ms_ffi_experts_bf16",
     "moescope_experts_f32": "ms_ffi_experts_f32",
+    "moescope_qlinear": "ms_ffi_qlinear",
+    "moescope_qswiglu": "ms_ffi_qswiglu",
+    "moescope_qexperts": "ms_ffi_qexperts",
 }
 _STRATEGIES = {"auto": 0, "rows": 1, "experts": 2}
 
@@ -102,6 +115,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_linear.argtypes = [vp, i64, i64, vp, i64, vp, i32, i32]
     lib.ms_experts.restype = i32
     lib.ms_experts.argtypes = [vp, i64, i64, i64, i32, i64, vp, vp, vp, vp, i64, vp, vp, vp, i32, vp, i32]
+    lib.ms_qlinear.restype = i32
+    lib.ms_qlinear.argtypes = [vp, i32, i64, i64, vp, i32, i64, vp, i32]
+    lib.ms_qquantize.restype = i32
+    lib.ms_qquantize.argtypes = [vp, i64, i64, i32, vp, vp]
+    lib.ms_qexperts.restype = i32
+    lib.ms_qexperts.argtypes = [vp, i32, i64, i64, i64, i32, i32, i32, i64, vp, vp, vp, vp, i64, vp, vp, vp, i32, vp, i32]
     lib.ms_read.restype = c.c_double
     lib.ms_read.argtypes = [vp, i64, i32]
     lib.ms_nonfinite.restype = i64
@@ -156,7 +175,7 @@ def _need() -> ctypes.CDLL:
 
 
 def isa() -> str:
-    """The ISA path in use: "avx512bf16", "avx2" or "scalar" ("none" without the library)."""
+    """The ISA path in use: "amx", "avx512bf16" (with VNNI), "avx2" or "scalar" ("none" without the library)."""
     lib = load()
     return lib.ms_isa().decode() if lib is not None else "none"
 
@@ -168,7 +187,7 @@ def best_isa() -> str:
 
 
 def set_isa(name: Optional[str]) -> None:
-    """Force an ISA path ("avx512bf16", "avx2", "scalar"; None: the best). ValueError if the CPU lacks it.
+    """Force an ISA path ("amx", "avx512bf16", "avx2", "scalar"; None: the best). ValueError if the CPU lacks it.
     Process-wide; meant for tests and benchmarks."""
     lib = _need()
     if lib.ms_set_isa((name or "").encode()) != 0:
@@ -265,6 +284,8 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., K] times w [N, K]^T -> [..., N]: bf16 x and w give bf16 (f32 sums rounded once); f32 gives f32.
     On the CPU backend a native FFI kernel; elsewhere, for other dtypes, or without the library,
     `linear_reference`. Usable under jit and control flow; differentiable (through the reference math)."""
+    if _is_quant(w):
+        return qlinear(x, w)
     if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"linear: x {x.shape} and w {w.shape}: expected x [..., K] and w [N, K]")
     if not _native_ok(x, w):
@@ -279,6 +300,8 @@ def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     All bf16 (roundings as in `swiglu_reference`) or all f32. On the CPU backend a native FFI kernel;
     elsewhere, for other dtypes, or without the library, `swiglu_reference`. Usable under jit and control
     flow; differentiable (through the reference math)."""
+    if _is_quant(gate_up) or _is_quant(down):
+        return qswiglu(x, gate_up, down)
     h = x.shape[-1] if x.ndim else -1
     if (x.ndim < 1 or gate_up.ndim != 2 or down.ndim != 2 or gate_up.shape[0] % 2 or gate_up.shape[1] != h
             or down.shape != (h, gate_up.shape[0] // 2)):
@@ -418,7 +441,9 @@ def experts(x: jax.Array, tokens: jax.Array, pair_weight: jax.Array, offsets: ja
     This is a raw CPU-only custom call (lowering for another backend fails): wrap it in
     `lax.platform_dependent(..., cpu=experts, default=<XLA path>)`, e.g. with `experts_reference`, and
     check `available_experts()` first (RuntimeError without the library). Usable under jit, while_loop,
-    cond, switch; not differentiable."""
+    cond, switch; not differentiable. Block-quantized experts (lists of `QuantArray`s): `qexperts`."""
+    if isinstance(gate_up, (list, tuple)) and gate_up and _is_quant(gate_up[0]):
+        return qexperts(x, tokens, pair_weight, offsets, gate_up, down, strategy=strategy)
     tokens, pair_weight, offsets = _routing(x, tokens, pair_weight, offsets, "experts")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"experts: x dtype {x.dtype}, expected bfloat16 or float32")
@@ -496,9 +521,11 @@ def _wdtype(dt: np.dtype, what: str) -> int:
 
 
 class ExpertWeights:
-    """Validated weights of several SwiGLU experts (gate [F, H], up [F, H], down [H, F] each, one dtype),
-    with their addresses packed for `experts_host`. Holds references to the arrays. Pack a layer's
-    experts once and pass the result to `experts_host` to skip the per-call checks."""
+    """Validated weights of several SwiGLU experts (gate [F, H], up [F, H], down [H, F] each), with their
+    addresses packed for `experts_host`: all bf16 or all f32 arrays (numpy / torch), or all block-quantized
+    (`models.quant.blocks.QuantArray` with host numpy data; gates share one block type, ups one, downs one, as
+    a GGUF layer's stacked expert tensors do). Holds references to the arrays. Pack a layer's experts once
+    and pass the result to `experts_host` to skip the per-call checks."""
 
     def __init__(self, gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any]):
         n = len(gates)
@@ -509,8 +536,11 @@ class ExpertWeights:
         self.hidden = self.intermediate = 0
         self.wdtype = _W_BF16  # set from the first weight
         self.dtype: Optional[np.dtype] = None
+        self.qtypes: Optional[tuple[str, str, str]] = None  # block types of gate, up, down when quantized
         ptrs = np.zeros((3, n), np.uintp)
-        for e in range(n):
+        if n and _is_quant(gates[0]):
+            self._pack_quant(gates, ups, downs, ptrs)
+        for e in range(n if self.qtypes is None else 0):
             for j, (arr, name) in enumerate(zip((gates[e], ups[e], downs[e]), ("gate", "up", "down"))):
                 addr, dt, shape = _host_array(arr, f"expert {e} {name}")
                 if self.dtype is None:
@@ -527,6 +557,19 @@ class ExpertWeights:
                 ptrs[j, e] = addr
         self.ptrs = ptrs
         self.addresses = tuple(int(row.ctypes.data) for row in ptrs)  # what each call passes
+
+    def _pack_quant(self, gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any], ptrs: np.ndarray) -> None:
+        F, H = gates[0].shape
+        self.intermediate, self.hidden = F, H
+        self.qtypes = (gates[0].qtype, ups[0].qtype, downs[0].qtype)
+        for e in range(self.n):
+            for j, (arr, name) in enumerate(zip((gates[e], ups[e], downs[e]), ("gate", "up", "down"))):
+                want = (H, F) if name == "down" else (F, H)
+                if not _is_quant(arr) or arr.qtype != self.qtypes[j] or tuple(arr.shape) != want:
+                    got = f"{arr.qtype} {tuple(arr.shape)}" if _is_quant(arr) else type(arr).__name__
+                    raise ValueError(f"expert {e} {name}: {got}, expected a {self.qtypes[j]} QuantArray {list(want)} "
+                                     f"like expert 0's")
+                ptrs[j, e] = _quant_address(arr, f"expert {e} {name}")
 
 
 def pack_experts(gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any]) -> ExpertWeights:
@@ -565,6 +608,8 @@ def experts_host(out: np.ndarray, x: Any, gates: Sequence[Any] | ExpertWeights, 
     Experts without pairs are never read."""
     lib = _need()
     w = gates if isinstance(gates, ExpertWeights) else ExpertWeights(gates, ups or (), downs or ())
+    if w.qtypes is not None:
+        return _qexperts_host(lib, out, x, w, offsets, tokens, pair_weight, threads, seconds, strategy)
     xa, xdt, xshape = _host_array(x, "x")
     oa, odt, oshape = _host_array(out, "out", writeable=True)
     if odt != _F32 or len(oshape) != 2:
@@ -590,8 +635,11 @@ def experts_host(out: np.ndarray, x: Any, gates: Sequence[Any] | ExpertWeights, 
 
 def linear_host(x: Any, w: Any, threads: int = 1) -> np.ndarray:
     """f32 [..., N] = x [..., K] times w [N, K]^T (x bf16 for bf16 w, f32 for f32 w; C-contiguous numpy or
-    torch CPU arrays), with `threads` threads (<= 0: the library default)."""
+    torch CPU arrays), with `threads` threads (<= 0: the library default). w may be a block-quantized
+    `QuantArray` (host data): then x is bf16 or f32 and is quantized as llama.cpp does (see `qlinear_reference`)."""
     lib = _need()
+    if _is_quant(w):
+        return _qlinear_host(lib, x, w, threads)
     xa, xdt, xshape = _host_array(x, "x")
     wa, wdt, wshape = _host_array(w, "w")
     wdtype = _wdtype(wdt, "w")
@@ -630,3 +678,386 @@ def count_nonfinite(a: np.ndarray, threads: int = 0) -> int:
     mask = {32: 0x7F800000, 16: 0x7F80 if a.dtype == _BF16 else 0x7C00}[bits]
     step = 1 << 24
     return sum(int(np.count_nonzero((raw[i:i + step] & mask) == mask)) for i in range(0, raw.size, step))
+
+
+# ---- block-quantized weights (ggml layouts; models.quant.blocks.QuantArray) --------------------------------
+#
+# Activation rounding, as llama.cpp's CPU backend does before its integer dot products: for Q8_0 / Q4_0
+# weights each row of x is quantized per 32 values to Q8_0 (d = max|x| / 127 stored as f16, q = roundf(x / d)
+# computed with the unrounded d); for Q4_K / Q6_K per 256 values to Q8_K (f32 d = max / -127 where max is the
+# value of largest magnitude, q = round-half-even(x * (-127 / max)), at most 127). The kernels then compute
+# exact integer sums per weight-scale group, scaled in f32: each result equals `qlinear_reference` (dequantized
+# quantized activations times the dequantized blocks, an f32/f64 matmul) to within f32 summation error. A
+# quantized SwiGLU expert keeps g = x gate^T and u = x up^T in f32, h = silu(g) * u in f32, quantizes h the
+# same way for the down projection, and returns f32.
+
+QTYPE_IDS = {"q4_0": 2, "q8_0": 8, "q4_k": 12, "q6_k": 14}
+_XBLK = {"q4_0": 32, "q8_0": 32, "q4_k": 256, "q6_k": 256}
+
+
+def _is_quant(a: Any) -> bool:
+    return hasattr(a, "qtype") and hasattr(a, "data") and not hasattr(a, "dtype")
+
+
+def _qtype_id(qtype: str, what: str) -> int:
+    if qtype not in QTYPE_IDS:
+        raise ValueError(f"{what}: block type {qtype!r} has no native kernel; supported: {', '.join(QTYPE_IDS)}")
+    return QTYPE_IDS[qtype]
+
+
+def _quant_address(w: Any, what: str) -> int:
+    _qtype_id(w.qtype, what)
+    data = w.data
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or not data.flags.c_contiguous:
+        raise ValueError(f"{what}: QuantArray data must be a C-contiguous numpy uint8 array (host memory)")
+    return data.__array_interface__["data"][0]
+
+
+def _x_rows(x: Any, what: str = "x") -> tuple[int, int, tuple[int, ...]]:
+    """(address, 1 if bf16 else 0, shape) of a bf16 or f32 activation array."""
+    xa, xdt, xshape = _host_array(x, what)
+    if xdt not in (_BF16, _F32):
+        raise ValueError(f"{what}: dtype {xdt}, expected bfloat16 or float32 for block-quantized weights")
+    return xa, int(xdt == _BF16), tuple(xshape)
+
+
+def _qlinear_host(lib: ctypes.CDLL, x: Any, w: Any, threads: int) -> np.ndarray:
+    xa, xbf, xshape = _x_rows(x)
+    N, K = w.shape
+    if len(xshape) < 1 or xshape[-1] != K:
+        raise ValueError(f"x {xshape}, w {w.qtype} {tuple(w.shape)}: expected x [..., K], w [N, K]")
+    M = int(np.prod(xshape[:-1], dtype=np.int64))
+    y = np.empty((*xshape[:-1], N), np.float32)
+    if lib.ms_qlinear(xa, xbf, M, K, _quant_address(w, "w"), QTYPE_IDS[w.qtype], N, y.ctypes.data, int(threads)) != 0:
+        raise ValueError(lib.ms_last_error().decode())
+    return y
+
+
+def _qexperts_host(lib: ctypes.CDLL, out: np.ndarray, x: Any, w: ExpertWeights, offsets: np.ndarray,
+                   tokens: np.ndarray, pair_weight: np.ndarray, threads: int, seconds: Optional[np.ndarray],
+                   strategy: str) -> None:
+    xa, xbf, xshape = _x_rows(x)
+    oa, odt, oshape = _host_array(out, "out", writeable=True)
+    if odt != _F32 or len(oshape) != 2:
+        raise ValueError(f"out: {odt} {oshape}, expected float32 [T, H]")
+    T, H = oshape
+    if tuple(xshape) != (T, H):
+        raise ValueError(f"x: shape {tuple(xshape)}, expected {[T, H]} like out")
+    if w.hidden != H:
+        raise ValueError(f"experts: hidden size {w.hidden}, but x and out have {H}")
+    offs = _check_vec(offsets, np.int64, w.n + 1, "offsets")
+    n_pairs = int(tokens.shape[0]) if isinstance(tokens, np.ndarray) else -1
+    toks = _check_vec(tokens, np.int32, None, "tokens")
+    pws = _check_vec(pair_weight, np.float32, n_pairs, "pair_weight")
+    secs = None if seconds is None else _check_vec(seconds, np.float64, w.n, "seconds", writeable=True)
+    qg, qu, qd = (QTYPE_IDS[q] for q in w.qtypes)
+    rc = lib.ms_qexperts(xa, xbf, T, H, w.intermediate, qg, qu, qd, w.n, *w.addresses, offs, n_pairs, toks, pws, oa,
+                         int(threads), secs, _strategy(strategy))
+    if rc != 0:
+        raise ValueError(lib.ms_last_error().decode())
+
+
+def _round_away(v: np.ndarray) -> np.ndarray:
+    """C's roundf (halves away from zero), exactly, in float32."""
+    t = np.trunc(v)
+    return np.where(np.abs(v - t) == np.float32(0.5), t + np.sign(v), np.rint(v)).astype(np.float32)
+
+
+def quantize_activations(x: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' activation rounding for weights of `qtype`, in numpy: x f32 [M, K] -> (q int8 [M, K],
+    d f32 [M, K / B]) with x ~ d * q per block of B = 32 (Q8_0: Q8_0 / Q4_0 weights) or 256 (Q8_K: Q4_K /
+    Q6_K weights), computed as llama.cpp's quantize_row_q8_0 / quantize_row_q8_K do."""
+    B = _XBLK[qtype] if qtype in _XBLK else _qtype_id(qtype, "quantize_activations")
+    x = np.asarray(x, np.float32)
+    M, K = x.shape
+    if K % B:
+        raise ValueError(f"quantize_activations: {K} columns are not a whole number of {B}-value blocks")
+    v = x.reshape(M, K // B, B)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if B == 32:
+            amax = np.abs(v).max(-1)
+            d = (amax / np.float32(127)).astype(np.float32)
+            inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+            q = _round_away(v * inv[..., None])
+            d = d.astype(np.float16).astype(np.float32)  # stored as f16, round to nearest even
+        else:
+            idx = np.abs(v).argmax(-1)
+            mx = np.take_along_axis(v, idx[..., None], -1)[..., 0]
+            zero = mx == 0
+            iscale = np.where(zero, np.float32(0), np.float32(-127) / np.where(zero, 1, mx)).astype(np.float32)
+            q = np.minimum(np.float32(127), np.rint(v * iscale[..., None]))
+            d = np.where(zero, np.float32(0), np.float32(1) / np.where(zero, 1, iscale)).astype(np.float32)
+    return q.astype(np.int8).reshape(M, K), d.astype(np.float32)
+
+
+def dequantize(w: Any) -> np.ndarray:
+    """f32 [rows, cols] of a block-quantized `QuantArray` (gguf.quants.dequantize: the reference)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    t = GGMLQuantizationType(_qtype_id(w.qtype, "dequantize"))
+    return np.asarray(gguf_dequantize(np.asarray(w.data), t), np.float32).reshape(w.shape)
+
+
+def _rounded_x(x: Any, qtype: str) -> np.ndarray:
+    xf = np.asarray(x, np.float32)
+    q, d = quantize_activations(xf.reshape(-1, xf.shape[-1]), qtype)
+    B = _XBLK[qtype]
+    return (q.astype(np.float32).reshape(q.shape[0], -1, B) * d[..., None]).reshape(xf.shape)
+
+
+def qlinear_reference(x: Any, w: Any) -> np.ndarray:
+    """What `linear_host(x, w)` computes for a QuantArray w, in numpy: x's activation rounding for w's block
+    type (`quantize_activations`), dequantized, times `dequantize(w)`^T, summed in f64, returned f32 [..., N]."""
+    xr = _rounded_x(x, w.qtype)
+    return (xr.astype(np.float64) @ dequantize(w).astype(np.float64).T).astype(np.float32)
+
+
+def qswiglu_reference(x: Any, gate: Any, up: Any, down: Any) -> np.ndarray:
+    """A block-quantized SwiGLU expert in numpy: g, u = `qlinear_reference` (f32), h = silu(g) * u (f32), then
+    `qlinear_reference(h, down)`: f32 [..., H]."""
+    g = qlinear_reference(x, gate)
+    u = qlinear_reference(x, up)
+    h = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
+    return qlinear_reference(h, down)
+
+
+def qexperts_host_reference(out0: np.ndarray, x: Any, gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any],
+                       offsets: np.ndarray, tokens: np.ndarray, pair_weight: np.ndarray) -> np.ndarray:
+    """What `experts_host` adds for block-quantized experts, in numpy: out0 + sum over pairs of
+    pair_weight * `qswiglu_reference`(x[token]) (f32 [T, H], a new array)."""
+    out = np.array(out0, np.float32, copy=True)
+    xf = np.asarray(x, np.float32)
+    for e in range(len(gates)):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        if hi > lo:
+            tok = np.asarray(tokens[lo:hi])
+            y = qswiglu_reference(xf[tok], gates[e], ups[e], downs[e])
+            np.add.at(out, tok, (pair_weight[lo:hi, None] * y).astype(np.float32))
+    return out
+
+
+# ---- block-quantized weights in JAX (XLA FFI on the CPU backend, the same math in XLA elsewhere) ------------
+
+def _jnp_f16(b: jax.Array) -> jax.Array:
+    """f32 of little-endian f16 bytes b [..., 2] (uint8)."""
+    return lax.bitcast_convert_type(b, jnp.float16).astype(jnp.float32)
+
+
+def _jnp_scale_min_k4(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Q4_K's 8 six-bit scales and mins from its 12 scale bytes s [..., 12] (ggml's get_scale_min_k4)."""
+    s = s.astype(jnp.int32)
+    lo_sc, lo_m = s[..., 0:4] & 63, s[..., 4:8] & 63
+    hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    hi_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return jnp.concatenate([lo_sc, hi_sc], -1), jnp.concatenate([lo_m, hi_m], -1)
+
+
+def dequantize_jax(data: jax.Array, qtype: str, cols: int) -> jax.Array:
+    """f32 [rows, cols] of block data uint8 [rows, row_bytes] of `qtype` (ggml's dequantize_row_*, in XLA)."""
+    _qtype_id(qtype, "dequantize_jax")
+    rows = data.shape[0]
+    b = data.reshape(rows, -1, {"q8_0": 34, "q4_0": 18, "q4_k": 144, "q6_k": 210}[qtype])
+    if qtype == "q8_0":
+        w = _jnp_f16(b[..., 0:2])[..., None] * lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
+    elif qtype == "q4_0":
+        qs = b[..., 2:18].astype(jnp.int32)
+        q = jnp.concatenate([qs & 15, qs >> 4], -1) - 8
+        w = _jnp_f16(b[..., 0:2])[..., None] * q.astype(jnp.float32)
+    elif qtype == "q4_k":
+        sc, m = _jnp_scale_min_k4(b[..., 4:16])
+        qs = b[..., 16:].astype(jnp.int32).reshape(rows, -1, 4, 32)
+        q = jnp.stack([qs & 15, qs >> 4], -2).reshape(rows, -1, 8, 32).astype(jnp.float32)
+        d = _jnp_f16(b[..., 0:2])[..., None] * sc.astype(jnp.float32)
+        dm = _jnp_f16(b[..., 2:4])[..., None] * m.astype(jnp.float32)
+        w = d[..., None] * q - dm[..., None]
+    else:
+        ql = b[..., :128].astype(jnp.int32).reshape(rows, -1, 2, 2, 32)
+        qh = b[..., 128:192].astype(jnp.int32).reshape(rows, -1, 2, 32)
+        A, B = ql[..., 0, :], ql[..., 1, :]
+        q = jnp.stack([(A & 15) | ((qh & 3) << 4), (B & 15) | (((qh >> 2) & 3) << 4),
+                       (A >> 4) | (((qh >> 4) & 3) << 4), (B >> 4) | (((qh >> 6) & 3) << 4)], -2)
+        q = (q.reshape(rows, -1, 16, 16) - 32).astype(jnp.float32)
+        sc = lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.float32)
+        w = (_jnp_f16(b[..., 208:210])[..., None] * sc)[..., None] * q
+    return w.reshape(rows, cols)
+
+
+def _jnp_round_x(x: jax.Array, qtype: str) -> jax.Array:
+    """x f32 [M, K] after the kernels' activation rounding for `qtype` (see `quantize_activations`)."""
+    B = _XBLK[qtype]
+    M, K = x.shape
+    v = x.astype(jnp.float32).reshape(M, K // B, B)
+    if B == 32:
+        d = jnp.abs(v).max(-1) / jnp.float32(127)
+        inv = jnp.where(d != 0, 1 / jnp.where(d != 0, d, 1), 0)
+        s = v * inv[..., None]
+        t = jnp.trunc(s)
+        q = jnp.where(jnp.abs(s - t) == 0.5, t + jnp.sign(s), jnp.round(s))
+        d = d.astype(jnp.float16).astype(jnp.float32)
+    else:
+        idx = jnp.abs(v).argmax(-1)
+        mx = jnp.take_along_axis(v, idx[..., None], -1)[..., 0]
+        zero = mx == 0
+        iscale = jnp.where(zero, 0, jnp.float32(-127) / jnp.where(zero, 1, mx))
+        q = jnp.minimum(127, jnp.round(v * iscale[..., None]))
+        d = jnp.where(zero, 0, 1 / jnp.where(zero, 1, iscale))
+    return (q * d[..., None]).reshape(M, K)
+
+
+def qlinear_jax_reference(x: jax.Array, data: jax.Array, qtype: str) -> jax.Array:
+    """Pure-XLA block-quantized linear: x [M, K] rounded as the kernels round it, times the dequantized
+    blocks data uint8 [N, row_bytes] transposed, f32 [M, N] (HIGHEST precision dot)."""
+    w = dequantize_jax(data, qtype, x.shape[-1])
+    return jnp.dot(_jnp_round_x(x, qtype), w.T, precision=lax.Precision.HIGHEST)
+
+
+def _qswiglu_jax(x: jax.Array, gate_up: jax.Array, down: jax.Array, qgu: str, qdown: str) -> jax.Array:
+    F = gate_up.shape[0] // 2
+    gu = qlinear_jax_reference(x, gate_up, qgu)
+    g, u = gu[:, :F], gu[:, F:]
+    return qlinear_jax_reference(jax.nn.silu(g) * u, down, qdown)
+
+
+_q_fns: dict = {}
+
+
+def _q_fn(kind: str, *key: Any) -> Callable[..., jax.Array]:
+    """native_or(FFI call, XLA reference) for one block type combination (the types are static attributes)."""
+    if (kind, *key) in _q_fns:
+        return _q_fns[(kind, *key)]
+    if kind == "linear":
+        (qt,) = key
+
+        def ffi_fn(x2: jax.Array, data: jax.Array) -> jax.Array:
+            out = jax.ShapeDtypeStruct((x2.shape[0], data.shape[0]), jnp.float32)
+            return jax.ffi.ffi_call("moescope_qlinear", out, vmap_method="sequential")(
+                x2, data, qtype=np.int32(QTYPE_IDS[qt]))
+
+        fn = native_or(ffi_fn, lambda x2, data: qlinear_jax_reference(x2, data, qt))
+    else:
+        qgu, qdown = key
+
+        def ffi_fn(x2: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+            out = jax.ShapeDtypeStruct((x2.shape[0], x2.shape[1]), jnp.float32)
+            return jax.ffi.ffi_call("moescope_qswiglu", out, vmap_method="sequential")(
+                x2, gate_up, down, qgu=np.int32(QTYPE_IDS[qgu]), qdown=np.int32(QTYPE_IDS[qdown]),
+                F=np.int64(gate_up.shape[0] // 2))
+
+        fn = native_or(ffi_fn, lambda x2, gu, dn: _qswiglu_jax(x2, gu, dn, qgu, qdown))
+    _q_fns[(kind, *key)] = fn
+    return fn
+
+
+def _q_native_ok(x: Any) -> bool:
+    return x.dtype in (jnp.bfloat16, jnp.float32) and available_experts()
+
+
+def qlinear(x: jax.Array, w: Any) -> jax.Array:
+    """x [..., K] times a block-quantized w (`QuantArray` [N, K], data a jax uint8 array) -> [..., N] in x's
+    dtype (f32 sums rounded once). Activation rounding: see `quantize_activations`. CPU backend: the native
+    FFI kernel; elsewhere (or without the library): `qlinear_jax_reference`. `linear(x, w)` calls this for a
+    QuantArray w."""
+    N, K = w.shape
+    if x.ndim < 1 or x.shape[-1] != K:
+        raise ValueError(f"linear: x {x.shape} and {w.qtype} w {tuple(w.shape)}: expected x [..., K] and w [N, K]")
+    _qtype_id(w.qtype, "linear: w")
+    x2 = x.reshape(-1, K)
+    data = jnp.asarray(w.data)
+    if _q_native_ok(x):
+        y = _q_fn("linear", w.qtype)(x2, data)
+    else:
+        y = qlinear_jax_reference(x2.astype(jnp.float32), data, w.qtype)
+    return y.astype(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def qswiglu(x: jax.Array, gate_up: Any, down: Any) -> jax.Array:
+    """Block-quantized SwiGLU expert: x [..., H], gate_up `QuantArray` [2F, H] (gate rows first), down
+    `QuantArray` [H, F] -> f32 [..., H] (g and u f32, h = silu(g) * u f32 and rounded for down's type as x is
+    for gate_up's; see `qswiglu_reference`). `swiglu(x, gate_up, down)` calls this for QuantArrays."""
+    h = x.shape[-1] if x.ndim else -1
+    if (x.ndim < 1 or gate_up.shape[0] % 2 or gate_up.shape[1] != h or tuple(down.shape) != (h, gate_up.shape[0] // 2)):
+        raise ValueError(f"swiglu: x {x.shape}, gate_up {gate_up.qtype} {tuple(gate_up.shape)}, down "
+                         f"{down.qtype} {tuple(down.shape)}: expected x [..., H], gate_up [2F, H], down [H, F]")
+    _qtype_id(gate_up.qtype, "swiglu: gate_up")
+    _qtype_id(down.qtype, "swiglu: down")
+    x2 = x.reshape(-1, h)
+    gu, dn = jnp.asarray(gate_up.data), jnp.asarray(down.data)
+    if _q_native_ok(x):
+        y = _q_fn("swiglu", gate_up.qtype, down.qtype)(x2, gu, dn)
+    else:
+        y = _qswiglu_jax(x2.astype(jnp.float32), gu, dn, gate_up.qtype, down.qtype)
+    return y.reshape(*x.shape[:-1], h)
+
+
+def qexperts_reference(x: jax.Array, tokens: jax.Array, pair_weight: jax.Array, offsets: jax.Array,
+                       gate_up: Sequence[Any], down: Sequence[Any]) -> jax.Array:
+    """Pure-XLA `experts` over block-quantized experts (lists of QuantArrays): each expert's `qswiglu`
+    reference math on all pair rows, masked to its live pairs, weighted, added in expert order. f32 [T, H]."""
+    tokens, pair_weight, offsets = _routing(x, tokens, pair_weight, offsets, "experts_reference")
+    T, H = x.shape
+    out = jnp.zeros((T, H), jnp.float32)
+    P = tokens.shape[0]
+    if P == 0 or T == 0:
+        return out
+    tok = jnp.clip(tokens, 0, T - 1)
+    rows = x[tok].astype(jnp.float32)
+    p = jnp.arange(P, dtype=jnp.int32)
+    for e, (gu, dn) in enumerate(zip(gate_up, down)):
+        live = (p >= offsets[e]) & (p < offsets[e + 1])
+        y = _qswiglu_jax(rows, jnp.asarray(gu.data), jnp.asarray(dn.data), gu.qtype, dn.qtype)
+        out = out.at[tok].add(jnp.where(live[:, None], pair_weight[:, None] * y, 0.0))
+    return out
+
+
+def qexperts(x: jax.Array, tokens: jax.Array, pair_weight: jax.Array, offsets: jax.Array, gate_up: Sequence[Any],
+             down: Sequence[Any], *, strategy: str = "auto") -> jax.Array:
+    """`experts` over block-quantized experts: gate_up E `QuantArray`s [2F, H] (one block type), down E
+    `QuantArray`s [H, F] (one block type), data jax uint8 arrays; the rest as `experts` (raw CPU-only FFI call,
+    routing checked at run time, deterministic for any thread count and strategy). Numerics: `qswiglu`'s per
+    pair, pair_weight * y rounded once to f32, added in expert order. `experts(...)` calls this for QuantArrays."""
+    tokens, pair_weight, offsets = _routing(x, tokens, pair_weight, offsets, "experts")
+    E = offsets.shape[0] - 1
+    gate_up, down = list(gate_up), list(down)
+    if len(gate_up) != E or len(down) != E or not all(map(_is_quant, gate_up + down)):
+        raise ValueError(f"experts: expected {E} gate_up and {E} down QuantArrays, got {len(gate_up)} and {len(down)}")
+    T, H = x.shape
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"experts: x dtype {x.dtype}, expected bfloat16 or float32 with block-quantized experts")
+    F = gate_up[0].shape[0] // 2 if E else 0
+    qgu = {g.qtype for g in gate_up}
+    qdn = {d.qtype for d in down}
+    if len(qgu) > 1 or len(qdn) > 1 or any(tuple(g.shape) != (2 * F, H) for g in gate_up) or any(
+            tuple(d.shape) != (H, F) for d in down):
+        raise ValueError(f"experts: gate_up {sorted(qgu)} {sorted({tuple(g.shape) for g in gate_up})}, down "
+                         f"{sorted(qdn)} {sorted({tuple(d.shape) for d in down})}: expected one block type each, "
+                         f"gate_up [2F, H] and down [H, F] with H = {H}")
+    if not available_experts():
+        raise RuntimeError(f"models.native: library unavailable ({_error})")
+    if E == 0:
+        return jnp.zeros((T, H), jnp.float32)
+    qg, qd = next(iter(qgu)), next(iter(qdn))
+    out = jax.ShapeDtypeStruct((T, H), jnp.float32)
+    args = [jnp.asarray(g.data) for g in gate_up] + [jnp.asarray(d.data) for d in down]
+    return jax.ffi.ffi_call("moescope_qexperts", out, vmap_method="sequential")(
+        x, tokens, pair_weight, offsets, *args, strategy=np.int32(_strategy(strategy)),
+        qgu=np.int32(QTYPE_IDS[qg]), qdown=np.int32(QTYPE_IDS[qd]), F=np.int64(F))
+
+
+_CODE_SCALE = {"q8_0": 64, "q4_0": 8, "q4_k": 32 * 8, "q6_k": 64 * 32}  # typical |code| (x sub-block scale)
+_SCALE_AT = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}  # byte offsets of a block's f16 scales
+
+
+def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, scale: float = 0.01) -> Any:
+    """A random block-quantized `QuantArray` [rows, cols] of `qtype` (tests, benchmarks): random code bytes, f16
+    block scales (and Q4_K mins) of random sign chosen so that weights are about `scale` in magnitude."""
+    from models.quant.blocks import BLOCK_TYPES, QuantArray
+
+    t = BLOCK_TYPES[qtype]
+    nb = cols // t.block_elems
+    data = rng.integers(0, 256, size=(rows, nb, t.block_bytes), dtype=np.uint8)
+    s = scale / _CODE_SCALE[qtype]
+    for at in _SCALE_AT[qtype]:
+        v = rng.uniform(0.25, 1.0, size=(rows, nb)) * s * rng.choice(np.array([-1.0, 1.0]), size=(rows, nb))
+        data[:, :, at:at + 2] = v.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+    return QuantArray(data.reshape(rows, nb * t.block_bytes), qtype, (rows, cols))

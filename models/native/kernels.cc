@@ -1,10 +1,12 @@
-// moescope native CPU kernels: dense dots over [out, in] weights (bf16 or f32), SwiGLU experts, a
-// layer's routed experts in one call, and row gathers (embedding lookups). Used from jitted JAX programs
-// through XLA FFI custom calls (moescope_linear, moescope_swiglu, moescope_experts, each with an _f32
-// variant, and moescope_take_rows) and from Python through ctypes (ms_linear, ms_experts;
-// models/native/__init__.py). Built by models/native/build.py with plain -O3:
-// the ISA-specific code is compiled under `#pragma GCC target` and chosen once at load time
-// (AVX512-BF16, AVX2+FMA, or portable scalar code; MOESCOPE_NATIVE_ISA or ms_set_isa force a slower one).
+// moescope native CPU kernels: dense dots over [out, in] weights (bf16, f32, or ggml's Q8_0 / Q4_0 / Q4_K /
+// Q6_K blocks: see "Block-quantized weights" below), SwiGLU experts, a layer's routed experts in one call,
+// and row gathers (embedding lookups). Used from jitted JAX programs through XLA FFI custom calls
+// (moescope_linear, moescope_swiglu, moescope_experts, each with an _f32 variant, moescope_qlinear,
+// moescope_qswiglu, moescope_qexperts, and moescope_take_rows) and from Python through ctypes (ms_linear,
+// ms_experts, ms_qlinear, ms_qexperts; models/native/__init__.py). Built by models/native/build.py with plain
+// -O3: the ISA-specific code is compiled under `#pragma GCC target` and chosen once at load time (AMX tiles
+// for calls of >= 16 activation rows where the CPU has AMX-BF16/INT8 and the kernel grants the tile state,
+// AVX512-BF16 + VNNI, AVX2+FMA, or portable scalar code; MOESCOPE_NATIVE_ISA or ms_set_isa force a slower one).
 //
 // Layout. Every weight is [N, K] row-major with contiguous rows (HF/torch [out, in]):
 //   y[m, n] = sum_k x[m, k] * W[n, k].
@@ -69,6 +71,8 @@
 #if defined(__linux__)
 #include <pthread.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 // x86-64 kernels (MOESCOPE_PORTABLE: build only the portable scalar code, as on other architectures)
@@ -92,7 +96,7 @@ namespace {
 // Basics
 // ------------------------------------------------------------------------------------------------
 
-enum Isa { kScalar = 0, kAvx2 = 1, kAvx512Bf16 = 2 };
+enum Isa { kScalar = 0, kAvx2 = 1, kAvx512Bf16 = 2, kAmx = 3 };
 enum WType { kWBf16 = 0, kWF32 = 1 };
 
 constexpr int kKC = 2048;                    // K chunk (elements) of a weight-row block, reused from cache
@@ -128,12 +132,27 @@ inline void cpu_relax() {
 #endif
 }
 
+// AMX tiles need the kernel's permission for the XTILEDATA state component, once per process.
+bool amx_permitted() {
+#if MS_X86 && defined(__linux__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18, kSysArchPrctl = 158;
+  return syscall(kSysArchPrctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
 int detect_isa() {
 #if MS_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+      __builtin_cpu_supports("avx512vnni")) {
+    if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+        __builtin_cpu_supports("amx-bf16") && amx_permitted())
+      return kAmx;
     return kAvx512Bf16;
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
 #endif
   return kScalar;
@@ -141,6 +160,7 @@ int detect_isa() {
 
 const char* isa_name(int isa) {
   switch (isa) {
+    case kAmx: return "amx";
     case kAvx512Bf16: return "avx512bf16";
     case kAvx2: return "avx2";
     default: return "scalar";
@@ -150,7 +170,8 @@ const char* isa_name(int isa) {
 int isa_from_name(const char* s) {
   if (!s) return -1;
   std::string n(s);
-  if (n == "avx512bf16" || n == "avx512") return kAvx512Bf16;
+  if (n == "amx") return kAmx;
+  if (n == "avx512bf16" || n == "avx512" || n == "avx512vnni") return kAvx512Bf16;
   if (n == "avx2") return kAvx2;
   if (n == "scalar") return kScalar;
   return -1;
@@ -380,7 +401,7 @@ struct Act {
   int layout = kPlain;
 };
 
-inline bool act_is_bf16(int isa, int wt) { return isa == kAvx512Bf16 && wt == kWBf16; }
+inline bool act_is_bf16(int isa, int wt) { return isa >= kAvx512Bf16 && wt == kWBf16; }
 
 // ------------------------------------------------------------------------------------------------
 // Micro-kernels. A micro-kernel computes R weight rows (given by pointers) against activation rows
@@ -785,12 +806,22 @@ void drive512(const Act& a, int64_t M, int64_t K, const typename T::E* w, size_t
 }
 #endif
 
+// AMX paths (defined below) take calls of at least this many activation rows.
+constexpr int64_t kAmxMinRows = 16;
+inline bool amx_bf16_rows(int isa, int wt, int64_t M) { return isa == kAmx && wt == kWBf16 && M >= kAmxMinRows; }
+#if MS_X86
+void gemm_range_amx_bf16(const Act& a, int64_t M, int64_t K, const uint16_t* w, size_t ldw, int64_t n0, int64_t n1,
+                         float* y, size_t ldy);
+#endif
+
 void gemm_range(int isa, int wt, const Act& a, int64_t M, int64_t K, const void* w, size_t ldw, int64_t n0,
                 int64_t n1, float* y, size_t ldy) {
   if (n1 <= n0 || M <= 0) return;
   if (K == 0) return zero_cols(M, n0, n1, y, ldy);
 #if MS_X86
-  if (isa == kAvx512Bf16) {
+  if (amx_bf16_rows(isa, wt, M))
+    return gemm_range_amx_bf16(a, M, K, static_cast<const uint16_t*>(w), ldw, n0, n1, y, ldy);
+  if (isa >= kAvx512Bf16) {
     if (wt == kWBf16)
       drive512<E512Bf16>(a, M, K, static_cast<const uint16_t*>(w), ldw, n0, n1, y, ldy);
     else
@@ -819,7 +850,7 @@ void gemm_range(int isa, int wt, const Act& a, int64_t M, int64_t K, const void*
 // ------------------------------------------------------------------------------------------------
 
 struct Scratch {
-  std::vector<float> xa, ha;  // prepared activations (x; h of an expert), as raw storage
+  std::vector<float> xa, xb, ha;  // prepared activations (x, x for a second block type; h of an expert), raw storage
   std::vector<float> g, u, h, y;
   std::vector<float> ep;       // a layer call's weighted expert outputs (expert-parallel plan)
   std::vector<int64_t> offs;   // FFI: offsets widened to int64
@@ -844,7 +875,7 @@ Act prepare(int isa, int wt, const SRC* src, size_t ld, const int32_t* rows, int
             std::vector<float>& buf) {
   Act a;
   auto row = [&](int64_t m) { return src + (rows ? int64_t(rows[m]) : m) * int64_t(ld); };
-  if (isa != kAvx512Bf16) {  // f32 rows
+  if (isa < kAvx512Bf16) {  // f32 rows
     if (std::is_same<SRC, float>::value && !rows) {
       a.x = src;
       a.ld = ld;
@@ -859,9 +890,20 @@ Act prepare(int isa, int wt, const SRC* src, size_t ld, const int32_t* rows, int
     a.ld = size_t(K);
     return a;
   }
-  (void)wt;  // AVX-512: SRC is the weights' element type
   constexpr int64_t kE = 64 / int64_t(sizeof(SRC));
   const int64_t Kp = (K + kE - 1) / kE * kE;
+  if (std::is_same<SRC, uint16_t>::value && amx_bf16_rows(isa, wt, M)) {
+    // AMX: plain rows of Kp elements, zero padded, rows padded with zeros to a multiple of 32
+    // (row stride Kp + 32: rows a multiple of 4 KiB apart would share L1 sets under the tile loads)
+    const int64_t Mp = (M + 31) / 32 * 32, ld = Kp + 32;
+    SRC* d = static_cast<SRC*>(grow_bytes(buf, size_t(Mp * ld) * sizeof(SRC) + 64));
+    d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64 / sizeof(SRC);
+    std::memset(d, 0, size_t(Mp * ld) * sizeof(SRC));
+    for (int64_t m = 0; m < M; ++m) std::memcpy(d + m * ld, row(m), size_t(K) * sizeof(SRC));
+    a.x = d;
+    a.ld = size_t(ld);
+    return a;
+  }
   if (M == 1) {
     if (!rows) {
       a.x = src;
@@ -1007,14 +1049,18 @@ struct ExpertW {
   const void* down;
 };
 
-// Validated arguments (see ms_experts). weights(e) -> ExpertW is called for experts with pairs only.
-// Adds into out (the caller zeroes it first when it wants a fresh result).
-template <class Weights>
-void experts_core(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t n_experts, Weights&& weights,
+// Runs expert e on the M rows tokens[0..M) of x into Y [M, H] on `threads` threads, calling sink(n0, n1)
+// after each part of Y's columns is written (bf16 / f32 weights: swiglu_expert; block weights: qswiglu_expert).
+using Sink = std::function<void(int64_t, int64_t)>;
+using ExpertRun = std::function<void(int64_t e, const int32_t* tokens, int64_t M, float* Y, int threads, const Sink&)>;
+
+// Validated arguments (see ms_experts). run(e, ...) is called for experts with pairs only; wbytes: the
+// bytes of one expert's weights (the plan's size rule). Adds into out (the caller zeroes it first when it
+// wants a fresh result).
+void experts_core(int64_t H, double wbytes, int64_t n_experts, const ExpertRun& run_expert,
                   const int64_t* offsets, const int32_t* tokens, const float* pair_weight, float* out, int threads,
                   int strategy, double* seconds) {
   using clock = std::chrono::steady_clock;
-  Scratch& s = t_scratch;
   std::vector<int64_t> used;
   int64_t live = 0;
   for (int64_t e = 0; e < n_experts; ++e) {
@@ -1028,7 +1074,6 @@ void experts_core(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t 
   }
   if (used.empty()) return;
   const int th = resolve_threads(threads);
-  const double wbytes = 3.0 * double(F) * double(H) * (wt == kWBf16 ? 2 : 4);
   auto rows_of = [&](int64_t e) { return offsets[e + 1] - offsets[e]; };
   auto cost = [&](int64_t e) { return 1.0 + kEpRowCost * double(rows_of(e)); };
 
@@ -1064,10 +1109,8 @@ void experts_core(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t 
       const int64_t lo = offsets[e], M = rows_of(e);
       const int32_t* tok = tokens + lo;
       const float* pw = pair_weight + lo;
-      const ExpertW w = weights(e);
-      const Act a = prepare_x(isa, wt, x, size_t(H), tok, M, H, s.xa);
-      float* Y = grow(s.y, size_t(M * H));
-      swiglu_expert(isa, wt, a, M, H, F, w.gate, w.up, w.down, Y, threads, [&](int64_t n0, int64_t n1) {
+      float* Y = grow(t_scratch.y, size_t(M * H));
+      run_expert(e, tok, M, Y, threads, [&](int64_t n0, int64_t n1) {
         for (int64_t i = 0; i < M; ++i) {
           float* o = out + int64_t(tok[i]) * H;
           const float* r = Y + i * H;
@@ -1089,16 +1132,14 @@ void experts_core(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t 
       at += rows_of(e) * H;
     }
   }
-  float* S = grow(s.ep, size_t(live * H));
+  float* S = grow(t_scratch.ep, size_t(live * H));
   // expert e on `nthreads` threads into its block: y, then y *= pair weight (one rounding, as w * y)
   auto run = [&](int64_t e, int nthreads) {
     const auto start = clock::now();
     const int64_t lo = offsets[e], M = rows_of(e);
     const float* pw = pair_weight + lo;
-    const ExpertW w = weights(e);
     float* Y = S + slot[size_t(e)];
-    const Act a = prepare_x(isa, wt, x, size_t(H), tokens + lo, M, H, t_scratch.xa);  // this thread's scratch
-    swiglu_expert(isa, wt, a, M, H, F, w.gate, w.up, w.down, Y, nthreads, [&](int64_t n0, int64_t n1) {
+    run_expert(e, tokens + lo, M, Y, nthreads, [&](int64_t n0, int64_t n1) {
       for (int64_t i = 0; i < M; ++i) {
         float* r = Y + i * H;
         const float wgt = pw[i];
@@ -1126,6 +1167,918 @@ void experts_core(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t 
     }
   };
   parallel(nparts, fth, add);
+}
+
+// experts_core over bf16 / f32 SwiGLU experts; weights(e) -> ExpertW.
+template <class Weights>
+void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t n_experts, Weights&& weights,
+                   const int64_t* offsets, const int32_t* tokens, const float* pair_weight, float* out, int threads,
+                   int strategy, double* seconds) {
+  const double wbytes = 3.0 * double(F) * double(H) * (wt == kWBf16 ? 2 : 4);
+  const ExpertRun run = [&](int64_t e, const int32_t* tok, int64_t M, float* Y, int th, const Sink& sink) {
+    const ExpertW w = weights(e);
+    const Act a = prepare_x(isa, wt, x, size_t(H), tok, M, H, t_scratch.xa);  // this thread's scratch
+    swiglu_expert(isa, wt, a, M, H, F, w.gate, w.up, w.down, Y, th, sink);
+  };
+  experts_core(H, wbytes, n_experts, run, offsets, tokens, pair_weight, out, threads, strategy, seconds);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Block-quantized weights (ggml's layouts, byte for byte: ggml-common.h).
+//
+// A weight [N, K] is N rows of K / blk blocks. Supported types (ggml ids):
+//   Q4_0 (2)  32 weights, 18 bytes: f16 d, 16 bytes of nibbles (weight j: low nibble of byte j, j+16: high);
+//             w = d * (q - 8).
+//   Q8_0 (8)  32 weights, 34 bytes: f16 d, 32 int8;                        w = d * q.
+//   Q4_K (12) 256 weights, 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales / mins of 8 sub-blocks of 32,
+//             128 bytes of nibbles (32 bytes per 64 weights: low nibbles the first sub-block, high the second);
+//             w = d * sc_j * q - dmin * m_j.
+//   Q6_K (14) 256 weights, 210 bytes: 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales (one per 16
+//             weights), f16 d;                                             w = d * sc_j * (q - 32).
+//
+// Activations are quantized as llama.cpp does before its integer dot products: per 32 to Q8_0 (scale
+// d = amax / 127 stored as f16, q = roundf(x / d), the quotient taken with the unrounded d) for Q8_0 / Q4_0
+// weights; per 256 to Q8_K (f32 scale d = max / -127 of the element of largest magnitude, q = nearest-even
+// of x * (-127 / max), at most 127) for Q4_K / Q6_K. Each product is then exact in integers: per 4 weights
+// (one 32-bit lane) sum_k u_k * q_k - o * sum_k q_k (u: the weight's unsigned code, o its offset: Q8_0 128,
+// Q4_0 8, Q4_K 0, Q6_K 32), converted to f32, times (weight scale * activation scale), plus Q4_K's
+// -dmin * m_j * d_x * sum_k q_k; those f32 terms are summed per lane, then the lanes in a fixed order.
+// So each output equals "dequantize the blocks, dequantize the quantized activation, f32 matmul" up to f32
+// summation error. Paths: AVX512-VNNI (VPDPBUSD), AVX2 (16-bit madd), portable scalar, and AMX-INT8 tiles for
+// calls of 16 rows or more (the same integer sums per scale group, so the same terms up to the summation order).
+// ------------------------------------------------------------------------------------------------
+
+#define MS_INLINE inline __attribute__((always_inline))
+
+enum QType { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+
+struct QSpec {
+  int blk = 0;    // weights per block
+  int bytes = 0;  // bytes per block
+  int xblk = 0;   // activation block (32: Q8_0, 256: Q8_K)
+  int offset = 0; // o: w = s * (u - o) (+ Q4_K's min term)
+  int group = 0;  // weights per weight scale (32, Q6_K 16)
+};
+
+bool qspec(int qt, QSpec& s) {
+  switch (qt) {
+    case kQ4_0: s = {32, 18, 32, 8, 32}; return true;
+    case kQ8_0: s = {32, 34, 32, 128, 32}; return true;
+    case kQ4_K: s = {256, 144, 256, 0, 32}; return true;
+    case kQ6_K: s = {256, 210, 256, 32, 16}; return true;
+    default: return false;
+  }
+}
+
+const float* f16_table() {
+  static const std::vector<float> t = [] {
+    std::vector<float> v(65536);
+    for (uint32_t h = 0; h < 65536; ++h) {
+      const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+      uint32_t u;
+      if (exp == 0) {
+        float f = std::ldexp(float(man), -24);
+        std::memcpy(&u, &f, 4);
+        u |= sign;
+      } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+      } else {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+      }
+      float f;
+      std::memcpy(&f, &u, 4);
+      v[h] = f;
+    }
+    return v;
+  }();
+  return t.data();
+}
+const float* const g_f16 = f16_table();
+
+MS_INLINE float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return g_f16[h];
+}
+
+// f32 -> f16 bits, round to nearest even (as F16C's VCVTPS2PH, which ggml uses to store the scale).
+uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u) return uint16_t(sign | 0x7e00u);
+  if (x >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (x < 0x38800000u) {                                  // f16 subnormal (or zero)
+    const float a = std::fabs(f) * 16777216.0f;           // exact: in units of 2^-24
+    return uint16_t(sign | uint32_t(std::nearbyint(a)));
+  }
+  const uint32_t mant_odd = (x >> 13) & 1u;
+  x += 0xfffu + mant_odd;
+  return uint16_t(sign | ((x - 0x38000000u) >> 13));
+}
+
+// ---- activations ---------------------------------------------------------------------------------
+// One row quantized for a weight type, padded to Kp = K rounded up to 64 (zeros), as 4 arrays:
+//   q int8 [Kp], nxo int32 [Kp/4] (-o * the sum of each lane's 4 q), dl f32 [Kp/4] (each lane's d),
+//   xs f32 [Kp/4] (d * the lane's sum of q; Q4_K's min term). 4 * Kp bytes per row.
+struct QRow {
+  const int8_t* q;
+  const int32_t* nxo;
+  const float* dl;
+  const float* xs;
+};
+
+inline int64_t pad64(int64_t k) { return (k + 63) / 64 * 64; }
+
+struct QAct {
+  const uint8_t* base = nullptr;
+  int64_t Kp = 0;
+  int64_t stride = 0;  // bytes from row to row: 4 Kp + 64 (rows 4 KiB-multiples apart share L1 sets: AMX loads)
+  QRow row(int64_t m) const {
+    const uint8_t* r = base + size_t(m) * size_t(stride);
+    return {reinterpret_cast<const int8_t*>(r), reinterpret_cast<const int32_t*>(r + Kp),
+            reinterpret_cast<const float*>(r + 2 * Kp), reinterpret_cast<const float*>(r + 3 * Kp)};
+  }
+};
+
+inline float roundf_away(float v) { return std::round(v); }
+
+void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int64_t Kp) {
+  int8_t* q = reinterpret_cast<int8_t*>(dst);
+  int32_t* nxo = reinterpret_cast<int32_t*>(dst + Kp);
+  float* dl = reinterpret_cast<float*>(dst + 2 * Kp);
+  float* xs = reinterpret_cast<float*>(dst + 3 * Kp);
+  std::memset(dst, 0, size_t(4 * Kp));
+  const int xb = sp.xblk;
+  for (int64_t b = 0; b < K / xb; ++b) {
+    const float* v = x + b * xb;
+    int8_t* o = q + b * xb;
+    float d;
+    if (xb == 32) {  // quantize_row_q8_0
+      float amax = 0.0f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float dd = amax / 127.0f;
+      const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+      for (int j = 0; j < 32; ++j) o[j] = int8_t(roundf_away(v[j] * id));
+      d = g_f16[f32_to_f16(dd)];
+    } else {  // quantize_row_q8_K
+      float amax = 0.0f, mx = 0.0f;
+      for (int j = 0; j < 256; ++j)
+        if (std::fabs(v[j]) > amax) {
+          amax = std::fabs(v[j]);
+          mx = v[j];
+        }
+      if (amax == 0.0f) {
+        d = 0.0f;
+        for (int j = 0; j < 256; ++j) o[j] = 0;
+      } else {
+        const float iscale = -127.0f / mx;
+        for (int j = 0; j < 256; ++j) o[j] = int8_t(std::min(127, int(std::nearbyint(iscale * v[j]))));
+        d = 1.0f / iscale;
+      }
+    }
+    for (int l = 0; l < xb / 4; ++l) {
+      const int64_t lane = b * (xb / 4) + l;
+      const int s = o[4 * l] + o[4 * l + 1] + o[4 * l + 2] + o[4 * l + 3];
+      nxo[lane] = -sp.offset * s;
+      dl[lane] = d;
+      xs[lane] = d * float(s);
+    }
+  }
+}
+
+// Quantizes M rows (row m: x + row(m) * ld, bf16 bits if xbf16 else f32; row(m) = rows ? rows[m] : m).
+QAct quantize_rows(const QSpec& sp, const void* x, bool xbf16, size_t ld, const int32_t* rows, int64_t M, int64_t K,
+                   std::vector<float>& buf) {
+  QAct a;
+  a.Kp = pad64(K);
+  const int64_t Mp = (M + 31) / 32 * 32;  // AMX takes activation rows 32 at a time: zero rows past M
+  a.stride = 4 * a.Kp + 64;
+  uint8_t* d = static_cast<uint8_t*>(grow_bytes(buf, size_t(Mp * a.stride) + 64));
+  d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64;
+  std::memset(d + size_t(M * a.stride), 0, size_t((Mp - M) * a.stride));
+  std::vector<float> tmp(xbf16 ? size_t(K) : 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t r = rows ? int64_t(rows[m]) : m;
+    const float* src;
+    if (xbf16) {
+      const uint16_t* s = static_cast<const uint16_t*>(x) + r * int64_t(ld);
+      for (int64_t k = 0; k < K; ++k) tmp[size_t(k)] = bf16_to_f32(s[k]);
+      src = tmp.data();
+    } else {
+      src = static_cast<const float*>(x) + r * int64_t(ld);
+    }
+    quantize_row(sp, src, K, d + size_t(m) * size_t(a.stride), a.Kp);
+  }
+  a.base = d;
+  return a;
+}
+
+// ---- weights, 64 at a time -------------------------------------------------------------------------
+// Group g of a row: weights 64g .. 64g + n - 1 (n = 64, or 32 for a last half group of a 32-block type),
+// unpacked to unsigned codes u [64] (zero past n), per-lane scales s [16] (lane l: weights 4l .. 4l+3)
+// and Q4_K's per-lane min term c [16] (w = s * (u - o) + c).
+struct U64 {
+  alignas(64) uint8_t u[64];
+  alignas(64) float s[16];
+  alignas(64) float c[16];
+};
+
+MS_INLINE void scale_min_k4(int j, const uint8_t* q, uint8_t& d, uint8_t& m) {  // ggml's get_scale_min_k4
+  if (j < 4) {
+    d = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    d = uint8_t((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+    m = uint8_t((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+  }
+}
+
+// Scales of group g (s, c) for every type; shared by the unpackers of all ISA paths. Always inlined: a call
+// from the AVX-512 loops into this baseline-ISA code (vzeroupper, accumulators spilled around it) measured
+// 15-50x slower for the K-quants than the scalar path.
+MS_INLINE void group_scales(int qt, const uint8_t* row, int64_t g, int n, float* s, float* c) {
+  for (int l = 0; l < 16; ++l) s[l] = c[l] = 0.0f;
+  switch (qt) {
+    case kQ8_0:
+    case kQ4_0: {
+      const int bytes = qt == kQ8_0 ? 34 : 18;
+      for (int h = 0; h < 2 && 32 * h < n; ++h) {
+        const float d = f16_at(row + (2 * g + h) * bytes);
+        for (int l = 0; l < 8; ++l) s[8 * h + l] = d;
+      }
+      return;
+    }
+    case kQ4_K: {
+      const uint8_t* sb = row + (g / 4) * 144;
+      const int j = int(g % 4);
+      const float d = f16_at(sb), dmin = f16_at(sb + 2);
+      for (int h = 0; h < 2; ++h) {
+        uint8_t sc, m;
+        scale_min_k4(2 * j + h, sb + 4, sc, m);
+        const float ds = d * float(sc), dm = -(dmin * float(m));
+        for (int l = 0; l < 8; ++l) {
+          s[8 * h + l] = ds;
+          c[8 * h + l] = dm;
+        }
+      }
+      return;
+    }
+    case kQ6_K: {
+      const uint8_t* sb = row + (g / 4) * 210;
+      const int j = int(g % 4);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192) + 8 * (j / 2) + 4 * (j % 2);
+      const float d = f16_at(sb + 208);
+      for (int i = 0; i < 4; ++i)
+        for (int l = 0; l < 4; ++l) s[4 * i + l] = d * float(sc[i]);
+      return;
+    }
+    default: return;
+  }
+}
+
+MS_INLINE void unpack_codes(int qt, const uint8_t* row, int64_t g, int n, uint8_t* u) {
+  std::memset(u, 0, 64);
+  switch (qt) {
+    case kQ8_0:
+      for (int h = 0; h < 2 && 32 * h < n; ++h) {
+        const uint8_t* q = row + (2 * g + h) * 34 + 2;
+        for (int j = 0; j < 32; ++j) u[32 * h + j] = uint8_t(q[j] ^ 0x80);
+      }
+      return;
+    case kQ4_0:
+      for (int h = 0; h < 2 && 32 * h < n; ++h) {
+        const uint8_t* q = row + (2 * g + h) * 18 + 2;
+        for (int j = 0; j < 16; ++j) {
+          u[32 * h + j] = q[j] & 15;
+          u[32 * h + 16 + j] = q[j] >> 4;
+        }
+      }
+      return;
+    case kQ4_K: {
+      const uint8_t* q = row + (g / 4) * 144 + 16 + 32 * (g % 4);
+      for (int l = 0; l < 32; ++l) {
+        u[l] = q[l] & 15;
+        u[32 + l] = q[l] >> 4;
+      }
+      return;
+    }
+    case kQ6_K: {
+      const uint8_t* sb = row + (g / 4) * 210;
+      const int j = int(g % 4), half = j / 2, p = j % 2;
+      const uint8_t* ql = sb + 64 * half;
+      const uint8_t* qh = sb + 128 + 32 * half;
+      for (int l = 0; l < 32; ++l) {
+        if (p == 0) {
+          u[l] = uint8_t((ql[l] & 15) | ((qh[l] & 3) << 4));
+          u[32 + l] = uint8_t((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4));
+        } else {
+          u[l] = uint8_t((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+          u[32 + l] = uint8_t((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+        }
+      }
+      return;
+    }
+    default: return;
+  }
+}
+
+MS_INLINE void unpack64(int qt, const uint8_t* row, int64_t g, int n, U64& w) {
+  unpack_codes(qt, row, g, n, w.u);
+  group_scales(qt, row, g, n, w.s, w.c);
+}
+
+// A quantized micro-kernel: R weight rows wr[0..r) (pointers to their first block) against activation
+// rows m0 .. m0 + mr - 1 of `a`, over groups [g0, g1) (weights 64 g0 .. min(64 g1, K)), storing (or adding,
+// `acc`) each sum into y[m * ldy + nc[j]].
+#define QMK_ARGS \
+  int qt, int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1, int64_t K, \
+      float* y, size_t ldy, const int* nc, bool acc
+constexpr int kQR = 4;   // weight rows per micro-kernel call
+constexpr int kQMR = 4;  // activation rows per micro-kernel call
+
+void qmk_scalar(QMK_ARGS) {
+  float lanes[kQR][kQMR][16] = {};
+  U64 w;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int n = int(std::min<int64_t>(64, K - 64 * g));
+    for (int j = 0; j < r; ++j) {
+      unpack64(qt, wr[j], g, n, w);
+      for (int i = 0; i < mr; ++i) {
+        const QRow x = a.row(m0 + i);
+        for (int l = 0; l < 16; ++l) {
+          const int64_t lane = 16 * g + l;
+          int32_t v = x.nxo[lane];
+          for (int t = 0; t < 4; ++t) v += int32_t(w.u[4 * l + t]) * int32_t(x.q[4 * lane + t]);
+          lanes[j][i][l] += float(v) * (w.s[l] * x.dl[lane]) + w.c[l] * x.xs[lane];
+        }
+      }
+    }
+  }
+  for (int j = 0; j < r; ++j)
+    for (int i = 0; i < mr; ++i) {
+      const float* L = lanes[j][i];
+      float s8[8];
+      for (int l = 0; l < 8; ++l) s8[l] = L[l] + L[l + 8];
+      const float s = ((s8[0] + s8[4]) + (s8[2] + s8[6])) + ((s8[1] + s8[5]) + (s8[3] + s8[7]));
+      put(y + (m0 + i) * ldy + nc[j], s, acc);
+    }
+}
+
+#if MS_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+// AVX2: codes widened to 16 bits, pairs multiplied and added (VPMADDWD), pairs of pairs added and put back
+// in order: one 32-bit lane per 4 weights, as on the other paths.
+void qmk_avx2(QMK_ARGS) {
+  __m256 accv[kQR][kQMR];
+  for (int j = 0; j < kQR; ++j)
+    for (int i = 0; i < kQMR; ++i) accv[j][i] = _mm256_setzero_ps();
+  U64 w;
+  const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int n = int(std::min<int64_t>(64, K - 64 * g));
+    for (int j = 0; j < r; ++j) {
+      unpack64(qt, wr[j], g, n, w);
+      for (int h = 0; h < 2; ++h) {  // 32 weights, 8 lanes
+        const __m128i ub0 = _mm_load_si128(reinterpret_cast<const __m128i*>(w.u + 32 * h));
+        const __m128i ub1 = _mm_load_si128(reinterpret_cast<const __m128i*>(w.u + 32 * h + 16));
+        const __m256i u0 = _mm256_cvtepu8_epi16(ub0), u1 = _mm256_cvtepu8_epi16(ub1);
+        const __m256 s = _mm256_load_ps(w.s + 8 * h), c = _mm256_load_ps(w.c + 8 * h);
+        for (int i = 0; i < mr; ++i) {
+          const QRow x = a.row(m0 + i);
+          const int64_t k = 64 * g + 32 * h, lane = k / 4;
+          const __m256i x0 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(x.q + k)));
+          const __m256i x1 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(x.q + k + 16)));
+          __m256i v = _mm256_hadd_epi32(_mm256_madd_epi16(u0, x0), _mm256_madd_epi16(u1, x1));
+          v = _mm256_permutevar8x32_epi32(v, order);
+          v = _mm256_add_epi32(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(x.nxo + lane)));
+          const __m256 sd = _mm256_mul_ps(s, _mm256_load_ps(x.dl + lane));
+          __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sd, accv[j][i]);
+          accv[j][i] = _mm256_fmadd_ps(c, _mm256_load_ps(x.xs + lane), t);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < r; ++j)
+    for (int i = 0; i < mr; ++i) put(y + (m0 + i) * ldy + nc[j], hsum256(accv[j][i]), acc);
+}
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+// AVX-512: codes unpacked in registers, VPDPBUSD (unsigned codes x signed activations, 4 products a lane)
+// starting from -o * the lane's activation sum, so each lane holds the exact signed integer sum.
+template <int QT>
+inline __m512i codes512(const uint8_t* row, int64_t g, int n) {
+  const __m512i m4 = _mm512_set1_epi8(15);
+  if constexpr (QT == kQ8_0) {
+    const uint8_t* b = row + 2 * g * 34 + 2;
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+    const __m256i hi = n > 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 34)) : _mm256_set1_epi8(-128);
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8(-128));
+  } else if constexpr (QT == kQ4_0) {
+    const uint8_t* b = row + 2 * g * 18 + 2;
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    const __m128i q1 = n > 32 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)) : _mm_setzero_si128();
+    // [q0, q0 >> 4, q1, q1 >> 4] & 15
+    __m512i v = _mm512_castsi128_si512(q0);
+    v = _mm512_inserti32x4(v, _mm_srli_epi16(q0, 4), 1);
+    v = _mm512_inserti32x4(v, q1, 2);
+    v = _mm512_inserti32x4(v, _mm_srli_epi16(q1, 4), 3);
+    return _mm512_and_si512(v, m4);
+  } else if constexpr (QT == kQ4_K) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (g / 4) * 144 + 16 + 32 * (g % 4)));
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+    return _mm512_and_si512(v, m4);
+  } else {
+    const uint8_t* sb = row + (g / 4) * 210;
+    const int j = int(g % 4), half = j / 2, p = j % 2;
+    const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * half));
+    const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * half + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * half));
+    const __m512i ql = _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
+    // high bits: lanes 0..31 from qh bits (4p, 4p+1), 32..63 from bits (4p+2, 4p+3)
+    const __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+    const __m512i lo = p ? _mm512_srli_epi16(ql, 4) : ql;
+    const __m512i hi = p ? _mm512_srli_epi16(h2, 4) : h2;
+    return _mm512_or_si512(_mm512_and_si512(lo, m4),
+                           _mm512_slli_epi16(_mm512_and_si512(hi, _mm512_set1_epi8(3)), 4));
+  }
+}
+
+// Per-lane scales of group g in registers (group_scales' values; building them through memory would make
+// each vector load wait on 16 scalar stores).
+template <int QT>
+MS_INLINE void scales512(const uint8_t* row, int64_t g, int n, __m512& s, __m512& c) {
+  if constexpr (QT == kQ8_0 || QT == kQ4_0) {
+    constexpr int bytes = QT == kQ8_0 ? 34 : 18;
+    const float d0 = f16_at(row + 2 * g * bytes), d1 = n > 32 ? f16_at(row + (2 * g + 1) * bytes) : 0.0f;
+    s = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+    c = _mm512_setzero_ps();
+  } else if constexpr (QT == kQ4_K) {
+    const uint8_t* sb = row + (g / 4) * 144;
+    const int j = int(g % 4);
+    const float d = f16_at(sb), dmin = f16_at(sb + 2);
+    uint8_t sc0, m0, sc1, m1;
+    scale_min_k4(2 * j, sb + 4, sc0, m0);
+    scale_min_k4(2 * j + 1, sb + 4, sc1, m1);
+    s = _mm512_insertf32x8(_mm512_set1_ps(d * float(sc0)), _mm256_set1_ps(d * float(sc1)), 1);
+    c = _mm512_insertf32x8(_mm512_set1_ps(-(dmin * float(m0))), _mm256_set1_ps(-(dmin * float(m1))), 1);
+  } else {
+    const uint8_t* sb = row + (g / 4) * 210;
+    const int j = int(g % 4);
+    int32_t sc4;
+    std::memcpy(&sc4, sb + 192 + 8 * (j / 2) + 4 * (j % 2), 4);
+    const __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(sc4))), _mm_set1_ps(f16_at(sb + 208)));
+    s = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(v));
+    c = _mm512_setzero_ps();
+  }
+}
+
+// R weight rows x MR activation rows, both compile-time: the accumulators stay in registers.
+template <int QT, int R, int MR>
+void qmk512_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K, float* y,
+               size_t ldy, const int* nc, bool acc) {
+  __m512 accv[R][MR];
+  for (int j = 0; j < R; ++j)
+    for (int i = 0; i < MR; ++i) accv[j][i] = _mm512_setzero_ps();
+  QRow xr[MR];
+  for (int i = 0; i < MR; ++i) xr[i] = a.row(m0 + i);
+  // the R rows' codes and scales first, then each activation row's vectors loaded once for all of them
+  for (int64_t g = g0; g < g1; ++g) {
+    const int n = int(std::min<int64_t>(64, K - 64 * g));
+    __m512i u[R];
+    __m512 sv[R], cv[R];
+    for (int j = 0; j < R; ++j) {
+      u[j] = codes512<QT>(wr[j], g, n);
+      scales512<QT>(wr[j], g, n, sv[j], cv[j]);
+    }
+    const int64_t lane = 16 * g;
+    for (int i = 0; i < MR; ++i) {
+      const __m512i nxo = _mm512_load_si512(xr[i].nxo + lane), q = _mm512_load_si512(xr[i].q + 64 * g);
+      const __m512 dl = _mm512_load_ps(xr[i].dl + lane);
+      __m512 xs = _mm512_setzero_ps();
+      if constexpr (QT == kQ4_K) xs = _mm512_load_ps(xr[i].xs + lane);
+      for (int j = 0; j < R; ++j) {
+        const __m512i v = _mm512_dpbusd_epi32(nxo, u[j], q);
+        accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(sv[j], dl), accv[j][i]);
+        if constexpr (QT == kQ4_K) accv[j][i] = _mm512_fmadd_ps(cv[j], xs, accv[j][i]);
+      }
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int i = 0; i < MR; ++i) put(y + (m0 + i) * ldy + nc[j], hsum512(accv[j][i]), acc);
+}
+
+template <int QT, int R>
+void qmk512_r(const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1, int64_t K, float* y,
+              size_t ldy, const int* nc, bool acc) {
+  switch (mr) {
+    case 1: return qmk512_rm<QT, R, 1>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+    case 2: return qmk512_rm<QT, R, 2>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+    case 3: return qmk512_rm<QT, R, 3>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+    default: return qmk512_rm<QT, R, 4>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+  }
+}
+
+template <int QT>
+void qmk512_t(QMK_ARGS) {
+  (void)qt;
+  if (r == kQR) return qmk512_r<QT, kQR>(wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
+  return qmk512_r<QT, 1>(wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
+}
+
+void qmk_avx512(QMK_ARGS) {
+  switch (qt) {
+    case kQ8_0: return qmk512_t<kQ8_0>(qt, r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
+    case kQ4_0: return qmk512_t<kQ4_0>(qt, r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
+    case kQ4_K: return qmk512_t<kQ4_K>(qt, r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
+    default: return qmk512_t<kQ6_K>(qt, r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
+  }
+}
+
+#pragma GCC pop_options
+#endif  // MS_X86
+
+constexpr int64_t kQKC = 32;  // groups of 64 weights per K chunk when several activation-row passes share it
+
+// y[m, n] for n in [n0, n1), all M rows, weights w [N, row_bytes] of type qt.
+void qgemm_range_vec(int isa, int qt, const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes,
+                     int64_t n0, int64_t n1, float* y, size_t ldy) {
+  const int64_t G = (K + 63) / 64;
+  const int64_t kc = M > kQMR ? kQKC : G;
+  auto mk = [&](int r, const uint8_t* const* wr, int64_t m0, int mr, int64_t g0, int64_t g1, const int* nc, bool acc) {
+#if MS_X86
+    if (isa >= kAvx512Bf16) return qmk_avx512(qt, r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
+    if (isa == kAvx2) return qmk_avx2(qt, r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
+#endif
+    (void)isa;
+    qmk_scalar(qt, r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
+  };
+  for (int64_t mb = 0; mb < M; mb += kMB) {
+    const int64_t me = std::min(M, mb + kMB);
+    for_blocks<kQR>(n0, n1, [&](int r, const int* nc) {
+      const uint8_t* wr[kQR];
+      for (int j = 0; j < r; ++j) wr[j] = w + size_t(nc[j]) * row_bytes;
+      for (int64_t g0 = 0; g0 < G; g0 += kc) {
+        const int64_t g1 = std::min(G, g0 + kc);
+        for (int64_t m = mb; m < me; m += kQMR)
+          mk(r, wr, m, int(std::min<int64_t>(kQMR, me - m)), g0, g1, nc, g0 > 0);
+      }
+    });
+  }
+}
+
+// ---- AMX (tiles of 16 rows x 64 bytes; TDPBSSD int8 / TDPBF16PS bf16) --------------------------------------
+// Calls of at least kAmxMinRows activation rows. Output rows are taken 32 at a time (two B tiles) and
+// activation rows 32 at a time (two A tiles): 4 accumulator tiles. The weights of the 32 output rows are
+// first rewritten into a panel in the tiles' pair/quad-interleaved layout (B[k / 4][n][k % 4] for int8,
+// B[k / 2][n][k % 2] for bf16) by a 16 x 16 transpose of 32-bit words, then every activation-row pair uses it.
+// int8: one TDPBSSD per weight-scale group (32 weights; Q6_K 16) over signed codes (u - o), the int32 tile
+// then scaled into f32 sums (weight scale x activation scale, plus Q4_K's min term): the same exact integer
+// sums per group as the vector paths, summed in another order. bf16: the tiles accumulate in f32 over K
+// (products exact, f32 sums; VDPBF16PS-like).
+
+#if MS_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-int8,amx-bf16")
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: C (16 x 16 words); 4, 5: A (16 rows x ka bytes); 6, 7: B (ka / 4 rows x 64 bytes)
+void amx_config(int ka) {
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  for (int t = 4; t < 6; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = uint16_t(ka);
+  }
+  for (int t = 6; t < 8; ++t) {
+    c.rows[t] = uint8_t(ka / 4);
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// r[i]: 16 words of row i -> r[c]: word c of rows 0..15.
+inline void transpose16x16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i alo = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), ahi = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+    const __m512i blo = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44), bhi = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+    r[j] = _mm512_shuffle_i32x4(alo, blo, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(alo, blo, 0xDD);
+    r[8 + j] = _mm512_shuffle_i32x4(ahi, bhi, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(ahi, bhi, 0xDD);
+  }
+}
+
+template <int QT>
+inline __m512i signed_codes(const uint8_t* row, int64_t g, int n) {
+  const __m512i u = codes512<QT>(row, g, n);
+  if constexpr (QT == kQ8_0) return _mm512_xor_si512(u, _mm512_set1_epi8(-128));
+  else if constexpr (QT == kQ4_0) return _mm512_sub_epi8(u, _mm512_set1_epi8(8));
+  else if constexpr (QT == kQ6_K) return _mm512_sub_epi8(u, _mm512_set1_epi8(32));
+  else return u;
+}
+
+struct AmxScratch {
+  std::vector<float> panel, sw, cw, dxg, xsg, cb, acc;
+};
+thread_local AmxScratch t_amx;
+
+template <int QT>
+void qgemm_amx_t(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
+                 float* y, size_t ldy) {
+  constexpr int S = QT == kQ6_K ? 16 : 32;  // weights per scale group: one TDPBSSD step
+  const int64_t Kp = a.Kp, G64 = (K + 63) / 64, GS = K / S;
+  const int64_t Mp = (M + 31) / 32 * 32;  // quantize_rows pads the rows to a multiple of 32 with zeros
+  AmxScratch& s = t_amx;
+  int8_t* panel = reinterpret_cast<int8_t*>(grow_bytes(s.panel, size_t(32 * Kp) + 64));
+  panel += (64 - reinterpret_cast<uintptr_t>(panel) % 64) % 64;
+  float* sw = grow(s.sw, size_t(GS * 32));
+  float* cw = grow(s.cw, size_t(GS * 32));
+  float* dxg = grow(s.dxg, size_t(Mp * GS));
+  float* xsg = grow(s.xsg, size_t(Mp * GS));
+  int32_t* cb = reinterpret_cast<int32_t*>(grow(s.cb, 4 * 256 + 16));
+  float* acc = grow(s.acc, size_t(32 * 32));
+  for (int64_t m = 0; m < Mp; ++m) {
+    const QRow x = a.row(m);
+    for (int64_t g = 0; g < GS; ++g) {
+      dxg[m * GS + g] = x.dl[g * S / 4];
+      float t = 0.0f;
+      if (QT == kQ4_K)
+        for (int l = 0; l < S / 4; ++l) t += x.xs[g * S / 4 + l];
+      xsg[m * GS + g] = t;
+    }
+  }
+  amx_config(S);
+  alignas(64) float ls[16], lc[16];
+  for (int64_t nb = n0; nb < n1; nb += 32) {
+    const int nr = int(std::min<int64_t>(32, n1 - nb));
+    // panel: tile t (rows nb + 16 t ..), K / 4 rows of 64 bytes each
+    for (int t = 0; t < 2; ++t) {
+      int8_t* pt = panel + size_t(t) * size_t(16 * Kp);
+      for (int64_t g = 0; g < G64; ++g) {
+        const int n = int(std::min<int64_t>(64, K - 64 * g));
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t row = 16 * t + i;
+          if (row < nr) {
+            const uint8_t* wr = w + size_t(nb + row) * row_bytes;
+            r[i] = signed_codes<QT>(wr, g, n);
+            group_scales(QT, wr, g, n, ls, lc);
+            for (int h = 0; h < 64 / S && 64 * g + S * h < K; ++h) {
+              sw[(64 * g / S + h) * 32 + row] = ls[h * S / 4];
+              cw[(64 * g / S + h) * 32 + row] = lc[h * S / 4];
+            }
+          } else {
+            r[i] = _mm512_setzero_si512();
+            for (int h = 0; h < 64 / S && 64 * g + S * h < K; ++h) sw[(64 * g / S + h) * 32 + row] = cw[(64 * g / S + h) * 32 + row] = 0.0f;
+          }
+        }
+        transpose16x16(r);
+        for (int c = 0; c < 16; ++c) _mm512_store_si512(pt + (16 * g + c) * 64, r[c]);
+      }
+    }
+    for (int64_t mb = 0; mb < M; mb += 32) {
+      std::memset(acc, 0, 32 * 32 * sizeof(float));
+      const int8_t* a0 = a.row(mb).q;
+      const int8_t* a1 = a.row(mb + 16).q;
+      const size_t lda = size_t(a.stride);
+      for (int64_t g = 0; g < GS; ++g) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(4, a0 + g * S, lda);
+        _tile_loadd(5, a1 + g * S, lda);
+        _tile_loadd(6, panel + g * S / 4 * 64, 64);
+        _tile_loadd(7, panel + size_t(16 * Kp) + g * S / 4 * 64, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+        _tile_stored(0, cb, 64);
+        _tile_stored(1, cb + 256, 64);
+        _tile_stored(2, cb + 512, 64);
+        _tile_stored(3, cb + 768, 64);
+        const __m512 s0 = _mm512_loadu_ps(sw + g * 32), s1 = _mm512_loadu_ps(sw + g * 32 + 16);
+        const __m512 c0 = _mm512_loadu_ps(cw + g * 32), c1 = _mm512_loadu_ps(cw + g * 32 + 16);
+        for (int mi = 0; mi < 32; ++mi) {
+          const int32_t* crow = cb + (mi / 16) * 512 + (mi % 16) * 16;
+          const __m512 dx = _mm512_set1_ps(dxg[(mb + mi) * GS + g]);
+          float* ar = acc + mi * 32;
+          __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(crow)), _mm512_mul_ps(s0, dx), _mm512_loadu_ps(ar));
+          __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(crow + 256)), _mm512_mul_ps(s1, dx), _mm512_loadu_ps(ar + 16));
+          if constexpr (QT == kQ4_K) {
+            const __m512 xs = _mm512_set1_ps(xsg[(mb + mi) * GS + g]);
+            v0 = _mm512_fmadd_ps(c0, xs, v0);
+            v1 = _mm512_fmadd_ps(c1, xs, v1);
+          }
+          _mm512_storeu_ps(ar, v0);
+          _mm512_storeu_ps(ar + 16, v1);
+        }
+      }
+      for (int mi = 0; mi < 32 && mb + mi < M; ++mi)
+        std::memcpy(y + (mb + mi) * ldy + nb, acc + mi * 32, size_t(nr) * sizeof(float));
+    }
+  }
+  _tile_release();
+}
+
+void qgemm_range_amx(int qt, const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0,
+                     int64_t n1, float* y, size_t ldy) {
+  switch (qt) {
+    case kQ8_0: return qgemm_amx_t<kQ8_0>(a, M, K, w, row_bytes, n0, n1, y, ldy);
+    case kQ4_0: return qgemm_amx_t<kQ4_0>(a, M, K, w, row_bytes, n0, n1, y, ldy);
+    case kQ4_K: return qgemm_amx_t<kQ4_K>(a, M, K, w, row_bytes, n0, n1, y, ldy);
+    default: return qgemm_amx_t<kQ6_K>(a, M, K, w, row_bytes, n0, n1, y, ldy);
+  }
+}
+
+#pragma GCC pop_options
+#endif  // MS_X86
+
+#if MS_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-int8,amx-bf16")
+
+// bf16 weights on AMX: x plain bf16 rows a.ld elements apart (K zero padded to a multiple of 32; rows padded with
+// zeros to a multiple of 32), weights [N, K] bf16 rows of ldw elements.
+void gemm_range_amx_bf16(const Act& a, int64_t M, int64_t K, const uint16_t* w, size_t ldw, int64_t n0, int64_t n1,
+                         float* y, size_t ldy) {
+  const int64_t ld = int64_t(a.ld), Kp = (K + 31) / 32 * 32, KB = Kp / 32;
+  AmxScratch& s = t_amx;
+  uint16_t* panel = reinterpret_cast<uint16_t*>(grow_bytes(s.panel, size_t(64 * Kp) + 64));
+  panel += (64 - reinterpret_cast<uintptr_t>(panel) % 64) % 64 / 2;
+  float* cb = grow(s.cb, 4 * 256 + 16);
+  amx_config(64);
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  for (int64_t nb = n0; nb < n1; nb += 32) {
+    const int nr = int(std::min<int64_t>(32, n1 - nb));
+    for (int t = 0; t < 2; ++t) {
+      uint16_t* pt = panel + size_t(t) * size_t(16 * Kp);  // Kp / 2 rows of 32 elements
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const int n = int(std::min<int64_t>(32, K - 32 * kb));
+        const __mmask32 mask = n >= 32 ? ~__mmask32(0) : __mmask32((uint64_t(1) << n) - 1);
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t row = 16 * t + i;
+          r[i] = row < nr ? _mm512_maskz_loadu_epi16(mask, w + size_t(nb + row) * ldw + 32 * kb) : _mm512_setzero_si512();
+        }
+        transpose16x16(r);
+        for (int c = 0; c < 16; ++c) _mm512_store_si512(pt + (16 * kb + c) * 32, r[c]);
+      }
+    }
+    for (int64_t mb = 0; mb < M; mb += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* a0 = x + mb * ld;
+      const uint16_t* a1 = x + (mb + 16) * ld;
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        _tile_loadd(4, a0 + 32 * kb, size_t(2 * ld));
+        _tile_loadd(5, a1 + 32 * kb, size_t(2 * ld));
+        _tile_loadd(6, panel + kb * 16 * 32, 64);
+        _tile_loadd(7, panel + size_t(16 * Kp) + kb * 16 * 32, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, cb, 64);
+      _tile_stored(1, cb + 256, 64);
+      _tile_stored(2, cb + 512, 64);
+      _tile_stored(3, cb + 768, 64);
+      for (int mi = 0; mi < 32 && mb + mi < M; ++mi) {
+        const float* c = cb + (mi / 16) * 512 + (mi % 16) * 16;
+        float* dst = y + (mb + mi) * ldy + nb;
+        for (int j = 0; j < nr; ++j) dst[j] = j < 16 ? c[j] : c[256 + j - 16];
+      }
+    }
+  }
+  _tile_release();
+}
+
+#pragma GCC pop_options
+#endif
+
+void qgemm_range(int isa, int qt, const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes,
+                 int64_t n0, int64_t n1, float* y, size_t ldy) {
+  if (n1 <= n0 || M <= 0) return;
+  if (K == 0) return zero_cols(M, n0, n1, y, ldy);
+#if MS_X86
+  if (isa == kAmx && M >= kAmxMinRows) return qgemm_range_amx(qt, a, M, K, w, row_bytes, n0, n1, y, ldy);
+#endif
+  qgemm_range_vec(isa, qt, a, M, K, w, row_bytes, n0, n1, y, ldy);
+}
+
+// y f32 [M, N] = x W^T for block weights w [N, row_bytes] of type qt; then epi(n0, n1) on each part's columns.
+template <class Epi>
+void qgemm(int isa, int qt, const QAct& a, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, size_t ldy,
+           int threads, Epi&& epi) {
+  QSpec sp;
+  qspec(qt, sp);
+  const size_t rb = size_t(K / sp.blk) * size_t(sp.bytes);
+  const int th = threads_for(threads, double(N) * double(rb), double(M) * double(N) * double(K));
+  const int nparts = parts_for(N, th);
+  auto part = [&](int i) {
+    const int64_t n0 = part_begin(N, nparts, i), n1 = part_begin(N, nparts, i + 1);
+    qgemm_range(isa, qt, a, M, K, w, rb, n0, n1, y, ldy);
+    epi(n0, n1);
+  };
+  parallel(nparts, th, part);
+}
+
+// Block-quantized SwiGLU expert: gate [F, H] (type qg), up [F, H] (qu), down [H, F] (qd). The M rows of x
+// (row(m) = rows ? rows[m] : m; bf16 bits if xbf16, else f32) are quantized for gate and up; g = x gate^T
+// and u = x up^T stay f32, h = silu(g) * u (f32) is quantized for down; y f32 [M, H] = h down^T.
+void qswiglu_expert(int isa, int qg, int qu, int qd, const void* x, bool xbf16, const int32_t* rows, int64_t M,
+                    int64_t H, int64_t F, const uint8_t* gate, const uint8_t* up, const uint8_t* down, float* y,
+                    int threads, const Sink& sink) {
+  if (M <= 0 || H <= 0) return;
+  Scratch& s = t_scratch;
+  QSpec sg, su, sd;
+  qspec(qg, sg);
+  qspec(qu, su);
+  qspec(qd, sd);
+  const QAct ag = quantize_rows(sg, x, xbf16, size_t(H), rows, M, H, s.xa);
+  const QAct au = (su.xblk == sg.xblk && su.offset == sg.offset) ? ag : quantize_rows(su, x, xbf16, size_t(H), rows, M, H, s.xb);
+  float* G = grow(s.g, size_t(M * F));
+  float* U = grow(s.u, size_t(M * F));
+  float* Hf = grow(s.h, size_t(M * F));
+  const size_t rbg = size_t(H / sg.blk) * size_t(sg.bytes), rbu = size_t(H / su.blk) * size_t(su.bytes);
+  {
+    const int th = threads_for(threads, double(F) * double(rbg + rbu), 2 * double(M) * double(F) * double(H));
+    const int nparts = parts_for(F, th);
+    auto part = [&](int i) {
+      const int64_t f0 = part_begin(F, nparts, i), f1 = part_begin(F, nparts, i + 1);
+      qgemm_range(isa, qg, ag, M, H, gate, rbg, f0, f1, G, size_t(F));
+      qgemm_range(isa, qu, au, M, H, up, rbu, f0, f1, U, size_t(F));
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t f = f0; f < f1; ++f) Hf[m * F + f] = silu(G[m * F + f]) * U[m * F + f];
+    };
+    parallel(nparts, th, part);
+  }
+  const QAct ah = quantize_rows(sd, Hf, false, size_t(F), nullptr, M, F, s.ha);
+  qgemm(isa, qd, ah, M, F, down, H, y, size_t(H), threads, [&](int64_t n0, int64_t n1) { sink(n0, n1); });
+}
+
+// Why a block-quantized matrix [rows, cols] of type qt cannot be used ("" if it can).
+std::string qcheck(int qt, int64_t cols, const char* what) {
+  QSpec sp;
+  if (!qspec(qt, sp))
+    return std::string(what) + ": unsupported block type id " + std::to_string(qt) + " (q4_0 2, q8_0 8, q4_k 12, q6_k 14)";
+  if (cols % sp.blk != 0)
+    return std::string(what) + ": " + std::to_string(cols) + " columns are not a whole number of " +
+           std::to_string(sp.blk) + "-weight blocks";
+  return "";
+}
+
+inline size_t qrow_bytes(int qt, int64_t cols) {
+  QSpec sp;
+  qspec(qt, sp);
+  return size_t(cols / sp.blk) * size_t(sp.bytes);
+}
+
+// experts_core over block-quantized experts; weights(e) -> ExpertW (block data).
+template <class Weights>
+void quant_experts(int isa, int qg, int qu, int qd, const void* x, bool xbf16, int64_t H, int64_t F,
+                   int64_t n_experts, Weights&& weights, const int64_t* offsets, const int32_t* tokens,
+                   const float* pair_weight, float* out, int threads, int strategy, double* seconds) {
+  const double wbytes = double(F) * double(qrow_bytes(qg, H) + qrow_bytes(qu, H)) + double(H) * double(qrow_bytes(qd, F));
+  const ExpertRun run = [&](int64_t e, const int32_t* tok, int64_t M, float* Y, int th, const Sink& sink) {
+    const ExpertW w = weights(e);
+    qswiglu_expert(isa, qg, qu, qd, x, xbf16, tok, M, H, F, static_cast<const uint8_t*>(w.gate),
+                   static_cast<const uint8_t*>(w.up), static_cast<const uint8_t*>(w.down), Y, th, sink);
+  };
+  experts_core(H, wbytes, n_experts, run, offsets, tokens, pair_weight, out, threads, strategy, seconds);
 }
 
 // Copies rows of `row_bytes` bytes: out[i] = table[clamp(index[i])], where a negative index counts from
@@ -1166,7 +2119,7 @@ const char* ms_last_error() { return t_error.c_str(); }
 // Forces an ISA path ("avx512bf16", "avx2", "scalar"; "" or null: the best one). -1 if this CPU lacks it.
 int ms_set_isa(const char* name) {
   const int want = (name == nullptr || name[0] == 0) ? g_best_isa : isa_from_name(name);
-  if (want < 0) return fail(std::string("unknown ISA '") + name + "' (avx512bf16, avx2, scalar)");
+  if (want < 0) return fail(std::string("unknown ISA '") + name + "' (amx, avx512bf16, avx2, scalar)");
   if (want > g_best_isa) return fail(std::string("this CPU does not support ") + name);
   g_isa.store(want);
   return 0;
@@ -1213,9 +2166,68 @@ int ms_experts(const void* x, int64_t T, int64_t H, int64_t F, int wdtype, int64
         return fail("ms_experts: token " + std::to_string(tokens[p]) + " of pair " + std::to_string(p) +
                     " is outside [0, " + std::to_string(T) + ")");
   }
-  experts_core(g_isa.load(), wdtype, x, H, F, n_experts,
+  dense_experts(g_isa.load(), wdtype, x, H, F, n_experts,
                [&](int64_t e) { return ExpertW{gates[e], ups[e], downs[e]}; }, offsets, tokens, pair_weight, out,
                threads, strategy, seconds);
+  return 0;
+}
+
+// y f32 [M, N] = x [M, K] W[N, K]^T for block-quantized W (qtype: ggml type id; data [N, K / blk * bytes]);
+// x bf16 bits if xbf16, else f32. Activations quantized as described at the block-quantized section.
+int ms_qlinear(const void* x, int xbf16, int64_t M, int64_t K, const void* w, int qtype, int64_t N, float* y,
+               int threads) {
+  if (M < 0 || K < 0 || N < 0) return fail("ms_qlinear: negative size");
+  const std::string bad = qcheck(qtype, K, "ms_qlinear: w");
+  if (!bad.empty()) return fail(bad);
+  if (M == 0 || N == 0) return 0;
+  QSpec sp;
+  qspec(qtype, sp);
+  const int isa = g_isa.load();
+  const QAct a = quantize_rows(sp, x, xbf16 != 0, size_t(K), nullptr, M, K, t_scratch.xa);
+  qgemm(isa, qtype, a, M, K, static_cast<const uint8_t*>(w), N, y, size_t(N), threads, [](int64_t, int64_t) {});
+  return 0;
+}
+
+// The activation quantization of ms_qlinear for weight type qtype, as plain arrays: q int8 [M, K] and
+// d f32 [M, K / xblk] (xblk 32 for Q8_0 / Q4_0, 256 for the K-quants): x ~ d * q per block.
+int ms_qquantize(const float* x, int64_t M, int64_t K, int qtype, int8_t* q, float* d) {
+  const std::string bad = qcheck(qtype, K, "ms_qquantize: x");
+  if (!bad.empty()) return fail(bad);
+  QSpec sp;
+  qspec(qtype, sp);
+  const QAct a = quantize_rows(sp, x, false, size_t(K), nullptr, M, K, t_scratch.xa);
+  for (int64_t m = 0; m < M; ++m) {
+    const QRow r = a.row(m);
+    std::memcpy(q + m * K, r.q, size_t(K));
+    for (int64_t b = 0; b < K / sp.xblk; ++b) d[m * (K / sp.xblk) + b] = r.dl[b * sp.xblk / 4];
+  }
+  return 0;
+}
+
+// ms_experts for block-quantized experts: gates[e], ups[e] [F, H] of types qgate / qup and downs[e] [H, F]
+// of type qdown (block data); x [T, H] bf16 bits if xbf16 else f32. Same routing arguments and guarantees.
+int ms_qexperts(const void* x, int xbf16, int64_t T, int64_t H, int64_t F, int qgate, int qup, int qdown,
+                int64_t n_experts, const void* const* gates, const void* const* ups, const void* const* downs,
+                const int64_t* offsets, int64_t n_pairs, const int32_t* tokens, const float* pair_weight, float* out,
+                int threads, double* seconds, int strategy) {
+  if (T < 0 || H < 0 || F < 0 || n_experts < 0 || n_pairs < 0) return fail("ms_qexperts: negative size");
+  for (const std::string& bad : {qcheck(qgate, H, "ms_qexperts: gate"), qcheck(qup, H, "ms_qexperts: up"),
+                                 qcheck(qdown, F, "ms_qexperts: down")})
+    if (!bad.empty()) return fail(bad);
+  if (strategy < kStrategyAuto || strategy > kStrategyExperts)
+    return fail("ms_qexperts: strategy must be 0 (auto), 1 (rows) or 2 (experts)");
+  for (int64_t e = 0; e < n_experts; ++e) {
+    if (offsets[e] < 0 || offsets[e + 1] < offsets[e] || offsets[e + 1] > n_pairs)
+      return fail("ms_qexperts: offsets must be >= 0, not decrease, and stay <= n_pairs = " +
+                  std::to_string(n_pairs) + " (expert " + std::to_string(e) + ")");
+    for (int64_t p = offsets[e]; p < offsets[e + 1]; ++p)
+      if (tokens[p] < 0 || tokens[p] >= T)
+        return fail("ms_qexperts: token " + std::to_string(tokens[p]) + " of pair " + std::to_string(p) +
+                    " is outside [0, " + std::to_string(T) + ")");
+  }
+  quant_experts(g_isa.load(), qgate, qup, qdown, x, xbf16 != 0, H, F, n_experts,
+                [&](int64_t e) { return ExpertW{gates[e], ups[e], downs[e]}; }, offsets, tokens, pair_weight, out,
+                threads, strategy, seconds);
   return 0;
 }
 
@@ -1233,7 +2245,7 @@ double ms_read(const void* p, int64_t bytes, int threads) {
     const uint8_t* q = base + a;
     const size_t n = size_t(b - a);
 #if MS_X86
-    if (isa == kAvx512Bf16) { sums[i] = read_avx512(q, n); return; }
+    if (isa >= kAvx512Bf16) { sums[i] = read_avx512(q, n); return; }
     if (isa == kAvx2) { sums[i] = read_avx2(q, n); return; }
 #endif
     (void)isa;
@@ -1469,8 +2481,128 @@ ffi::Error experts_impl(ffi::Buffer<DT, 2> x, ffi::Buffer<ffi::DataType::S32, 1>
     }
     return ExpertW{gu, gu + gu_bytes / 2, dn};
   };
-  experts_core(g_isa.load(), wt, x.untyped_data(), H, F, E, expert, offs, tok, pair_weight.typed_data(), out, 0,
+  dense_experts(g_isa.load(), wt, x.untyped_data(), H, F, E, expert, offs, tok, pair_weight.typed_data(), out, 0,
                strategy, nullptr);
+  return ffi::Error::Success();
+}
+
+// Block-quantized weights: x bf16 or f32 [M, K]; weights uint8 [rows, K / blk * bytes] of ggml type `qtype`.
+std::string qcheck_rows(int qt, int64_t rows, int64_t cols, ffi::Span<const int64_t> d, size_t rank, const char* what) {
+  std::string bad = qcheck(qt, cols, what);
+  if (!bad.empty()) return bad;
+  const size_t rb = qrow_bytes(qt, cols);
+  if (d.size() != rank || d[rank - 2] != rows || size_t(d[rank - 1]) != rb)
+    return std::string(what) + " " + dims_str(d) + ": expected uint8 [" + (rank == 3 ? "E, " : "") +
+           std::to_string(rows) + ", " + std::to_string(rb) + "] (" + std::to_string(cols) + " columns in blocks)";
+  return "";
+}
+
+bool x_kind(const ffi::AnyBuffer& x, bool& bf16) {
+  bf16 = x.element_type() == ffi::DataType::BF16;
+  return bf16 || x.element_type() == ffi::DataType::F32;
+}
+
+ffi::Error qlinear_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::DataType::U8, 2> w, ffi::ResultBuffer<ffi::DataType::F32, 2> y,
+                        int32_t qtype) {
+  auto xd = x.dimensions(), yd = y->dimensions();
+  bool xbf16;
+  if (xd.size() != 2 || !x_kind(x, xbf16)) return ffi::Error::InvalidArgument("moescope_qlinear: x must be bf16 or f32 [M, K]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  std::string bad = qcheck_rows(qtype, N, K, w.dimensions(), 2, "moescope_qlinear: w");
+  if (bad.empty() && yd[0] != M) bad = "moescope_qlinear: y " + dims_str(yd) + ": expected [M, N]";
+  if (!bad.empty()) return ffi::Error::InvalidArgument(bad);
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  QSpec sp;
+  qspec(qtype, sp);
+  const int isa = g_isa.load();
+  const QAct a = quantize_rows(sp, x.untyped_data(), xbf16, size_t(K), nullptr, M, K, t_scratch.xa);
+  qgemm(isa, qtype, a, M, K, w.typed_data(), N, y->typed_data(), size_t(N), 0, [](int64_t, int64_t) {});
+  return ffi::Error::Success();
+}
+
+ffi::Error qswiglu_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::DataType::U8, 2> gate_up, ffi::Buffer<ffi::DataType::U8, 2> down,
+                        ffi::ResultBuffer<ffi::DataType::F32, 2> y, int32_t qgu, int32_t qdown, int64_t F) {
+  auto xd = x.dimensions(), yd = y->dimensions();
+  bool xbf16;
+  if (xd.size() != 2 || !x_kind(x, xbf16)) return ffi::Error::InvalidArgument("moescope_qswiglu: x must be bf16 or f32 [M, H]");
+  const int64_t M = xd[0], H = xd[1];
+  std::string bad = qcheck_rows(qgu, 2 * F, H, gate_up.dimensions(), 2, "moescope_qswiglu: gate_up");
+  if (bad.empty()) bad = qcheck_rows(qdown, H, F, down.dimensions(), 2, "moescope_qswiglu: down");
+  if (bad.empty() && (yd[0] != M || yd[1] != H)) bad = "moescope_qswiglu: y " + dims_str(yd) + ": expected [M, H]";
+  if (!bad.empty()) return ffi::Error::InvalidArgument(bad);
+  if (M == 0 || H == 0) return ffi::Error::Success();
+  float* out = y->typed_data();
+  if (F == 0) {
+    std::fill(out, out + M * H, 0.0f);
+    return ffi::Error::Success();
+  }
+  const uint8_t* gu = gate_up.typed_data();
+  qswiglu_expert(g_isa.load(), qgu, qgu, qdown, x.untyped_data(), xbf16, nullptr, M, H, F, gu,
+                 gu + size_t(F) * qrow_bytes(qgu, H), down.typed_data(), out, 0, [](int64_t, int64_t) {});
+  return ffi::Error::Success();
+}
+
+// A layer's block-quantized experts: weights E gate_up [2F, rb] then E down [H, rbd], or one [E, 2F, rb] and one
+// [E, H, rbd] (uint8); see experts_impl for the routing arguments.
+ffi::Error qexperts_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::DataType::S32, 1> tokens,
+                         ffi::Buffer<ffi::DataType::F32, 1> pair_weight, ffi::Buffer<ffi::DataType::S32, 1> offsets,
+                         ffi::RemainingArgs weights, ffi::ResultBuffer<ffi::DataType::F32, 2> y, int32_t strategy,
+                         int32_t qgu, int32_t qdown, int64_t F) {
+  auto xd = x.dimensions(), yd = y->dimensions();
+  auto bad = [](const std::string& m) { return ffi::Error::InvalidArgument("moescope_qexperts: " + m); };
+  bool xbf16;
+  if (xd.size() != 2 || !x_kind(x, xbf16)) return bad("x must be bf16 or f32 [T, H]");
+  const int64_t T = xd[0], H = xd[1], P = tokens.dimensions()[0];
+  const int64_t E = offsets.dimensions()[0] - 1;
+  if (yd[0] != T || yd[1] != H) return bad("x " + dims_str(xd) + ", out " + dims_str(yd) + ": expected the same [T, H]");
+  if (pair_weight.dimensions()[0] != P) return bad("tokens and pair_weight: expected the same length");
+  if (E < 0) return bad("offsets must have E + 1 >= 1 elements");
+  if (strategy < kStrategyAuto || strategy > kStrategyExperts) return bad("strategy must be 0, 1 or 2");
+  const size_t nw = weights.size();
+  const bool stacked = nw == 2 && weights.get<ffi::AnyBuffer>(0).value().dimensions().size() == 3;
+  if (!stacked && nw != size_t(2 * E))
+    return bad(std::to_string(nw) + " weight operands for " + std::to_string(E) + " experts");
+  for (size_t i = 0; i < nw; ++i) {
+    auto b = weights.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return bad("weight operand " + std::to_string(i) + " could not be decoded");
+    const ffi::AnyBuffer w = b.value();
+    const bool down = stacked ? i == 1 : int64_t(i) >= E;
+    if (w.element_type() != ffi::DataType::U8) return bad("weight operand " + std::to_string(i) + ": expected uint8 blocks");
+    const size_t rank = stacked ? 3 : 2;
+    if (stacked && (w.dimensions().size() != 3 || w.dimensions()[0] != E))
+      return bad("stacked weight operand " + std::to_string(i) + " " + dims_str(w.dimensions()) + ": expected E first");
+    const std::string m = down ? qcheck_rows(qdown, H, F, w.dimensions(), rank, "down")
+                               : qcheck_rows(qgu, 2 * F, H, w.dimensions(), rank, "gate_up");
+    if (!m.empty()) return bad(m);
+  }
+  const int32_t* off32 = offsets.typed_data();
+  const int32_t* tok = tokens.typed_data();
+  for (int64_t e = 0; e <= E; ++e)
+    if (off32[e] < 0 || off32[e] > P || (e > 0 && off32[e] < off32[e - 1]))
+      return bad("offsets must be >= 0, not decrease and stay <= P = " + std::to_string(P));
+  if (E > 0)
+    for (int64_t p = off32[0]; p < off32[E]; ++p)
+      if (tok[p] < 0 || tok[p] >= T) return bad("token " + std::to_string(tok[p]) + " of live pair " + std::to_string(p) + " is outside [0, T)");
+  float* out = y->typed_data();
+  if (T * H > 0) std::memset(out, 0, size_t(T * H) * sizeof(float));
+  if (E == 0 || T == 0 || H == 0) return ffi::Error::Success();
+  int64_t* offs = grow(t_scratch.offs, size_t(E + 1));
+  for (int64_t e = 0; e <= E; ++e) offs[e] = off32[e];
+  const size_t gu_bytes = size_t(2 * F) * qrow_bytes(qgu, H), dn_bytes = size_t(H) * qrow_bytes(qdown, F);
+  auto expert = [&](int64_t e) {
+    const uint8_t* gu;
+    const uint8_t* dn;
+    if (stacked) {
+      gu = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(0).value().untyped_data()) + size_t(e) * gu_bytes;
+      dn = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(1).value().untyped_data()) + size_t(e) * dn_bytes;
+    } else {
+      gu = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(size_t(e)).value().untyped_data());
+      dn = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(size_t(E + e)).value().untyped_data());
+    }
+    return ExpertW{gu, gu + gu_bytes / 2, dn};
+  };
+  quant_experts(g_isa.load(), qgu, qgu, qdown, x.untyped_data(), xbf16, H, F, E, expert, offs, tok,
+                pair_weight.typed_data(), out, 0, strategy, nullptr);
   return ffi::Error::Success();
 }
 
@@ -1548,6 +2680,49 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_experts_f32, experts_f32,
                                   .RemainingArgs()
                                   .Ret<BufF32>()
                                   .Attr<int32_t>("strategy")
+                                  .Ctx<Pool_>());
+
+using BufU8 = ffi::Buffer<ffi::DataType::U8, 2>;
+
+static ffi::Error qlinear_ffi(ffi::AnyBuffer x, BufU8 w, RetF32 y, int32_t qtype, Pool_ p) {
+  LendPool lend(p);
+  return qlinear_impl(x, w, y, qtype);
+}
+static ffi::Error qswiglu_ffi(ffi::AnyBuffer x, BufU8 gu, BufU8 d, RetF32 y, int32_t qgu, int32_t qdown, int64_t F,
+                              Pool_ p) {
+  LendPool lend(p);
+  return qswiglu_impl(x, gu, d, y, qgu, qdown, F);
+}
+static ffi::Error qexperts_ffi(ffi::AnyBuffer x, BufS32 t, BufW pw, BufS32 o, ffi::RemainingArgs w, RetF32 y, int32_t st,
+                               int32_t qgu, int32_t qdown, int64_t F, Pool_ p) {
+  LendPool lend(p);
+  return qexperts_impl(x, t, pw, o, w, y, st, qgu, qdown, F);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_qlinear, qlinear_ffi,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<BufU8>().Ret<BufF32>().Attr<int32_t>("qtype").Ctx<Pool_>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_qswiglu, qswiglu_ffi,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<BufU8>()
+                                  .Arg<BufU8>()
+                                  .Ret<BufF32>()
+                                  .Attr<int32_t>("qgu")
+                                  .Attr<int32_t>("qdown")
+                                  .Attr<int64_t>("F")
+                                  .Ctx<Pool_>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ms_ffi_qexperts, qexperts_ffi,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<BufS32>()
+                                  .Arg<BufW>()
+                                  .Arg<BufS32>()
+                                  .RemainingArgs()
+                                  .Ret<BufF32>()
+                                  .Attr<int32_t>("strategy")
+                                  .Attr<int32_t>("qgu")
+                                  .Attr<int32_t>("qdown")
+                                  .Attr<int64_t>("F")
                                   .Ctx<Pool_>());
 
 extern "C" int ms_has_ffi() { return 1; }

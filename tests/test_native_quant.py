@@ -1,0 +1,229 @@
+"""models.native on block-quantized weights (ggml's Q8_0, Q4_0, Q4_K, Q6_K blocks, byte for byte) and the AMX
+paths: every kernel against "quantize the activations as llama.cpp does, dequantize both, matmul in float64"
+(`qlinear_reference`: gguf.quants.dequantize for the blocks), on every ISA path this CPU has (AMX, AVX512-VNNI,
+AVX2, scalar; the others skip), at random shapes that cover the tails (K % 64 == 32 for the 32-weight types,
+activation rows 1..40 across the 4-row micro-kernels and the 32-row AMX tiles, odd N).
+
+Tolerance: f32 summation error, 1e-5 of the sum of |products| of the rounded operands per output. One wrong
+nibble, scale or offset moves an output by a large fraction of that sum (checked by swapping Q4_K's nibble
+order in the AVX-512 / AMX unpacker: test_qlinear_host[q4_k-avx512bf16/amx] fail).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from models import native
+from models.quant.blocks import QuantArray
+
+BF16 = ml_dtypes.bfloat16
+ISAS = ["amx", "avx512bf16", "avx2", "scalar"]
+QTYPES = ["q8_0", "q4_0", "q4_k", "q6_k"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Each ISA path this CPU supports (the best one restored afterwards)."""
+    if not native.available():
+        pytest.skip(f"native library unavailable: {native.build_error()}")
+    name = request.param
+    if ISAS.index(name) < ISAS.index(native.best_isa()):
+        pytest.skip(f"this CPU lacks {name}")
+    native.set_isa(name)
+    yield name
+    native.set_isa(None)
+
+
+def bound(x: np.ndarray, w: QuantArray) -> np.ndarray:
+    """1e-5 of sum |x'| |w'| per output (x' rounded as the kernels round it): the f32 summation tolerance."""
+    q, d = native.quantize_activations(np.asarray(x, np.float32).reshape(-1, w.shape[1]), w.qtype)
+    B = 32 if w.qtype in ("q8_0", "q4_0") else 256
+    xr = (q.astype(np.float64).reshape(q.shape[0], -1, B) * d[..., None]).reshape(q.shape)
+    return 1e-5 * (np.abs(xr) @ np.abs(native.dequantize(w).astype(np.float64)).T) + 1e-30
+
+
+def cols_for(qtype: str, rng: np.random.Generator) -> int:
+    if qtype in ("q8_0", "q4_0"):
+        return 32 * int(rng.integers(1, 24))  # odd counts of 32 leave a half 64-weight group
+    return 256 * int(rng.integers(1, 4))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_qlinear_host(isa, qtype):
+    rng = np.random.default_rng(QTYPES.index(qtype))
+    for M in (1, 3, 6, 17, 40):
+        K, N = cols_for(qtype, rng), int(rng.integers(1, 70))
+        w = native.random_blocks(rng, qtype, N, K)
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        y = native.linear_host(x, w, threads=2)
+        ref = native.qlinear_reference(x, w)
+        assert y.shape == (M, N)
+        assert np.all(np.abs(y - ref) <= bound(x, w)), (isa, qtype, M, K, N, np.abs(y - ref).max())
+
+
+def test_qlinear_host_bf16_x_and_threads_identical(isa):
+    rng = np.random.default_rng(7)
+    for qtype in QTYPES:
+        w = native.random_blocks(rng, qtype, 300, 512)
+        x = rng.standard_normal((20, 512)).astype(BF16)
+        y1 = native.linear_host(x, w, threads=1)
+        y2 = native.linear_host(x, w, threads=2)
+        np.testing.assert_array_equal(y1, y2)
+        ref = native.qlinear_reference(x.astype(np.float32), w)
+        assert np.all(np.abs(y1 - ref) <= bound(x.astype(np.float32), w)), qtype
+
+
+def test_activation_quantization_as_the_kernels():
+    """The numpy activation rounding is the one the kernels use, bit for bit (ties, zeros, a repeated max)."""
+    rng = np.random.default_rng(3)
+    lib = native.load()
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    x[1] = 0.0
+    x[2, :256] = np.float32(2.0)
+    x[2, 7] = -2.0
+    x[3] = (np.arange(512) % 9 - 4) * np.float32(0.5)  # scaled halves
+    x[4, 32:64] = np.float32(127 / 2) * np.linspace(-1, 1, 32, dtype=np.float32)
+    for qtype in QTYPES:
+        q = np.empty(x.shape, np.int8)
+        B = 32 if qtype in ("q8_0", "q4_0") else 256
+        d = np.empty((5, 512 // B), np.float32)
+        assert lib.ms_qquantize(x.ctypes.data, 5, 512, native.QTYPE_IDS[qtype], q.ctypes.data, d.ctypes.data) == 0
+        qn, dn = native.quantize_activations(x, qtype)
+        np.testing.assert_array_equal(q, qn, err_msg=qtype)
+        np.testing.assert_array_equal(d, dn, err_msg=qtype)
+
+
+def make_routing(rng, T, E, k):
+    pairs = sorted((int(e), t) for t in range(T) for e in rng.choice(E, size=k, replace=False))
+    tokens = np.array([t for _, t in pairs], np.int32)
+    offsets = np.searchsorted([e for e, _ in pairs], np.arange(E + 1)).astype(np.int64)
+    weights = rng.uniform(0.1, 1.0, size=len(pairs)).astype(np.float32)
+    return offsets, tokens, weights
+
+
+def quant_experts(rng, E, H, F, qgu, qdn):
+    gates = [native.random_blocks(rng, qgu, F, H, 0.02) for _ in range(E)]
+    ups = [native.random_blocks(rng, qgu, F, H, 0.02) for _ in range(E)]
+    downs = [native.random_blocks(rng, qdn, H, F, 0.02) for _ in range(E)]
+    return gates, ups, downs
+
+
+def experts_bound(x, gates, ups, downs, offsets, tokens, pw):
+    """Per-output tolerance of a layer: 1e-5 of sum_p |pw| (|h_p| |down|), h from the reference, plus a
+    one-step change of any rounded h element (the kernels' g, u differ from the reference's by f32 error,
+    so an h element may quantize one step apart: d_h * |down| per element, summed)."""
+    T, H = x.shape
+    tol = np.zeros((T, H))
+    for e in range(len(gates)):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        if hi == lo:
+            continue
+        tok = tokens[lo:hi]
+        g = native.qlinear_reference(x[tok], gates[e])
+        u = native.qlinear_reference(x[tok], ups[e])
+        h = (g / (1 + np.exp(-g)) * u).astype(np.float32)
+        q, d = native.quantize_activations(h, downs[e].qtype)
+        B = h.shape[1] // d.shape[1]
+        step = np.abs(np.repeat(d, B, axis=1).astype(np.float64))  # one quantization step of each h element
+        dn = np.abs(native.dequantize(downs[e]).astype(np.float64))
+        hr = np.abs(q.astype(np.float64) * step)
+        t = 1e-5 * (hr @ dn.T) + 2 * step @ dn.T
+        np.add.at(tol, tok, np.abs(pw[lo:hi, None]) * t)
+    return tol + 1e-30
+
+
+@pytest.mark.parametrize("qgu,qdn", [("q8_0", "q8_0"), ("q4_0", "q8_0"), ("q4_k", "q6_k"), ("q4_k", "q4_k")])
+def test_qexperts_host(isa, qgu, qdn):
+    rng = np.random.default_rng(11)
+    E, H, F, T, k = 4, 256, 512, 18, 2
+    gates, ups, downs = quant_experts(rng, E, H, F, qgu, qdn)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    offsets, tokens, pw = make_routing(rng, T, E, k)
+    ref = native.qexperts_host_reference(np.zeros((T, H), np.float32), x, gates, ups, downs, offsets, tokens, pw)
+    tol = experts_bound(x, gates, ups, downs, offsets, tokens, pw)
+    packed = native.pack_experts(gates, ups, downs)
+    outs = []
+    for strategy in ("rows", "experts", "auto"):
+        out = np.zeros((T, H), np.float32)
+        native.experts_host(out, x, packed, None, None, offsets, tokens, pw, threads=2, strategy=strategy)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+    assert np.all(np.abs(outs[0] - ref) <= tol), (isa, qgu, qdn, np.abs(outs[0] - ref).max())
+
+
+def test_jax_ffi_and_xla_reference():
+    """linear / swiglu / experts on QuantArrays inside jit (the FFI kernels) and the pure-XLA reference path
+    (another backend's) against the numpy references."""
+    if not native.available_experts():
+        pytest.skip(f"native FFI unavailable: {native.build_error()}")
+    rng = np.random.default_rng(5)
+    H, F, T, E = 256, 256, 9, 2
+    for qgu, qdn in (("q4_k", "q6_k"), ("q8_0", "q4_0")):
+        first = qgu == "q4_k"  # the pure-XLA references once (their compiles dominate the test's time)
+        gates, ups, downs = quant_experts(rng, E, H, F, qgu, qdn)
+        gu = [QuantArray(np.concatenate([g.data, u.data]), qgu, (2 * F, H)) for g, u in zip(gates, ups)]
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        w = gates[0]
+        y = jax.jit(lambda x: native.linear(x, w))(jnp.asarray(x))  # a QuantArray is not a pytree: closed over
+        ref = native.qlinear_reference(x, w)
+        assert np.all(np.abs(np.asarray(y) - ref) <= bound(x, w))
+        xla = native.qlinear_jax_reference(jnp.asarray(x), jnp.asarray(w.data), w.qtype)
+        assert np.all(np.abs(np.asarray(xla) - ref) <= 10 * bound(x, w)), qgu
+        np.testing.assert_allclose(np.asarray(native.dequantize_jax(jnp.asarray(downs[0].data), qdn, F)),
+                                   native.dequantize(downs[0]), rtol=1e-6, atol=0)
+        np.testing.assert_allclose(np.asarray(native.dequantize_jax(jnp.asarray(w.data), qgu, H)), native.dequantize(w),
+                                   rtol=1e-6, atol=0)
+        s = jax.jit(lambda x: native.swiglu(x, gu[0], downs[0]))(jnp.asarray(x))
+        offsets = np.array([0, T], np.int64)
+        tol = experts_bound(x, gates[:1], ups[:1], downs[:1], offsets, np.arange(T, dtype=np.int32), np.ones(T, np.float32))
+        sref = native.qswiglu_reference(x, gates[0], ups[0], downs[0])
+        assert np.all(np.abs(np.asarray(s) - sref) <= tol)
+        offsets, tokens, pw = make_routing(rng, T, E, 2)
+        out = jax.jit(lambda x, t, p, o: native.experts(x, t, p, o, gu, downs))(
+            jnp.asarray(x), jnp.asarray(tokens), jnp.asarray(pw), jnp.asarray(offsets.astype(np.int32)))
+        ref = native.qexperts_host_reference(np.zeros((T, H), np.float32), x, gates, ups, downs, offsets, tokens, pw)
+        assert np.all(np.abs(np.asarray(out) - ref) <= experts_bound(x, gates, ups, downs, offsets, tokens, pw))
+        if not first:
+            continue
+        xla = native.qexperts_reference(jnp.asarray(x), tokens, pw, offsets, gu, downs)
+        assert np.all(np.abs(np.asarray(xla) - ref) <= 10 * experts_bound(x, gates, ups, downs, offsets, tokens, pw))
+
+
+def test_bf16_amx_matches_avx512():
+    """The AMX-BF16 path (calls of >= 16 rows) against the AVX512-BF16 one: both exact products, f32 sums."""
+    if native.best_isa() != "amx":
+        pytest.skip(f"this CPU (or kernel) has no AMX: best path {native.best_isa()}")
+    rng = np.random.default_rng(2)
+    try:
+        for M, K, N in ((16, 100, 37), (17, 1000, 65), (40, 64, 33)):
+            x = rng.standard_normal((M, K)).astype(BF16)
+            w = (rng.standard_normal((N, K)) * 0.05).astype(BF16)
+            native.set_isa("avx512bf16")
+            a = native.linear_host(x, w)
+            native.set_isa("amx")
+            b = native.linear_host(x, w)
+            tol = 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T)
+            assert np.all(np.abs(a - b) <= tol)
+    finally:
+        native.set_isa(None)
+
+
+def test_quant_bad_input_one_line_errors():
+    rng = np.random.default_rng(0)
+    w = native.random_blocks(rng, "q4_k", 8, 256)
+    with pytest.raises(ValueError, match="expected x"):
+        native.linear_host(np.zeros((2, 128), np.float32), w)
+    with pytest.raises(ValueError, match="no native kernel"):
+        native.linear_host(np.zeros((2, 256), np.float32), QuantArray(np.zeros((8, 512), np.uint8), "bf16", (8, 256)))
+    lib = native.load()
+    y = np.zeros((1, 8), np.float32)
+    assert lib.ms_qlinear(y.ctypes.data, 0, 1, 100, w.data.ctypes.data, 12, 8, y.ctypes.data, 1) == -1
+    assert "whole number of 256-weight blocks" in lib.ms_last_error().decode()
+    g, u, d = quant_experts(rng, 2, 256, 256, "q8_0", "q8_0")
+    with pytest.raises(ValueError, match="expert 1 up"):
+        native.pack_experts(g, [u[0], native.random_blocks(rng, "q4_0", 256, 256)], d)
