@@ -118,7 +118,10 @@ def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool =
     cfg = resolve_model_config(spec)
     ck = opened or open_model_checkpoint(spec)
     dtype = model_dtype(dtype or "float32", ck) if dtype is None or isinstance(dtype, str) else dtype
-    if ck is None:
+    if ck is None:  # random weights: sized from the config before anything is allocated
+        check_fits(model_bytes(cfg, dtype, with_experts), f"model={spec_node(spec).get('name', cfg.family.value)} "
+                   f"(random weights, {np.dtype(dtype).name}" + (")" if with_experts else ", without its experts)"),
+                   "pick a smaller model, or give the task a trace / checkpoint it can read without building this one")
         return cfg, build_model(cfg, seed=seed, dtype=dtype, with_experts=with_experts), None
     what = f"model.checkpoint {ck.folder} in {np.dtype(dtype).name}" + ("" if with_experts else " without its experts")
     check_fits(ck.param_bytes(np.dtype(dtype), experts=with_experts), what,
@@ -128,6 +131,19 @@ def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool =
     _, model = load_hf(ck.folder, dtype=dtype, with_experts=with_experts, opened=ck, check_finite=scan,
                        huge_pages=bool(spec_node(spec).get("huge_pages", False)))
     return cfg, model, ck.folder
+
+
+def model_bytes(cfg: ModelConfig, dtype: Any = np.float32, with_experts: bool = True) -> int:
+    """Bytes of `cfg`'s parameters in `dtype`, counted on the abstract model (nothing allocated)."""
+    import math
+
+    import jax
+    from flax import nnx
+
+    from models.transformer import abstract_model
+
+    state = nnx.state(abstract_model(cfg, with_experts=with_experts), nnx.Param)
+    return np.dtype(dtype).itemsize * sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(state))
 
 
 def load_tokenizer(folder: Optional[Path]) -> Any:
