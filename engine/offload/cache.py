@@ -101,6 +101,10 @@ class DeviceExpertCache:
         self.gate_up = [jax.device_put(jnp.zeros((2 * F, H), dtype), self.sharding) for _ in range(n)]
         self.down = [jax.device_put(jnp.zeros((H, F), dtype), self.sharding) for _ in range(n)]
         self._where: dict[tuple[int, int], int] = {}
+        # bool [L, E]: experts landed in a cache (non-staging) slot, kept as slots land and are freed (every plan
+        # reads it: a scan of the slots took 0.31 ms of CPU per MoE layer at Qwen3-30B-A3B depth and budget 0.25,
+        # 1538 slots; the kept mask 0.002 ms)
+        self._resident = np.zeros((self.num_layers, self.num_experts), bool)
         self._lock = threading.RLock()
         self._freed = threading.Condition(self._lock)
         self.bytes_per_slot = 3 * H * F * jnp.dtype(dtype).itemsize
@@ -120,12 +124,8 @@ class DeviceExpertCache:
 
     def resident_mask(self) -> np.ndarray:
         """bool [L, E]: experts whose weights have landed in a cache (non-staging) slot."""
-        mask = np.zeros((self.num_layers, self.num_experts), bool)
         with self._lock:
-            for s in self.slots:
-                if s.state is SlotState.resident and not s.staging and s.owner is not None:
-                    mask[s.owner] = True
-        return mask
+            return self._resident.copy()
 
     def is_resident(self, layer: int, expert: int) -> bool:
         with self._lock:
@@ -144,6 +144,7 @@ class DeviceExpertCache:
                     raise CacheError(f"slot {s.index} ({s.owner}) is in use by a computation; cannot reset the cache")
                 s.state, s.owner = SlotState.free, None
             self._where.clear()
+            self._resident[:] = False
             self._freed.notify_all()
 
     def free(self) -> None:
@@ -153,6 +154,7 @@ class DeviceExpertCache:
                 raise CacheError("cannot free the cache while a computation uses a slot")
             self.gate_up, self.down, self._where = [], [], {}
             self.slots = []
+            self._resident[:] = False
 
     def arrays(self) -> tuple[list[jax.Array], list[jax.Array]]:
         """Current handles of every slot (for a computation that indexes slots)."""
@@ -209,6 +211,8 @@ class DeviceExpertCache:
             if s.state is not SlotState.loading:
                 raise CacheError(f"slot {slot} landed while {s.state.value}")
             s.state = SlotState.resident
+            if not s.staging and s.owner is not None:
+                self._resident[s.owner] = True
 
     def release(self, slot: int) -> None:
         """Free a slot (eviction, a staging buffer after its compute, a cancelled or failed transfer)."""
@@ -218,6 +222,7 @@ class DeviceExpertCache:
                 raise CacheError(f"slot {slot} ({s.owner}) is in use by a computation; cannot free it")
             if s.owner is not None:
                 self._where.pop(s.owner, None)
+                self._resident[s.owner] = False
             s.state, s.owner = SlotState.free, None
             self._freed.notify_all()
 
