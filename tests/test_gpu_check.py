@@ -31,3 +31,16 @@ def test_gpu_check_fast_mode_runs_every_stage_on_the_cpu_backend(tmp_path: Path)
     assert res["policies"][default]["vs_default"] == 1.0 and res["tokens_match_in_memory"] is True
     table = summary_table(res)
     assert all(name in table for name in res["policies"]) and "Table 2: 66-80 %" in table
+
+
+def test_a_stage_past_the_deadline_is_interrupted_and_later_ones_are_not_started() -> None:
+    import time
+
+    from engine.bench.gpu_check import Deadline
+
+    clock = Deadline(1.0)
+    started = time.monotonic()
+    assert clock.stage("hangs", lambda: time.sleep(30)) is None and time.monotonic() - started < 5
+    assert clock.stage("next", lambda: 1) is None
+    assert clock.skipped == {"hangs": "interrupted at the deadline", "next": clock.skipped["next"]}
+    assert clock.skipped["next"].startswith("not started")

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -162,16 +163,19 @@ class Deadline:
         def expire(*_: Any) -> None:
             raise StageTimeout(name)
 
-        old = signal.signal(signal.SIGALRM, expire)
-        signal.setitimer(signal.ITIMER_REAL, max(self.left(), 1.0))
+        armed = threading.current_thread() is threading.main_thread()  # signals reach the main thread only
+        old = signal.signal(signal.SIGALRM, expire) if armed else None
+        if armed:
+            signal.setitimer(signal.ITIMER_REAL, max(self.left(), 1.0))
         try:
             return fn()
         except StageTimeout:
             self.skipped[name] = "interrupted at the deadline"
             return None
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
+            if armed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, old)
 
 
 def check(family: str = "mixtral", layers: int = 2, fast: bool = False, batch: int = 4, prompt_len: int = 64,
