@@ -136,13 +136,15 @@ def _parse_record(rec: Any, fail: Any, k: Optional[int], num_experts: Optional[i
 
 
 def import_vllm_jsonl(path: str | Path, num_experts: Optional[int] = None, model: Optional[str] = None,
-                      drop_incomplete: bool = False, phase: LogPhase = LogPhase.auto) -> RoutingTrace:
+                      drop_incomplete: bool = False, phase: LogPhase = LogPhase.auto,
+                      drop_key: str = "drop_incomplete") -> RoutingTrace:
     """Read a vLLM routing log (format in the module docstring) into a validated `RoutingTrace`.
 
     num_experts: experts per MoE layer; None takes the largest id seen + 1 (recorded as inferred in
     `meta.extra`, since an expert never chosen is invisible in a log). model: the model name in the
     trace metadata (default: the header's `model_id`, else the file name). phase: `LogPhase.decode` reads every
-    token as a decode step (a decode-only log); `auto` lets a line's `phase` field say so.
+    token as a decode step (a decode-only log); `auto` lets a line's `phase` field say so. drop_key: the config
+    key of `drop_incomplete` in the calling task, named by the error an incomplete token raises.
     """
     path = Path(path)
     where = str(path)
@@ -204,11 +206,12 @@ def import_vllm_jsonl(path: str | Path, num_experts: Optional[int] = None, model
             cols.weights.append(weights)
     if not cols.line:
         raise TraceFormatError(f"{where}: no routing records")
-    return _assemble(cols, seqs, header, k or 0, num_experts, model, drop_incomplete, path)
+    return _assemble(cols, seqs, header, k or 0, num_experts, model, drop_incomplete, path, drop_key)
 
 
 def _assemble(cols: _Columns, seqs: dict[str, _Sequence], header: dict[str, Any], k: int,
-              num_experts: Optional[int], model: Optional[str], drop_incomplete: bool, path: Path) -> RoutingTrace:
+              num_experts: Optional[int], model: Optional[str], drop_incomplete: bool, path: Path,
+              drop_key: str = "drop_incomplete") -> RoutingTrace:
     seq, pas, pos = (np.asarray(x, np.int64) for x in (cols.seq, cols.pass_, cols.pos))
     token, line = np.asarray(cols.token, np.int64), np.asarray(cols.line, np.int64)
     layers = np.unique(np.asarray(cols.layer, np.int64))
@@ -236,8 +239,7 @@ def _assemble(cols: _Columns, seqs: dict[str, _Sequence], header: dict[str, Any]
         name = next(s.name for s in seqs.values() if s.ordinal == seq[row_first[bad]])
         raise TraceFormatError(
             f"{path}:{int(line[row_first[bad]])}: sequence {name!r} token {int(token[row_first[bad]])} has no routing "
-            f"for layer(s) {missing} ({dropped} incomplete tokens; drop_incomplete=true drops them: "
-            "routing.drop_incomplete=true in engine.simulate)")
+            f"for layer(s) {missing} ({dropped} incomplete tokens; {drop_key}=true drops them)")
     keep_rows = np.flatnonzero(complete)
     new_row = np.full(len(row_keys), -1, np.int64)
     new_row[keep_rows] = np.arange(len(keep_rows))  # row_keys are sorted: rows come out in step, token order
@@ -270,8 +272,10 @@ def _assemble(cols: _Columns, seqs: dict[str, _Sequence], header: dict[str, Any]
 
 
 def load_trace_file(path: str | Path, fmt: TraceFileFormat = TraceFileFormat.auto, num_experts: Optional[int] = None,
-                    drop_incomplete: bool = False, with_hidden: bool = True) -> RoutingTrace:
-    """A routing trace from a file: a moescope `.npz` trace or a vLLM routing log (`.jsonl`, `.json`)."""
+                    drop_incomplete: bool = False, with_hidden: bool = True, phase: LogPhase = LogPhase.auto,
+                    drop_key: str = "drop_incomplete") -> RoutingTrace:
+    """A routing trace from a file: a moescope `.npz` trace or a vLLM routing log (`.jsonl`, `.json`; read with
+    `drop_incomplete` and `phase`, an incomplete token's error naming the config key `drop_key`)."""
     path = Path(path)
     if fmt is TraceFileFormat.auto:
         suffix = path.suffix.lower()
@@ -280,7 +284,8 @@ def load_trace_file(path: str | Path, fmt: TraceFileFormat = TraceFileFormat.aut
         fmt = TraceFileFormat.npz if suffix == ".npz" else TraceFileFormat.vllm_jsonl
     if fmt is TraceFileFormat.npz:
         return load_trace(path, with_hidden=with_hidden)
-    return import_vllm_jsonl(path, num_experts=num_experts, drop_incomplete=drop_incomplete)
+    return import_vllm_jsonl(path, num_experts=num_experts, drop_incomplete=drop_incomplete, phase=phase,
+                             drop_key=drop_key)
 
 
 # ---- Hugging Face `output_router_logits` ------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from conf.schemas.record import RecordConfig
 from engine.recording import record_generation, trace_meta
 from core.telemetry import Telemetry
 from core.trace import RoutingTrace, TraceRecorder
-from core.trace_import import TraceFileFormat, load_trace_file
+from core.trace_import import LogPhase, TraceFileFormat, load_trace_file
 from engine.workloads import PromptSampler, build_workload
 from models.generation import Generator
 from models.loading import load_model, load_tokenizer
@@ -52,13 +52,14 @@ def record_trace(model_node: Any, workload_node: Any, keep_hidden: bool = True, 
 
 def obtain_trace(path: Optional[str], model: Any, workload: Any, *, fmt: TraceFileFormat = TraceFileFormat.auto,
                  num_experts: Optional[int] = None, drop_incomplete: bool = False, keep_hidden: bool = True,
-                 dtype: Any = "auto", seed: int = 0, progress: Any = None) -> RoutingTrace:
+                 dtype: Any = "auto", seed: int = 0, progress: Any = None, phase: LogPhase = LogPhase.auto,
+                 drop_key: str = "drop_incomplete") -> RoutingTrace:
     """The routing trace a task works on: the file at `path` (a .npz trace, or a vLLM .jsonl log read with
-    `num_experts` / `drop_incomplete`), or without one a recording of `model` serving the prompt `workload`.
+    `num_experts` / `drop_incomplete` / `phase`, `drop_key` naming the task's key), or without one a recording of `model` serving the prompt `workload`.
 
     `model`: a `ModelSpec` (or its node), `workload`: a `WorkloadConfig` (or its node)."""
     if path:
-        return load_trace_file(resolve_path(path), fmt, num_experts, drop_incomplete)
+        return load_trace_file(resolve_path(path), fmt, num_experts, drop_incomplete, phase=phase, drop_key=drop_key)
     return record_trace(model, workload, keep_hidden=keep_hidden, dtype=dtype, seed=seed, progress=progress)
 
 

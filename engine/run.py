@@ -293,8 +293,10 @@ def serve_offloaded(rc: RunConfig, hardware: tuple[HardwareProfile, dict[str, ob
     with executor() as ex:
         seq_offset = sum(b.batch_size for b in profile)
         warm_up(ex, batches, cfg, seq_offset)
+        ex.stages.clear()  # the measured batches' layers only
         outs, wall = serve(ex, batches, cfg, seq_offset=seq_offset)
         timer = ex.timer.summary()
+        planning, breakdown = ex.stages.planning(), ex.stages.decode_breakdown()
     generated = int(sum(o.lengths.sum() for o in outs))
     decode_steps = [s for o in outs for s in o.step_s]
     metrics = outs[-1].metrics.summary(int(outs[-1].lengths.sum()))
@@ -309,6 +311,12 @@ def serve_offloaded(rc: RunConfig, hardware: tuple[HardwareProfile, dict[str, ob
         "prefill_s": float(np.mean([o.prefill_s for o in outs])), "generated_tokens": generated,
         **{MOE_LAYER_KEYS.get(k, k): v for k, v in metrics.items() if k not in ("throughput_tok_s", "tokens_generated")},
         "timer": timer, "cost_model_after": cost.summary(),
+        # the policy's plan call per MoE layer (median / p99 per phase; flat decode keys for wandb) and where a decode
+        # MoE layer's wall time goes (engine.offload.stages)
+        "planning_ms": planning, "decode_layer_breakdown": breakdown,
+        **{f"plan_{k}_{phase}": v for phase, row in planning.items() for k, v in row.items() if k.endswith("_ms")},
+        **({"executor_own_ms_per_layer": breakdown["executor_own_ms"], "layer_ms_decode": breakdown["layer_ms"]}
+           if breakdown else {}),
     }
     results["timeline"] = draw_timelines(tm, outs[-1], f"{settings.label} on {rc.model.name}, budget {slots} of "
                                          f"{L * E} experts, batch {rc.workload.batch_size}")
@@ -385,7 +393,8 @@ def compare_with_in_memory(loaded: LoadedModel, batches: list, outs: list[Offloa
 
 
 main = hydra_task("run", title=lambda r: f"engine.run: {r['scheduler']}", metrics=scalars,
-                  hide=("text", "per_layer_decode", "timer", "cost_model_after"))(run)
+                  hide=("text", "per_layer_decode", "timer", "cost_model_after", "planning_ms",
+                        "decode_layer_breakdown"))(run)
 
 
 if __name__ == "__main__":

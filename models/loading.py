@@ -157,7 +157,10 @@ def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool =
     if blocks and fmt != "bf16":
         raise ValueError(f"model.expert_format={fmt}: model.checkpoint {ck.folder} is a GGUF file whose experts are "
                          "already in ggml blocks (leave model.expert_format at bf16 to serve them as stored)")
-    if ck is None:
+    if ck is None:  # random weights: sized from the config before anything is allocated
+        check_fits(model_bytes(cfg, dtype, with_experts), f"model={spec_node(spec).get('name', cfg.family.value)} "
+                   f"(random weights, {np.dtype(dtype).name}" + (")" if with_experts else ", without its experts)"),
+                   "pick a smaller model, or give the task a trace / checkpoint it can read without building this one")
         model = build_model(cfg, seed=seed, dtype=dtype, with_experts=with_experts)
         if formats and with_experts:
             install(model, quantized_layers(cfg, fmt, model_source(model)))
@@ -183,6 +186,19 @@ def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool =
                 ck.check_finite()
             install(model, quantized_layers(cfg, fmt, checkpoint_source(ck)))
     return cfg, model, ck.folder
+
+
+def model_bytes(cfg: ModelConfig, dtype: Any = np.float32, with_experts: bool = True) -> int:
+    """Bytes of `cfg`'s parameters in `dtype`, counted on the abstract model (nothing allocated)."""
+    import math
+
+    import jax
+    from flax import nnx
+
+    from models.transformer import abstract_model
+
+    state = nnx.state(abstract_model(cfg, with_experts=with_experts), nnx.Param)
+    return np.dtype(dtype).itemsize * sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(state))
 
 
 def quantized_experts(spec: Any, opened: Optional["OpenCheckpoint"] = None) -> bool:

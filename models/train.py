@@ -37,7 +37,8 @@ from models.checkpointing import checkpoint_manager, restore_latest, run_checkpo
 from models.config import ModelConfig
 from models.corpus import Corpus, CorpusConfig, CorpusSource, build_corpus
 from models.hf import save_hf
-from models.loading import load_tokenizer, resolve_model_config
+from models.loading import load_tokenizer, model_bytes, resolve_model_config
+from models.memory import check_fits
 from models.tokenizer import save_hf_tokenizer, special_token_ids, train_bpe
 from models.training import LossConfig, lm_schedule, make_eval_step, make_optimizer, make_train_step
 from models.transformer import build_model
@@ -108,6 +109,9 @@ def export(model_cfg: ModelConfig, model: Any, tokenizer: Any, folder: Path, dty
 def train(cfg: TrainConfig, tm: Telemetry) -> dict[str, Any]:
     started = time.perf_counter()
     model_cfg = resolve_model_config(cfg.model)
+    # float32 parameters, their gradients and AdamW's two moments: four copies, sized before any is allocated
+    check_fits(4 * model_bytes(model_cfg, np.float32), f"training model={cfg.model.name} (parameters, gradients and "
+               "AdamW moments in float32)", "train a smaller model")
     corpus = build_corpus(CorpusConfig(sources=list(cfg.corpus.sources),
                                        validation_fraction=cfg.corpus.validation_fraction,
                                        max_chars=cfg.corpus.max_chars))

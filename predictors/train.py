@@ -95,11 +95,22 @@ def training_trace(path: Optional[str], workload: Any, cfg: PredictorsTrainConfi
                    save_as: str, num_experts: int) -> RoutingTrace:
     """The trace at `path` (.npz or a vLLM .jsonl log), or a recording of the model serving `workload`, saved into
     the run folder as `save_as` when `save_traces`. `workload`: a `WorkloadConfig`."""
-    trace = obtain_trace(path, cfg.model, workload, num_experts=num_experts, dtype=cfg.dtype.value, seed=cfg.seed,
+    trace = obtain_trace(path, cfg.model, workload, fmt=cfg.trace_format, num_experts=num_experts,
+                         drop_incomplete=cfg.drop_incomplete, phase=cfg.phase, dtype=cfg.dtype.value, seed=cfg.seed,
                          progress=tm.progress)
     if not path and cfg.save_traces:
         trace.save(tm.run_dir / save_as)
     return trace
+
+
+def shift_recording_skipped(cfg: PredictorsTrainConfig, trace_path: Optional[str], shift_path: Optional[str],
+                            reads_hidden: bool) -> Optional[str]:
+    """Why the shifted set is not recorded, or None: a run on a `trace` file whose methods read routing alone needs
+    no model, and recording `shift_workload` would build the whole model (Mixtral-8x7B: 47B parameters) for it."""
+    if not cfg.shift or shift_path or not trace_path or reads_hidden:
+        return None
+    return (f"trace={trace_path} trains routing-only methods, which need no model; recording shift_workload would "
+            "build it (set shift_trace=<file> to evaluate on a shifted set, or shift=false)")
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------------
@@ -295,8 +306,9 @@ def run(cfg: PredictorsTrainConfig, tm: Telemetry) -> dict[str, Any]:
     reads_hidden = any(p.kind not in ROUTING_ONLY + (PredictorKind.oracle,) for p in todo.values())
     check_trace(trace, model_cfg, where, need_hidden=reads_hidden)
     shift_path = cfg.shift_trace or resumed_trace(checkpoints, "shift_trace.npz")
+    shift_skipped = shift_recording_skipped(cfg, trace_path, shift_path, reads_hidden)
     shift = training_trace(shift_path, cfg.shift_workload, cfg, tm, "shift_trace.npz",
-                           model_cfg.num_experts) if cfg.shift else None
+                           model_cfg.num_experts) if cfg.shift and shift_skipped is None else None
     if shift is not None:
         check_trace(shift, model_cfg, f"shift_trace={shift_path or 'recorded'}", need_hidden=reads_hidden)
     split = split_rows(trace, cfg.test_fraction, cfg.val_fraction, cfg.split_seed)
@@ -369,6 +381,7 @@ def run(cfg: PredictorsTrainConfig, tm: Telemetry) -> dict[str, Any]:
         "resumed_from": str(checkpoints.resume) if checkpoints is not None and checkpoints.resume else None,
         "methods": methods,
         "skipped": skipped,
+        "shift_skipped": shift_skipped,
         "online": online,
         "targets": check_targets(methods, online, cfg.predictor.name, distances),
     }

@@ -28,6 +28,16 @@ def test_main_job_serves_offloaded_with_the_in_memory_tokens(tmp_path: Path) -> 
     assert len(r["text"]) == 2 and all(isinstance(t, str) for t in r["text"])
     assert (tmp_path / "timeline.png").is_file()
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run written"
+    # issue 29 item 4: the policy's plan call per MoE layer, and where a decode layer's wall time goes
+    plan = r["planning_ms"]["decode"]
+    assert plan["layers"] == 5 * 8  # 5 decode passes x 8 MoE layers of the one measured batch
+    assert 0 < plan["median_ms"] <= plan["p99_ms"] < 50 and r["plan_median_ms_decode"] == plan["median_ms"]
+    parts = r["decode_layer_breakdown"]
+    assert abs(sum(parts["per_layer_ms"].values()) - parts["layer_ms"]) < 1e-6 * parts["layer_ms"] + 1e-9
+    assert 0 < parts["per_layer_ms"]["plan"] <= parts["executor_own_ms"] < parts["layer_ms"]
+    # the laps cover the MoE layers: their sum is the decode passes' MoE time, short of each pass's wall time
+    assert parts["layer_ms"] * 8 <= r["decode_latency_ms"] * 1.05
+    assert parts["layer_ms"] * 8 >= r["moe_layers_decode_latency_s"] * 1e3 * 0.5
 
 
 def test_main_job_names_a_bad_override(tmp_path: Path) -> None:

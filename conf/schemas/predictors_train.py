@@ -8,6 +8,7 @@ from typing import Dict, List, Optional
 from omegaconf import MISSING
 
 from core.config import store
+from core.trace_import import LogPhase, TraceFileFormat
 from core.telemetry import WandbConfig
 from models.loading import DType, ModelSpec
 from predictors.config import PredictorConfig
@@ -22,7 +23,11 @@ class PredictorsTrainConfig:
     predictor: PredictorConfig = MISSING  # the headline predictor (trained first; online fine-tuning is streamed)
     baselines: Dict[str, PredictorConfig] = field(default_factory=dict)  # compared with it (conf/predictor/*)
     trace: Optional[str] = None  # an in-distribution routing trace with hidden states; None: record `workload`
-    shift_trace: Optional[str] = None  # the shifted trace; None: record `shift_workload`
+    shift_trace: Optional[str] = None  # the shifted trace; None: record `shift_workload` (not with a `trace` file
+    #   and routing-only methods: the shifted set is then skipped, since recording it would need the model)
+    trace_format: TraceFileFormat = TraceFileFormat.auto  # of `trace` / `shift_trace`: by suffix, npz, vllm_jsonl
+    drop_incomplete: bool = False  # vLLM logs: drop tokens missing some layer (default: fail naming the line)
+    phase: LogPhase = LogPhase.auto  # vLLM logs: auto (a sequence's first pass is its prefill) | decode (decode-only)
     shift: bool = True  # evaluate on the shifted set
     save_traces: bool = True  # write recorded traces into the run folder (trace.npz, shift_trace.npz)
     test_fraction: float = 0.25  # share of in-distribution sequences held out for test

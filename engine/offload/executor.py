@@ -38,6 +38,7 @@ from engine.offload.kernels import LayerKernels
 from engine.offload.link import Job, TransferLink
 from engine.offload.metrics import RunMetrics
 from engine.offload.settings import OffloadSettings
+from engine.offload.stages import LayerLaps, StageTimes
 from engine.offload.store import ExpertStore
 from engine.offload.timer import Timer
 from models.config import ModelConfig
@@ -158,6 +159,7 @@ class OffloadExecutor:
         self._dummy = (jax.device_put(jnp.zeros_like(self.cache.gate_up[0]), self.cache.sharding),
                        jax.device_put(jnp.zeros_like(self.cache.down[0]), self.cache.sharding))
         self.expert_tokens = np.zeros((self.L, self.E), np.int64)  # tokens routed per expert (the Counter)
+        self.stages = StageTimes()  # where each MoE layer's wall time went (planning time per policy among it)
         self.seq_offset = 0  # sequence id of the next batch's first row (row_lookup into a reference trace)
         self._t0 = time.perf_counter()
         self._moe_wall = 0.0  # wall time of the current pass's MoE layers (the rest is the pass's overhead)
@@ -215,19 +217,28 @@ class OffloadExecutor:
 
         `begin`: when the layer's attention call was dispatched; the wall time from there to the issued
         plan, minus the modelled attention, is the layer's fixed host overhead (the Timer's sample)."""
+        laps = self.stages.laps(phase)
+        experts_d.block_until_ready()  # the device's attention and gate
+        laps.lap("device_sync")
         run = self._route(self.moe_index[block], phase, hidden, experts_d, weights_d, valid_flat, seqs, pos, tokens)
+        laps.lap("route")
         early = self._start_resident(run)
-        state, plan = self._plan(run, early, context_len)
+        laps.lap("dispatch")
+        state, plan = self._plan(run, early, context_len, laps)
         if phase is Phase.decode:  # prefill's attention is far from its model; decode is what the overhead serves
             self.timer.layer_overhead(time.perf_counter() - begin - state.t_attn_next_s)
         self.accounting.open_layer(state)
         self._start_cpu(run, plan)
-        self._compute_ready(run, plan, early)
-        self._compute_loads(run, plan)
-        gpu_busy, cpu_busy = self._join(run, plan)
+        laps.lap("bookkeeping")
+        self._compute_ready(run, plan, early, laps)
+        self._compute_loads(run, plan, laps)
+        gpu_busy, cpu_busy = self._join(run, plan, laps)
         parts = self._combine(run)
         self.link.flush()  # no AsyncIO: prefetches finish inside the layer that issued them
+        laps.lap("transfer_wait")
         self._close_layer(run, plan, gpu_busy, cpu_busy)
+        laps.lap("bookkeeping")
+        laps.close(plan)
         return parts, run.pinned
 
     def _route(self, layer: int, phase: Phase, hidden: jax.Array, experts_d: jax.Array, weights_d: jax.Array,
@@ -259,17 +270,21 @@ class OffloadExecutor:
             run.pinned += self._dispatch(run, early)
         return early
 
-    def _plan(self, run: LayerRun, early: list[int], context_len: int) -> tuple[LayerState, LayerPlan]:
+    def _plan(self, run: LayerRun, early: list[int], context_len: int, laps: LayerLaps
+              ) -> tuple[LayerState, LayerPlan]:
         """The plan point, the link held (its queue stays as the scheduler sees it): state, plan, issue."""
         with self.link.hold():
             queued = self.link.queued()
             state = self._state(run, queued, context_len)
             self.accounting.settle_prefetches(queued)  # what is still queued is dropped by this plan
+            laps.lap("state")
             plan = self.accounting.plan(self.scheduler, state, validate=self.settings.validate_plans)
+            laps.lap("plan")
             if not set(early) <= set(plan.gpu):
                 raise RuntimeError(f"{self.scheduler.name}: resident_on_device, but the plan of MoE layer {run.layer} "
                                    f"moves resident experts {sorted(set(early) - set(plan.gpu))} off the device")
             self._issue(run.layer, plan)
+        laps.lap("issue")
         return state, plan
 
     def _state(self, run: LayerRun, queued: list[Job], context_len: int) -> LayerState:
@@ -312,23 +327,26 @@ class OffloadExecutor:
             run.cpu_future = self.cpu.submit(run.layer, run.host, run.experts, run.weights, list(plan.cpu))
         run.cpu_start = time.perf_counter()
 
-    def _compute_ready(self, run: LayerRun, plan: LayerPlan, early: list[int]) -> None:
+    def _compute_ready(self, run: LayerRun, plan: LayerPlan, early: list[int], laps: LayerLaps) -> None:
         """The device experts that need no load (landing prefetches are waited for; resident ones are there)."""
         skip = set(plan.ondemand) | set(early)
         ready = [expert for expert in plan.gpu if expert not in skip]
         for expert in ready:
             if not self.cache.is_resident(run.layer, expert):
                 self.link.wait(run.layer, expert)
+        laps.lap("transfer_wait")
         if not early:
             run.gpu_start = time.perf_counter()
         if ready:
             run.pinned += self._dispatch(run, ready)
+        laps.lap("dispatch")
 
-    def _compute_loads(self, run: LayerRun, plan: LayerPlan) -> None:
+    def _compute_loads(self, run: LayerRun, plan: LayerPlan, laps: LayerLaps) -> None:
         """Each on-demand load computed when it lands (OnIoDone); a staging buffer goes back to the link once
         its compute is done."""
         for expert, retain in zip(plan.ondemand, plan.retain):
             self.link.wait(run.layer, expert)
+            laps.lap("transfer_wait")
             # a sample times the call alone: device calls run in order (earlier queued work would count), and
             # where the device is the host the CPU experts' worker shares its cores. Only decode calls are
             # samples: the cost model takes them as per-call dispatch, and a prefill call runs the grouped
@@ -337,10 +355,12 @@ class OffloadExecutor:
                 (run.cpu_future is None or run.cpu_future.done())
             started = time.perf_counter()
             slots = self._dispatch(run, [expert])
+            laps.lap("dispatch")
             if retain:
                 run.pinned += slots
                 continue
             run.parts[-1].block_until_ready()
+            laps.lap("device_compute")
             if timed:
                 self.timer.gpu(int((run.experts == expert).sum()), time.perf_counter() - started)
             self.cache.unpin(slots)
@@ -367,23 +387,27 @@ class OffloadExecutor:
         out = self.kernels.experts(hidden, index, weights, gate_up_slots, down_slots, layer)
         return out, slots  # type: ignore[return-value]
 
-    def _join(self, run: LayerRun, plan: LayerPlan) -> tuple[float, float]:
+    def _join(self, run: LayerRun, plan: LayerPlan, laps: LayerLaps) -> tuple[float, float]:
         """OnCpuGpuDone: both sides of the layer done; returns their busy times (device, CPU)."""
         cpu_out, cpu_busy = None, 0.0
         if run.inline_cpu:
             run.cpu_start = time.perf_counter()
             cpu_out = self.cpu.compute(run.layer, run.host, run.experts, run.weights, list(plan.cpu))
             cpu_busy = time.perf_counter() - run.cpu_start
+            laps.lap("cpu_experts")
         gpu_busy = 0.0
         if run.parts:  # (after an inline CPU side, the device side is seen done no earlier than the CPU side)
             jax.block_until_ready(run.parts)
             gpu_busy = time.perf_counter() - run.gpu_start
+            laps.lap("device_compute")
         if run.cpu_future is not None:
             cpu_out = run.cpu_future.result()
             cpu_busy = time.perf_counter() - run.cpu_start
+            laps.lap("cpu_experts")
         if cpu_out is not None:
             run.parts.append(jnp.asarray(cpu_out))
             self._time_cpu(cpu_busy, gpu_busy)
+            laps.lap("bookkeeping")
         return gpu_busy, cpu_busy
 
     def _time_cpu(self, cpu_busy: float, gpu_busy: float) -> None:

@@ -61,7 +61,7 @@ def load_routing_file(r: RoutingConfig, cfg: ModelConfig, with_hidden: bool = Fa
     path = resolve_path(r.path)
     if r.source is RoutingSource.jsonl:
         trace = import_vllm_jsonl(path, num_experts=cfg.num_experts, drop_incomplete=r.drop_incomplete,
-                                  phase=r.phase)
+                                  phase=r.phase, drop_key="routing.drop_incomplete")
     elif r.source is RoutingSource.hf:
         trace = import_hf_router_logits(path, top_k=cfg.num_experts_per_tok)
     else:
