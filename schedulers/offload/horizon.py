@@ -88,18 +88,20 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
     (behind the held prefetches too), each computed on landing; the CPU experts one after another."""
     cost, tok = state.cost, state.tokens
     landing = {t.expert: t.remaining_s for t in state.inflight if t.layer == state.layer}
-    loads = set(split.loads)
-    resident = [int(tok[e]) for e in split.gpu if e not in loads and e not in landing and e not in held]
-    gpu = cost.t_shared(state.batch_tokens) + cost.t_g_group_sum(resident)
-    link = state.alpha_s + len(held) * state.t_io_s
+    gpu_ids = np.asarray(split.gpu, dtype=np.int64)
+    waits = np.isin(gpu_ids, [*split.loads, *landing, *held])
+    gpu = cost.t_shared(state.batch_tokens) + float(np.sum(cost.t_g_group(tok[gpu_ids[~waits]]))) \
+        if gpu_ids.size else cost.t_shared(state.batch_tokens)
     for e in sorted((e for e in split.gpu if e in landing), key=landing.__getitem__):
         gpu = max(gpu, landing[e]) + float(cost.t_g(int(tok[e])))
-    for e in split.gpu:
-        if e in held:
-            gpu = max(gpu, link) + float(cost.t_g(int(tok[e])))
-    for e in split.loads:
-        link += state.t_io_s
-        gpu = max(gpu, link) + float(cost.t_g(int(tok[e])))
+    # the held prefetches, then the loads, land one t_io apart behind alpha; each is computed on landing:
+    # g_k = max(g_{k-1}, link_k) + t_k unrolls to max(g_0 + sum t, max_k(link_k + sum_{j >= k} t_j))
+    queue = [e for e in split.gpu if e in held] + list(split.loads)
+    if queue:
+        t = np.atleast_1d(cost.t_g(tok[queue])).astype(np.float64)
+        links = state.alpha_s + state.t_io_s * np.arange(1, len(queue) + 1)
+        tail = np.cumsum(t[::-1])[::-1]
+        gpu = max(gpu + float(tail[0]), float(np.max(links + tail)))
     cpu = cost.t_c_sum([int(tok[e]) for e in split.cpu])
     s = cost.device_cpu_share  # where the device is the host, each side also waits for its share of the other
     return max(cpu + s * gpu, gpu + s * cpu) if s > 0 else max(cpu, gpu)
