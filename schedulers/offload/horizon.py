@@ -116,7 +116,8 @@ def candidate_splits(state: LayerState, names: Sequence[str], may_move_resident:
     out: list[Split] = []
     for name in names:
         if name == "greedy":
-            ready_s = cost.t_shared(state.batch_tokens) + cost.t_g_group_sum([int(tok[e]) for e in ready])
+            ready_s = cost.t_shared(state.batch_tokens) + float(np.sum(cost.t_g_group(tok[ready]))) if ready.size \
+                else cost.t_shared(state.batch_tokens)
             t_g = float(cost.t_g(max(int(tok.max(initial=1)), 1)))
             i = greedy_split(tok[cur].astype(np.float64), ready_s, state.alpha_s, state.t_io_s, t_g, cost)
             loads = tuple(int(e) for e in cur[i:][::-1])
