@@ -247,12 +247,14 @@ def main() -> None:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--forecasts", default="transition", help="transition | stats | measured (oracle: upper bound)")
+    ap.add_argument("--match", default="", help="only the points whose label contains this text")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", default="runs/bench/horizon_study")
     args = ap.parse_args()
     systems = tuple(args.systems.split(","))
     points = study_points(tuple(args.sets.split(",")), tuple(args.models.split(",")),
                           tuple(int(b) for b in args.batches.split(",")), args.forecasts)
+    points = [p for p in points if args.match in p.label]
     seeds = [int(s) for s in args.seeds.split(",")]
     wall0 = time.perf_counter()
     rows = run_study(points, seeds, systems, args.jobs)
