@@ -14,7 +14,7 @@ def test_main_job_serves_offloaded_with_the_in_memory_tokens(tmp_path: Path) -> 
                      "workload.prompt_len=16", "workload.gen_len=6")
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "results.json").read_text())
-    assert r["model"] == "mixtral-tiny" and r["scheduler"] == "LayerScope" and r["predictor"] == "gate"
+    assert r["model"] == "mixtral-tiny" and r["scheduler"] == "Horizon" and r["predictor"] == "gate"
     # the picture is a decode pass after the first, as long as the decode latency the results report
     drawn = r["timeline"]["decode"]
     assert drawn["step"] >= 2 and drawn["span_ms"] <= drawn["wall_ms"] * 1.01

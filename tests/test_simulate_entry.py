@@ -23,8 +23,9 @@ def run(args: list[str]) -> subprocess.CompletedProcess:
 def test_single_run_writes_results_timeline_and_offline_wandb(tmp_path: Path) -> None:
     run([*SMALL, f"hydra.run.dir={tmp_path}", "wandb.mode=offline"])
     res = json.loads((tmp_path / "results.json").read_text())
-    assert res["scheduler"] == "LayerScope" and res["hardware"] == "v100_pcie3"
-    assert res["tokens_generated"] == 2 * 3
+    # the default is Horizon: two batches of batch_size in flight, one token per sequence per step
+    assert res["scheduler"] == "Horizon" and res["hardware"] == "v100_pcie3"
+    assert res["tokens_generated"] == 2 * 2 * 3
     assert res["throughput_tok_s"] == res["tokens_generated"] / res["total_s"]
     assert 0 < res["lower_bound_s"] <= res["total_s"]
     assert len(res["per_layer_decode"]["layer_ms"]) == 26

@@ -1,0 +1,275 @@
+"""Study: every offload policy at every point, mean ± std over seeds, the gap to the lower bound, drawn.
+
+Points (`study_points`): the Figure-11 sweep (4 models x 2 machines x 5 batches, synthetic routing fitted to real
+Mixtral statistics), the rows of `bench_presched_regimes` (Mixtral-8x7B, A100, one cost moved at a time), and the
+routing of the shipped trained mixtral-tiny (`routing=trained_tiny`) at batches 4-64. Forecasts are realistic: the
+transition table fitted on held-out routing (`predictor=transition`); `--forecasts measured` runs the default
+oracle (LLaPor's measured hit rate: an upper bound, labelled so).
+
+Bound: `engine.sim.bounds.lower_bound` of the point's passes, which knows the routing of the whole pass (what no
+forecast does). A policy that keeps two batches in flight (Klotski, Horizon) replays twice the sequences per pass,
+so each in-flight width has its own bound; the point's bound is the best throughput any schedule with at most two
+batches in flight could reach (`bound_tok_s`), and `above_lower_bound` of a run is its time over the bound of its own
+passes minus 1. The gap Horizon closes at a point is (Horizon - best other) / (bound - best other) in throughput.
+
+    python engine/bench/bench_horizon_study.py [--seeds 0,1,2,3,4] [--sets sweep,regimes,replay]
+        [--models ...] [--batches ...] [--systems ...] [--jobs 1] [--out runs/bench/horizon_study]
+
+The point list (`study_points`), one point's runs (`run_point`) and the table builders (`point_table`,
+`bound_distribution`, `summary_lines`) are importable, so a Hydra multirun can wrap them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+
+from conf import compose  # noqa: E402
+from engine.bench.bench_presched_regimes import REGIMES, profile  # noqa: E402
+from engine.bench.bench_simulate_sweep import BATCHES, HARDWARE, MODELS, hardware, scheduler_settings, \
+    sweep_predictor  # noqa: E402
+from engine.sim.bounds import lower_bound  # noqa: E402
+from engine.sim.run import RunSpec, prepare_routing, simulate  # noqa: E402
+from engine.simulate import spec_from_config  # noqa: E402
+
+SYSTEMS = ("horizon", "presched", "hybrimoe", "klotski", "dali", "layerwise", "fiddler", "fate", "ktransformers",
+           "ondemand", "lru")
+OURS = "horizon"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One point of the study: a model on a machine at a batch, under a routing, with some costs changed."""
+
+    set: str  # sweep | regimes | replay
+    model: str
+    machine: str
+    batch: int
+    routing: str = "synthetic"
+    regime: Optional[str] = None  # bench_presched_regimes "axis: setting"
+    forecasts: str = "transition"
+
+    @property
+    def label(self) -> str:
+        where = self.regime or f"{self.model} {self.machine} b{self.batch}"
+        return f"{self.set}: {where}" + (f" ({self.routing})" if self.routing != "synthetic" else "")
+
+
+def study_points(sets: tuple[str, ...] = ("sweep", "regimes", "replay"), models: tuple[str, ...] = tuple(MODELS),
+                 batches: tuple[int, ...] = tuple(BATCHES), forecasts: str = "transition") -> list[Point]:
+    """Every point of the study, in table order."""
+    out: list[Point] = []
+    if "sweep" in sets:
+        out += [Point("sweep", m, hw, b, forecasts=forecasts) for m in models for hw in HARDWARE for b in batches]
+    if "regimes" in sets:
+        out += [Point("regimes", "mixtral_8x7b", "a100_pcie4", r.batch, regime=f"{r.axis}: {r.setting}",
+                      forecasts=forecasts) for r in REGIMES if r.forecasts != ("0.5",) and r.forecasts != ("1.0",)]
+    if "replay" in sets:
+        out += [Point("replay", "mixtral_8x7b", hw, b, routing="trained_tiny", forecasts=forecasts)
+                for hw in HARDWARE for b in batches]
+    return out
+
+
+def point_spec(point: Point, seed: int) -> RunSpec:
+    """The point's run spec under PreSched (each system replaces the scheduler)."""
+    cfg = compose("simulate", [f"model={point.model}", f"batch_size={point.batch}", f"routing={point.routing}",
+                               "scheduler=presched"])
+    spec = replace(spec_from_config(cfg), hardware=hardware(point.machine), predictor=sweep_predictor(point.forecasts),
+                   seed=seed)
+    if point.regime is not None:
+        regime = next(r for r in REGIMES if f"{r.axis}: {r.setting}" == point.regime)
+        spec = replace(spec, hardware=profile(regime))
+        if regime.cache_fraction is not None:
+            experts = spec.model.num_experts * len(spec.model.moe_layers)
+            spec = replace(spec, cache_slots=int(round(regime.cache_fraction * experts)))
+    return spec
+
+
+def run_point(point: Point, seed: int, systems: tuple[str, ...] = SYSTEMS) -> list[dict[str, Any]]:
+    """Every system at one point on one seed's routing (one routing per in-flight width), with the bounds."""
+    base = point_spec(point, seed)
+    routings: dict[int, Any] = {}
+    bounds: dict[int, float] = {}
+    rows = []
+    for system in systems:
+        spec = replace(base, scheduler=scheduler_settings(system))
+        try:
+            routing = routings.setdefault(spec.sequences, prepare_routing(spec))
+            t0 = time.process_time()
+            out = simulate(spec, routing)
+        except ValueError as err:  # e.g. two batches' KV cache does not fit the device
+            rows.append({"point": point.label, "set": point.set, "system": system, "seed": seed, "error": str(err)})
+            continue
+        if spec.sequences not in bounds:
+            bounds[spec.sequences] = lower_bound(spec.model, out.cost, routing.passes,
+                                                 out.memory.cache_slots + spec.scheduler.staging_slots)
+        tokens = sum(p.num_seqs for p in routing.passes)
+        lb = bounds[spec.sequences]
+        rows.append({"point": point.label, "set": point.set, "system": system, "seed": seed,
+                     "label": spec.scheduler.label, "in_flight": spec.scheduler.in_flight,
+                     "throughput_tok_s": out.summary["throughput_tok_s"],
+                     "decode_latency_s": out.summary["decode_latency_s"], "total_s": out.summary["total_s"],
+                     "lower_bound_s": lb, "bound_tok_s": tokens / lb, "above_lower_bound": out.summary["total_s"] / lb - 1,
+                     "sim_cpu_s": time.process_time() - t0})
+    best_bound = max((r["bound_tok_s"] for r in rows if "error" not in r), default=float("nan"))
+    for r in rows:
+        r["point_bound_tok_s"] = best_bound
+    return rows
+
+
+# ---- tables -----------------------------------------------------------------------------------------------------
+def by_point(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for r in rows:
+        if "error" not in r:
+            out.setdefault(r["point"], {}).setdefault(r["system"], []).append(r)
+    return out
+
+
+def gap_closed(runs: dict[str, list[dict[str, Any]]], ours: str = OURS) -> tuple[float, str, float, float]:
+    """(share of the gap between the best other policy and the bound that `ours` closes, the best other, its mean
+    throughput, the bound's throughput), all means over seeds."""
+    mean = {s: float(np.mean([r["throughput_tok_s"] for r in rs])) for s, rs in runs.items()}
+    bound = float(np.mean([r["point_bound_tok_s"] for rs in runs.values() for r in rs]))
+    others = {s: v for s, v in mean.items() if s != ours}
+    best = max(others, key=others.__getitem__)
+    gap = bound - others[best]
+    return ((mean[ours] - others[best]) / gap if gap > 0 and ours in mean else float("nan")), best, others[best], bound
+
+
+def wins(runs: dict[str, list[dict[str, Any]]], ours: str = OURS) -> bool:
+    """`ours` at least every other policy's mean throughput, within one std (of either)."""
+    def stats(s: str) -> tuple[float, float]:
+        v = [r["throughput_tok_s"] for r in runs[s]]
+        return float(np.mean(v)), float(np.std(v))
+    m, sd = stats(ours)
+    return all(m + max(sd, stats(s)[1]) >= stats(s)[0] for s in runs if s != ours)
+
+
+def point_table(rows: list[dict[str, Any]], systems: tuple[str, ...] = SYSTEMS) -> str:
+    """Markdown: points x policies, throughput mean ± std over seeds, the bound, the gap Horizon closes."""
+    table = by_point(rows)
+    shown = [s for s in systems if any(s in runs for runs in table.values())]
+    lines = ["| point | " + " | ".join(shown) + " | bound tok/s | best other | gap closed | Horizon ≥ all |",
+             "|---" * (len(shown) + 5) + "|"]
+    for point, runs in table.items():
+        cells = []
+        for s in shown:
+            v = [r["throughput_tok_s"] for r in runs.get(s, [])]
+            cells.append(f"{np.mean(v):.2f} ± {np.std(v):.2f}" if v else "—")
+        closed, best, _, bound = gap_closed(runs) if OURS in runs and len(runs) > 1 else (float("nan"), "—", 0, 0)
+        ok = "yes" if OURS in runs and wins(runs) else "**no**"
+        lines.append(f"| {point} | " + " | ".join(cells) + f" | {bound:.2f} | {best} | {100 * closed:.0f} % | {ok} |")
+    return "\n".join(lines)
+
+
+def bound_distribution(rows: list[dict[str, Any]], systems: tuple[str, ...] = SYSTEMS) -> str:
+    """Markdown: per policy, `above_lower_bound` over every run (its own passes' bound): quantiles."""
+    lines = ["| policy | runs | min | 25 % | median | 75 % | max |", "|---|---|---|---|---|---|---|"]
+    for s in systems:
+        v = np.array([r["above_lower_bound"] for r in rows if r["system"] == s and "error" not in r])
+        if v.size:
+            q = np.percentile(v, [0, 25, 50, 75, 100])
+            lines.append(f"| {s} | {v.size} | " + " | ".join(f"{100 * x:.1f} %" for x in q) + " |")
+    return "\n".join(lines)
+
+
+def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
+    table = by_point(rows)
+    closed = [gap_closed(runs)[0] for runs in table.values() if OURS in runs and len(runs) > 1]
+    won = [wins(runs) for runs in table.values() if OURS in runs]
+    lost = [p for p, runs in table.items() if OURS in runs and not wins(runs)]
+    errors = sorted({(r["point"], r["system"]) for r in rows if "error" in r})
+    return [f"Horizon at least every other policy (mean, within one std) at {sum(won)} of {len(won)} points"
+            + (f"; not at: {', '.join(lost)}" if lost else ""),
+            f"gap to the bound closed by Horizon: median {100 * float(np.median(closed)):.0f} %, "
+            f"min {100 * float(np.min(closed)):.0f} %, max {100 * float(np.max(closed)):.0f} % over {len(closed)} points"
+            if closed else "no gap computed",
+            *(f"not run: {s} at {p} (does not fit)" for p, s in errors)]
+
+
+def figure(rows: list[dict[str, Any]], path: Path) -> None:
+    """Left: each policy's throughput over the point's bound (mean over seeds) at every point; right: the
+    distribution of above_lower_bound per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = by_point(rows)
+    points = list(table)
+    systems = [s for s in SYSTEMS if any(s in runs for runs in table.values())]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(16, 5), gridspec_kw={"width_ratios": [3, 1]})
+    for s in systems:
+        y = [np.mean([r["throughput_tok_s"] / r["point_bound_tok_s"] for r in table[p][s]]) if s in table[p] else np.nan
+             for p in points]
+        left.plot(range(len(points)), y, "o-" if s == OURS else ".", lw=1.5 if s == OURS else 0.5, ms=5, label=s)
+    left.set_xticks(range(len(points)), points, rotation=90, fontsize=5)
+    left.set_ylabel("throughput / bound (≤ 2 batches in flight)")
+    left.axhline(1.0, color="k", lw=0.5)
+    left.legend(fontsize=7, ncol=4)
+    data = [[100 * r["above_lower_bound"] for r in rows if r["system"] == s and "error" not in r] for s in systems]
+    right.boxplot(data, showfliers=False)
+    right.set_xticks(range(1, len(systems) + 1), systems, rotation=60, fontsize=7)
+    right.set_ylabel("above the lower bound of its own passes (%)")
+    fig.suptitle("Offload policies at every study point (transition-table forecasts, mean over seeds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_study(points: list[Point], seeds: list[int], systems: tuple[str, ...], jobs: int = 1) -> list[dict[str, Any]]:
+    """Every (point, seed) sequentially, or over `jobs` joblib processes."""
+    work = [(p, s) for p in points for s in seeds]
+    if jobs > 1:
+        from joblib import Parallel, delayed
+
+        chunks = Parallel(n_jobs=jobs)(delayed(run_point)(p, s, systems) for p, s in work)
+    else:
+        chunks = [run_point(p, s, systems) for p, s in work]
+    return [r for chunk in chunks for r in chunk]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="0,1,2,3,4")
+    ap.add_argument("--sets", default="sweep,regimes,replay")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--forecasts", default="transition", help="transition | stats | measured (oracle: upper bound)")
+    ap.add_argument("--match", default="", help="only the points whose label contains this text")
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--out", default="runs/bench/horizon_study")
+    args = ap.parse_args()
+    systems = tuple(args.systems.split(","))
+    points = study_points(tuple(args.sets.split(",")), tuple(args.models.split(",")),
+                          tuple(int(b) for b in args.batches.split(",")), args.forecasts)
+    points = [p for p in points if args.match in p.label]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    wall0 = time.perf_counter()
+    rows = run_study(points, seeds, systems, args.jobs)
+    wall = time.perf_counter() - wall0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.jsonl", "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    figure(rows, out / "horizon_study.png")
+    text = [point_table(rows, systems), "", bound_distribution(rows, systems), "", *summary_lines(rows),
+            f"{len(rows)} runs over {len(points)} points x seeds {seeds}, wall {wall:.0f} s ({args.jobs} job(s))"]
+    (out / "report.md").write_text("\n".join(text) + "\n\n![study](horizon_study.png)\n")
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()
