@@ -126,3 +126,17 @@ def test_offloaded_quantized_model_gives_its_in_memory_tokens(fmt):
             out = ex.generate(PROMPTS, 5, pad_token_id=cfg.pad_token_id)
             assert ex.cache.gate_up[0].dtype == np.uint8
         np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"{fmt} {kind}")
+
+
+def test_a_quantized_model_rebuilt_in_another_dtype_shares_its_block_experts():
+    """engine.run's float32 envelope reference (`rebuild`) and its offload model (`without_experts`)."""
+    import jax.numpy as jnp
+
+    from models.transformer import rebuild, without_experts
+
+    cfg, model, _ = load_model(spec("q8_0"), dtype="auto")
+    f32 = rebuild(model, jnp.float32)
+    assert f32.embed[...].dtype == jnp.float32
+    for layer in cfg.moe_layers:
+        assert f32.layers[layer].moe.experts is model.layers[layer].moe.experts
+    assert without_experts(model).layers[0].moe.experts is None
