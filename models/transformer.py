@@ -235,7 +235,17 @@ forward_jit = nnx.jit(forward, static_argnames=("executor", "capture", "capture_
 
 def rebuild(model: MoETransformer, dtype: jnp.dtype, with_experts: bool = True) -> MoETransformer:
     """A model of `model.cfg` whose parameters are `model`'s, in `dtype`: the same arrays where the dtype
-    already matches (nothing copied), converted copies otherwise; routed experts left out unless `with_experts`."""
+    already matches (nothing copied), converted copies otherwise; routed experts left out unless `with_experts`
+    (quantized experts, `models.quant.QuantExperts`, are shared as they are)."""
+    from models.quant.experts import QuantExperts
+
+    quantized = {layer: model.layers[layer].moe.experts for layer in model.cfg.moe_layers
+                 if isinstance(model.layers[layer].moe.experts, QuantExperts)}
+    if quantized and with_experts:  # block experts are the same in any run dtype: shared, not converted
+        out = rebuild(model, dtype, with_experts=False)
+        for layer, experts in quantized.items():
+            out.layers[layer].moe.experts = nnx.data(experts)
+        return out
     graphdef, state = nnx.split(abstract_model(model.cfg, dtype, with_experts=with_experts))
     source = nnx.to_pure_dict(nnx.state(model))
 
