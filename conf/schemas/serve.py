@@ -40,6 +40,7 @@ class Experiment(enum.Enum):
     distance = "distance"  # Figs. 17-18: MoEless prediction distance d
     cv_threshold = "cv_threshold"  # Figs. 19-20: MoEless CV threshold V
     ablation = "ablation"  # Fig. 21: MoEless without predictor / scaler / placer
+    frontier = "frontier"  # MoE-layer latency vs GPU memory held, every system and setting (FRONTIER)
 
 
 @dataclass
@@ -53,8 +54,8 @@ class ForecastConfig:
 
 @dataclass
 class LatencyConfig:
-    kind: LatencyKind = LatencyKind.paper
-    compute: ComputeKind = ComputeKind.replica_max
+    kind: LatencyKind = LatencyKind.roofline  # the CostModel's physical layer time; `paper`: MoEless §3.3's formula
+    compute: ComputeKind = ComputeKind.device_sum
     misc_s: Optional[float] = None  # fixed T_misc per layer; None: modelled attention block
     # headline cost: held (GPU memory held x time, kept-alive replicas included; MoEless §3.3) or
     # pay_per_use (serverless replicas billed only while their layer runs); results report both
