@@ -124,7 +124,11 @@ class ServeConfig:
     experiments: List[Experiment] = field(default_factory=lambda: [Experiment.compare])
     decode_stride: int = 1  # simulate: keep every n-th decode iteration (weight n)
     max_batches: Optional[int] = None  # stop after this many non-empty batches
-    verify: bool = True  # real mode: compare every step with the in-memory experts
+    verify: bool = True  # real mode: the in-memory model teacher-forced on the served tokens, within the bf16 envelope
+    # real mode: the longest request (prompt + output tokens) served; the shard_map executor runs eagerly, and
+    # on host devices a longer pass outlasts XLA's collective timeout and aborts the process mid-run. Checked
+    # before anything is served (cap the trace with workload.azure.max_context_tokens / max_generated_tokens)
+    real_max_context_tokens: int = 512
     dtype: DType = DType.auto  # real mode
     plots: bool = True
     seed: int = 0
