@@ -12,9 +12,11 @@
 
 Simulate mode replays the trace's per-second batches (prefill, then decode iterations with the
 trace's token counts) with routing from the synthetic generator or a recorded trace, and prices
-every MoE layer with the MoEless §3.3 latency / cost model; real mode runs a small model on the
-devices through the shard_map expert-parallel executor and checks its outputs against the
-in-memory experts. Writes results.json, the figures of MoEless §6 (PNG) and wandb logs.
+every MoE layer with the serverless latency / cost model (by default the offload simulator's CostModel per
+replica, weight streaming included; `serverless.latency.kind=paper` for MoEless §3.3's compute-only
+formula); real mode runs a small model on the devices through the shard_map expert-parallel executor and
+checks it, teacher-forced, against the in-memory model within the bf16 envelope (requests longer than
+`real_max_context_tokens` are refused before anything is served). Writes results.json, the figures of MoEless §6 (PNG) and wandb logs.
 
 Multi-host (real mode): start one process per host with the same command plus
 `distributed.coordinator=host0:1234 distributed.num_processes=N distributed.process_id=i`
