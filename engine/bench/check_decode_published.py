@@ -1,6 +1,6 @@
 """Check the serverless layer time's physical constants against published absolute decode-step times.
 
-    python -m engine.serverless.published_check [--hardware a6000]
+    python engine/bench/check_decode_published.py [--hardware a6000]
 
 For each point of `engine/data/ep_decode_published.yaml` the decode step is modelled with the offload
 simulator's `CostModel` on the `--hardware` profile with the point's GPU datasheet numbers swapped in
@@ -17,14 +17,18 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import sys
+
 import yaml
 
-from conf import compose
-from models.loading import resolve_model_config
-from schedulers.cost import CostModel
-from schedulers.hardware import HardwareProfile, load_hardware
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "ep_decode_published.yaml"
+from conf import compose  # noqa: E402  (the repository on the path first: run as a script)
+from models.loading import resolve_model_config  # noqa: E402
+from schedulers.cost import CostModel  # noqa: E402
+from schedulers.hardware import HardwareProfile, load_hardware  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[2] / "engine" / "data" / "ep_decode_published.yaml"
 
 
 def modelled_step_s(point: dict[str, Any], hw: HardwareProfile, overhead_us: float | None = None) -> tuple[float, int]:
