@@ -151,3 +151,19 @@ def test_craft_knapsack_spends_the_budget_where_it_saves_most():
     assert allocate(times, 2).tolist() == [1, 1]
     assert allocate(times, 4).tolist() == [2, 1]  # the useless replica of layer 1 is not taken
     assert CRAFTSettings(max_redundant_per_layer=8).slots_per_device(8, 8) == 2
+
+
+def test_every_frontier_point_builds_from_the_serve_config():
+    from omegaconf import OmegaConf
+
+    from engine.serverless.experiments import FRONTIER, default_specs, frontier_systems
+    from engine.serverless.policies import build_policy
+
+    sv = OmegaConf.to_object(compose("serve").serverless)
+    for E in (8, 16):
+        specs = frontier_systems(default_specs(sv, E, 8), 8)
+        assert [s.label for s in specs] == [label for label, _, _ in FRONTIER]
+        for spec in specs:
+            build_policy(spec, E, 8, 1.0)
+        eplb2 = next(s for s in specs if s.label.startswith("EPLB +2"))
+        assert eplb2.settings.num_redundant == 16
