@@ -40,7 +40,9 @@ def eplb_redundant(per_expert: int, num_experts: int, num_devices: int) -> int:
 
 # The frontier's points: (label, policy kind, settings changed from serverless.policies.<kind>). MoEless's
 # "paper loop" is its literal §4 loop (re-planned every iteration, replicas kept until overwritten); "strong"
-# adds a keep-alive window, scaler hysteresis and copy-aware re-placement.
+# (conf/serverless/policy/moeless.yaml's values) adds a keep-alive window, scaler hysteresis, copy-aware
+# re-placement and cost-aware scaling. Every setting is explicit here, so the points do not move with the YAML.
+PAPER_LOOP = {"keep_alive_s": None, "hysteresis": 0.0, "copy_aware": False, "cost_aware_scaling": False}
 STRONG = {"keep_alive_s": 1.0, "hysteresis": 0.1, "copy_aware": True, "lifetime_iterations": 64.0,
           "cost_aware_scaling": True}
 FRONTIER: tuple[tuple[str, str, dict], ...] = (
@@ -52,7 +54,7 @@ FRONTIER: tuple[tuple[str, str, dict], ...] = (
     ("EPLB +2/device 3000/1000", "eplb", {"rebalance_interval_steps": 3000, "window_steps": 1000, "num_redundant": -2}),
     ("CRAFT budget 1/layer", "craft", {"budget_replicas_per_layer": 1.0}),
     ("CRAFT budget 4/layer", "craft", {"budget_replicas_per_layer": 4.0}),
-    ("MoEless paper loop", "moeless", {"keep_alive_s": None, "hysteresis": 0.0, "copy_aware": False}),
+    ("MoEless paper loop", "moeless", PAPER_LOOP),
     ("MoEless strong", "moeless", STRONG),
     ("MoEless strong, cold copies", "moeless", {**STRONG, "peer_copies": False}),
     ("MoEless strong, lifetime 1024", "moeless", {**STRONG, "lifetime_iterations": 1024.0}),
