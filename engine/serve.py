@@ -12,9 +12,11 @@
 
 Simulate mode replays the trace's per-second batches (prefill, then decode iterations with the
 trace's token counts) with routing from the synthetic generator or a recorded trace, and prices
-every MoE layer with the MoEless §3.3 latency / cost model; real mode runs a small model on the
-devices through the shard_map expert-parallel executor and checks its outputs against the
-in-memory experts. Writes results.json, the figures of MoEless §6 (PNG) and wandb logs.
+every MoE layer with the serverless latency / cost model (by default the offload simulator's CostModel per
+replica, weight streaming included; `serverless.latency.kind=paper` for MoEless §3.3's compute-only
+formula); real mode runs a small model on the devices through the shard_map expert-parallel executor and
+checks it, teacher-forced, against the in-memory model within the bf16 envelope (requests longer than
+`real_max_context_tokens` are refused before anything is served). Writes results.json, the figures of MoEless §6 (PNG) and wandb logs.
 
 Multi-host (real mode): start one process per host with the same command plus
 `distributed.coordinator=host0:1234 distributed.num_processes=N distributed.process_id=i`
@@ -313,6 +315,15 @@ def check_real_devices(specs: list, num_experts: int, num_devices: int, mesh) ->
             raise ValueError(f"{spec.label}: {err}.{hint}") from None
 
 
+def check_real_context(batches: list, cap: int) -> None:
+    """The longest request of the replay (prompt + output) within real mode's cap, before anything is served."""
+    longest = max((int((b.context_tokens + b.generated_tokens).max()) for b in batches if b.num_requests), default=0)
+    if longest > cap:
+        raise ValueError(f"mode=real: a request of {longest} tokens (prompt + output) exceeds real_max_context_tokens="
+                         f"{cap}; cap the replay with workload.azure.max_context_tokens / max_generated_tokens "
+                         f"(the eager shard_map run of longer passes outlasts XLA's collective timeout)")
+
+
 def run_real(cfg: ServeConfig, tm: Telemetry) -> dict[str, Any]:
     """Serve the trace's batches with a small model on the devices' expert-parallel mesh, each system in turn."""
     sv = cfg.serverless
@@ -325,6 +336,7 @@ def run_real(cfg: ServeConfig, tm: Telemetry) -> dict[str, Any]:
     place_model(model, mesh)
     caps = apply_context_caps(cfg, model_cfg.max_position_embeddings)
     batches, workload = azure_batches(cfg)
+    check_real_context(batches, cfg.real_max_context_tokens)
     base = default_specs(sv, model_cfg.num_experts, G, cfg.predictor.distance)
     systems: dict[str, Any] = {}
     specs = [system(base, kind) for kind in cfg.systems]  # unknown systems fail before anything is served

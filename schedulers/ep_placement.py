@@ -15,7 +15,7 @@ how many replica slots a device offers it). Policy only: numpy, no device, no I/
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -154,6 +154,38 @@ def assign_tokens(experts: np.ndarray, placement: Placement) -> np.ndarray:
     return table[flat, rank % np.maximum(counts[flat], 1)].reshape(ex.shape)
 
 
+@dataclass(frozen=True)
+class ReplicaTiming:
+    """What a cost-aware policy may know of the machine: the time of one MoE layer under a placement and
+    the time one expert copy takes. The simulator builds it from its cost model
+    (`engine.serverless.latency_model.ServerlessCostModel.timing`) and measures every layer with the same
+    function, so a policy's forecast of a layer time and the layer time it is charged cannot disagree.
+
+    replica_times: float [R] tokens per replica -> float [R] seconds each replica takes on its device (0 for
+    a replica without tokens; under the physical model a replica with any token streams its whole expert).
+    """
+
+    replica_times: Callable[[np.ndarray], np.ndarray]
+    comm_per_token_s: float  # one all-to-all, per token the busiest device sends (beta)
+    comm_latency_s: float  # one all-to-all's fixed latency
+    peer_copy_s: float  # one expert copied from a peer device (warm copy)
+    host_copy_s: float  # one expert copied from host memory (cold copy)
+
+    def compute_s(self, placement: "Placement", loads: np.ndarray) -> tuple[float, float]:
+        """(max over devices of the summed replica times, max over replicas): the two readings of §3.3."""
+        times = self.replica_times(placement.replica_loads(loads))
+        per_device = np.bincount(placement.replica_device, weights=times, minlength=placement.num_devices)
+        return float(per_device.max(initial=0.0)), float(np.max(times, initial=0.0))
+
+    def comm_s(self, placement: "Placement", loads: np.ndarray) -> float:
+        """One all-to-all: latency plus the busiest device's tokens over its link share."""
+        return self.comm_latency_s + self.comm_per_token_s * float(placement.device_loads(loads).max(initial=0.0))
+
+    def layer_s(self, placement: "Placement", loads: np.ndarray) -> float:
+        """T_moe with each device running its replicas one after another (device_sum), two all-to-alls."""
+        return self.compute_s(placement, loads)[0] + 2 * self.comm_s(placement, loads)
+
+
 @dataclass
 class PlacementStats:
     """What a policy reports about one decision (for results and ablations)."""
@@ -223,7 +255,16 @@ class PolicyBase:
     # from the forecast d layers early; the layer waits for what has not arrived), "background" (a
     # transfer worker beside inference, never waited for), "blocking" (the layer waits for all of it)
     transfer = "ahead"
+    # how long a replica the placements stop using stays resident (seconds of trace time): 0 frees its slot
+    # at once (a serverful deployment holds what it uses); None keeps it until its slot is overwritten
+    keep_alive_s: Optional[float] = 0.0
+    peer_copies = True  # a new replica is copied from a peer that holds the expert (else from host memory)
+    timing: Optional[ReplicaTiming] = None  # the layer-time function and copy times (`bind_timing`)
     _stats = PlacementStats()
+
+    def bind_timing(self, timing: ReplicaTiming) -> None:
+        """The machine's layer-time function and copy times, for policies that weigh them (the simulator's)."""
+        self.timing = timing
 
     @property
     def last_stats(self) -> PlacementStats:

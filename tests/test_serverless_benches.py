@@ -75,3 +75,19 @@ def test_regime_points_share_the_default_run_and_compare_moeless_with_eplb():
     assert pts[1]["vs_eplb"] == (pytest.approx(-0.5), 0.0) and pts[1]["copy_layer_times"][0] == pytest.approx(5.0)
     assert pts[1]["copy_block_times"][0] == pytest.approx(1.0)  # 5 ms over Megatron-LM's 1 ms MoE + 4 ms attention
     assert "| skew | 0.6 |" in regimes.markdown(pts)
+
+
+def test_frontier_rows_and_table_from_run_summaries():
+    from engine.bench import bench_serverless_frontier as frontier
+
+    def run(seed: int, eplb_ms: float) -> dict:
+        cols = lambda ms, gib: {"latency_ms": ms, "exec_ms": ms, "held_gib": gib, "copies": 0.0, "warm_start_rate": 1.0}
+        return {"model": "m", "seed": seed, "systems": {"Megatron-LM": cols(1.0 + seed, 84.0),
+                                                        "EPLB 3000/1000": cols(eplb_ms, 168.0)}}
+
+    rows = frontier.frontier_rows([run(0, 2.0), run(1, 4.0)])
+    assert [r["system"] for r in rows] == ["Megatron-LM", "EPLB 3000/1000"]
+    assert rows[0]["latency_ms"] == 1.5 and rows[0]["latency_ms_std"] == pytest.approx(np.std([1.0, 2.0], ddof=1))
+    table = frontier.frontier_table(rows)
+    assert "vs EPLB 3000/1000 latency" in table and "| Megatron-LM | 1.5 ± 0.71 |" in table and "-50.0 %" in table
+    assert "experiments=[frontier]" in frontier.overrides("m", 3, 1.0)

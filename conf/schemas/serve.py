@@ -40,6 +40,7 @@ class Experiment(enum.Enum):
     distance = "distance"  # Figs. 17-18: MoEless prediction distance d
     cv_threshold = "cv_threshold"  # Figs. 19-20: MoEless CV threshold V
     ablation = "ablation"  # Fig. 21: MoEless without predictor / scaler / placer
+    frontier = "frontier"  # MoE-layer latency vs GPU memory held, every system and setting (FRONTIER)
 
 
 @dataclass
@@ -53,8 +54,8 @@ class ForecastConfig:
 
 @dataclass
 class LatencyConfig:
-    kind: LatencyKind = LatencyKind.paper
-    compute: ComputeKind = ComputeKind.replica_max
+    kind: LatencyKind = LatencyKind.roofline  # the CostModel's physical layer time; `paper`: MoEless §3.3's formula
+    compute: ComputeKind = ComputeKind.device_sum
     misc_s: Optional[float] = None  # fixed T_misc per layer; None: modelled attention block
     # headline cost: held (GPU memory held x time, kept-alive replicas included; MoEless §3.3) or
     # pay_per_use (serverless replicas billed only while their layer runs); results report both
@@ -123,7 +124,11 @@ class ServeConfig:
     experiments: List[Experiment] = field(default_factory=lambda: [Experiment.compare])
     decode_stride: int = 1  # simulate: keep every n-th decode iteration (weight n)
     max_batches: Optional[int] = None  # stop after this many non-empty batches
-    verify: bool = True  # real mode: compare every step with the in-memory experts
+    verify: bool = True  # real mode: the in-memory model teacher-forced on the served tokens, within the bf16 envelope
+    # real mode: the longest request (prompt + output tokens) served; the shard_map executor runs eagerly, and
+    # on host devices a longer pass outlasts XLA's collective timeout and aborts the process mid-run. Checked
+    # before anything is served (cap the trace with workload.azure.max_context_tokens / max_generated_tokens)
+    real_max_context_tokens: int = 512
     dtype: DType = DType.auto  # real mode
     plots: bool = True
     seed: int = 0

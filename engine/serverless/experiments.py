@@ -5,7 +5,10 @@
   holding as many replicas as MoEless has slots (the two at the same expert memory);
 - distance (Figs. 17-18) and cv_threshold (Figs. 19-20): MoEless with d or V swept;
 - ablation (Fig. 21): MoEless without its load predictor (history forecasts), without the scaler
-  (one replica per expert), without the placer (fixed devices, no warm starts).
+  (one replica per expert), without the placer (fixed devices, no warm starts);
+- frontier: every system and setting as a point of MoE-layer latency (copy waits included) against GPU
+  memory held (`FRONTIER`: static EP, the Oracle, EPLB at several cadences and redundancies, CRAFT at
+  several memory budgets, MoEless's paper loop and MoEless at its own strength with its knobs varied).
 
 Systems are named by their registered policy (`systems`, `serverless.policies.<kind>`); the studies name
 the paper's four. Systems that behave identically (same policy settings and forecasts) are simulated once.
@@ -35,6 +38,42 @@ def eplb_redundant(per_expert: int, num_experts: int, num_devices: int) -> int:
     return -(-total // num_devices) * num_devices - num_experts
 
 
+# The frontier's points: (label, policy kind, settings changed from serverless.policies.<kind>). MoEless's
+# "paper loop" is its literal §4 loop (re-planned every iteration, replicas kept until overwritten); "strong"
+# (conf/serverless/policy/moeless.yaml's values) adds a keep-alive window, scaler hysteresis, copy-aware
+# re-placement and cost-aware scaling. Every setting is explicit here, so the points do not move with the YAML.
+PAPER_LOOP = {"keep_alive_s": None, "hysteresis": 0.0, "copy_aware": False, "cost_aware_scaling": False}
+STRONG = {"keep_alive_s": 1.0, "hysteresis": 0.1, "copy_aware": True, "lifetime_iterations": 64.0,
+          "cost_aware_scaling": True}
+FRONTIER: tuple[tuple[str, str, dict], ...] = (
+    ("Megatron-LM", "static_ep", {}),
+    ("Oracle (lossy, bound)", "oracle", {}),
+    ("EPLB 3000/1000", "eplb", {"rebalance_interval_steps": 3000, "window_steps": 1000}),
+    ("EPLB 1000/1000", "eplb", {"rebalance_interval_steps": 1000, "window_steps": 1000}),
+    ("EPLB 100/100", "eplb", {"rebalance_interval_steps": 100, "window_steps": 100}),
+    ("EPLB +2/device 3000/1000", "eplb", {"rebalance_interval_steps": 3000, "window_steps": 1000, "num_redundant": -2}),
+    ("CRAFT budget 1/layer", "craft", {"budget_replicas_per_layer": 1.0}),
+    ("CRAFT budget 4/layer", "craft", {"budget_replicas_per_layer": 4.0}),
+    ("MoEless paper loop", "moeless", PAPER_LOOP),
+    ("MoEless strong", "moeless", STRONG),
+    ("MoEless strong, cold copies", "moeless", {**STRONG, "peer_copies": False}),
+    ("MoEless strong, lifetime 1024", "moeless", {**STRONG, "lifetime_iterations": 1024.0}),
+    ("MoEless strong, keep-alive 0", "moeless", {**STRONG, "keep_alive_s": 0.0}),
+    ("MoEless strong, scaler by CV only", "moeless", {**STRONG, "cost_aware_scaling": False}),
+)
+
+
+def frontier_systems(base: dict[str, SystemSpec], num_devices: int) -> list[SystemSpec]:
+    """The frontier's points as systems (num_redundant -k: k redundant replicas per device)."""
+    out = []
+    for label, kind, changes in FRONTIER:
+        changes = dict(changes)
+        if changes.get("num_redundant", 0) < 0:
+            changes["num_redundant"] = -changes["num_redundant"] * num_devices
+        out.append(system(base, kind, "experiments=frontier").with_settings(label=label, **changes))
+    return out
+
+
 def system(base: dict[str, SystemSpec], kind: str, key: str = "systems") -> SystemSpec:
     """The configured system of policy `kind`; a one-line error naming `key` and the known ones otherwise."""
     if kind not in base:
@@ -48,6 +87,8 @@ def experiment_systems(experiment: str, base: dict[str, SystemSpec], systems: li
     """The systems one experiment compares (labels unique within it)."""
     if experiment == "compare":
         return [system(base, kind) for kind in systems]
+    if experiment == "frontier":
+        return frontier_systems(base, num_devices)
     moeless = system(base, "moeless", f"experiments={experiment}")
     if experiment == "memory":
         out = [system(base, "static_ep", "experiments=memory"), system(base, "oracle", "experiments=memory"), moeless]

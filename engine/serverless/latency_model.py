@@ -1,29 +1,37 @@
-"""The MoEless latency and cost model (MoEless §3.3) on a hardware profile.
+"""The serverless (expert-parallel) latency and cost model on a hardware profile.
 
 Per MoE layer and iteration, with W_r the tokens of replica r (W_e / R_e) and W_g the tokens of
 device g (the sum over its replicas):
 
-    T_moe = max_r T_r + 2 * max_g T_g,   T_r = alpha * W_r,   T_g = beta * W_g      (`paper`)
+    T_moe = compute + 2 * (c + beta * max_g W_g)
 
-plus T_misc for the layer's non-MoE part (attention and gate, data-parallel). alpha is the expert
-FLOPs per token over the device's achieved bf16 rate, beta the hidden-state bytes per token over
-the per-device all-to-all bandwidth (`interconnect.gbps_per_device`).
+plus T_misc for the layer's non-MoE part (attention and gate, data-parallel). beta is the
+hidden-state bytes per token over the per-device all-to-all bandwidth
+(`interconnect.gbps_per_device`), c the collective's latency (`interconnect.latency_us`).
+
+Two kinds of replica time (`LatencyKind`, `serverless.latency.kind`):
+- `roofline` (the default, every system): the time of a replica is the offload simulator's own
+  `schedulers.cost.CostModel.t_g` on the same profile: kernel + call overhead plus a roofline of its
+  GEMMs, max(W_r * expert FLOPs / achieved bf16 rate, expert bytes / achieved memory bandwidth).
+  Every replica that serves any token streams its whole expert from device memory: at decode batch
+  sizes that is most of the layer, and two replicas of one expert read its weights twice. The
+  all-to-all adds the interconnect latency c. The constants are the ones `engine.serverless.calibrate`
+  fits on named published expert-parallel decode figures (README, "One cost model for both modes").
+- `paper` (MoEless §3.3, labelled option): T_r = alpha * W_r with alpha the expert FLOPs per token
+  over the achieved bf16 rate, c = 0: compute only, no weight streaming, no fixed cost per replica.
 
 The compute term has two readings (`ComputeKind`); they agree whenever every device holds at most
 one replica with tokens (static EP, Oracle with E = G):
-- `replica_max`, the literal §3.3 formula: max over replicas, as if replicas that share a device
-  ran side by side at full speed each. Adding replicas then always pays, wherever they sit: EPLB
-  with 2 replicas per expert beats the Oracle's perfect balance (MoEless §6.1 calls Oracle the
-  upper bound).
-- `device_sum`: a device processes all its replicas' tokens, max over devices of the summed time
-  (MoEless §4.3: "each GPU's computation and communication times are proportional to its
+- `device_sum` (default): a device processes all its replicas' tokens, max over devices of the
+  summed time (MoEless §4.3: "each GPU's computation and communication times are proportional to its
   aggregated expert load"). No placement beats W / G tokens per device, so the Oracle bounds every
-  system. `conf/serverless/paper.yaml` measures with it; `moe_other_s` keeps the other reading.
+  system.
+- `replica_max`, the literal §3.3 formula: max over replicas, as if replicas that share a device
+  ran side by side at full speed each (then EPLB's 2 replicas per expert beat the Oracle);
+  `moe_other_s` keeps this reading beside the headline.
 
-One refinement, off by default, for honest sensitivity checks:
-- `roofline`: a replica that serves any token costs the hardware profile's kernel overhead plus a
-  roofline of its GEMMs (streaming its weights bounds small batches); each all-to-all adds the
-  interconnect latency.
+The formula lives in `schedulers.ep_placement.ReplicaTiming` (`timing()`): the cost-aware policies
+(MoEless's copy-aware scaler, CRAFT) forecast a layer with the very function it is charged with.
 
 Cost = GPU memory x time, summed over iterations and layers (byte-seconds). Two billings
 (`Billing`), both always computed and reported side by side; `latency.billing` picks the headline:
@@ -61,12 +69,12 @@ import numpy as np
 from schedulers.hardware import HardwareProfile
 from models.config import ModelConfig
 from schedulers.cost import CostModel, non_expert_params
-from schedulers.ep_placement import Placement
+from schedulers.ep_placement import Placement, ReplicaTiming
 
 
 class LatencyKind(enum.Enum):
-    paper = "paper"  # T_r = alpha * W_r, T_g = beta * W_g (MoEless §3.3)
-    roofline = "roofline"  # + per-replica kernel overhead and weight streaming, collective latency
+    roofline = "roofline"  # CostModel.t_g per replica (overheads + weight streaming), collective latency: physical
+    paper = "paper"  # T_r = alpha * W_r, T_g = beta * W_g (MoEless §3.3): compute only
 
 
 class Billing(enum.Enum):
@@ -81,8 +89,8 @@ class ComputeKind(enum.Enum):
 
 @dataclass(frozen=True)
 class LatencySettings:
-    kind: LatencyKind = LatencyKind.paper
-    compute: ComputeKind = ComputeKind.replica_max
+    kind: LatencyKind = LatencyKind.roofline
+    compute: ComputeKind = ComputeKind.device_sum
     misc_s: Optional[float] = None  # fixed T_misc per layer; None: attention block of one device's share
     billing: Billing = Billing.held  # the headline billing; the other is reported next to it
 
@@ -113,6 +121,9 @@ class ServerlessCostModel:
         self.beta_s = cfg.hidden_size * activation_bytes / link if link > 0 else 0.0
         self.collective_latency_s = hw.interconnect.latency_us * 1e-6 if settings.kind is LatencyKind.roofline else 0.0
         self.misc_bytes = float(non_expert_params(cfg) * bytes_per_param * num_devices)  # replicated (DP)
+        self._timing = ReplicaTiming(replica_times=self.replica_times, comm_per_token_s=self.beta_s,
+                                     comm_latency_s=self.collective_latency_s, peer_copy_s=self.peer_copy_s,
+                                     host_copy_s=self.host_copy_s)
 
     def summary(self) -> dict[str, float]:
         return {"alpha_us_per_token": self.alpha_s * 1e6, "beta_us_per_token": self.beta_s * 1e6,
@@ -127,16 +138,28 @@ class ServerlessCostModel:
             return self.alpha_s * w
         return np.asarray(self.ops.t_g(w), dtype=np.float64)
 
+    @property
+    def peer_copy_s(self) -> float:
+        """One expert copied from a peer device (a bridged pair where the profile has one)."""
+        link = self.hw.interconnect.pair_gbps or self.hw.interconnect.gbps_per_device
+        return self.expert_bytes / (link * 1e9) if link > 0 else 0.0
+
+    @property
+    def host_copy_s(self) -> float:
+        """One expert copied from host memory over the device's host link (a cold start)."""
+        return float(self.hw.host_link.transfer_s(self.expert_bytes))
+
+    def timing(self) -> ReplicaTiming:
+        """The layer-time function and copy times a cost-aware policy plans with (the ones it is charged)."""
+        return self._timing
+
     def moe_time(self, placement: Placement, loads: np.ndarray) -> LayerTime:
         """T_moe of one layer: `loads` float [E] the tokens the experts serve."""
-        rep_loads = placement.replica_loads(loads)
-        times = self.replica_times(rep_loads)
-        replica_max = float(times.max(initial=0.0))
-        device_sum = float(np.bincount(placement.replica_device, weights=times, minlength=placement.num_devices).max())
+        timing = self.timing()
+        device_sum, replica_max = timing.compute_s(placement, loads)
         compute, other = (replica_max, device_sum) if self.settings.compute is ComputeKind.replica_max else \
             (device_sum, replica_max)
-        dev = np.bincount(placement.replica_device, weights=rep_loads, minlength=placement.num_devices)
-        comm = self.collective_latency_s + self.beta_s * float(dev.max(initial=0.0))
+        comm = timing.comm_s(placement, loads)
         return LayerTime(compute_s=compute, comm_s=comm, moe_s=compute + 2 * comm, moe_other_s=other + 2 * comm)
 
     def misc_time(self, num_seqs: int, tokens: int, context: float, prefill: bool) -> float:
@@ -156,9 +179,7 @@ class ServerlessCostModel:
         where the profile has one, else the all-to-all share)."""
         host = np.asarray(host_moves, dtype=np.float64)
         peer = np.asarray(peer_moves, dtype=np.float64)
-        link = self.hw.interconnect.pair_gbps or self.hw.interconnect.gbps_per_device
-        t_peer = self.expert_bytes / (link * 1e9) if link > 0 else 0.0
-        return host * self.hw.host_link.transfer_s(self.expert_bytes) + peer * t_peer
+        return host * self.host_copy_s + peer * self.peer_copy_s
 
     def copy_time(self, moves_per_device: np.ndarray, peer_moves_per_device: np.ndarray) -> float:
         """Seconds the slowest device needs to receive its replicas' weights (`copy_times`' max)."""

@@ -228,6 +228,8 @@ def simulate_system(trace: ServingTrace, spec: SystemSpec, forecasts: np.ndarray
     G = cost_model.num_devices
     M_e = cost_model.expert_bytes
     policy = build_policy(spec, E, G, M_e)
+    policy.bind_timing(cost_model.timing())  # cost-aware policies forecast with the function they are charged by
+    keep_alive = policy.keep_alive_s
     slots = slots_per_device(spec, E, G)
     maps = [SlotMap(E, G, slots) for _ in range(L)]
     shape = (S, L)
@@ -257,12 +259,14 @@ def simulate_system(trace: ServingTrace, spec: SystemSpec, forecasts: np.ndarray
         block_start = np.zeros(L)
         for layer in range(L):
             block_start[layer] = clock
+            maps[layer].expire(now, keep_alive)  # replicas idle past the keep-alive window are gone
             live = maps[layer].live()
             t0 = time.perf_counter()
             placement = policy.plan(layer, forecasts[s, layer], live, now)
             decide[s, layer] = time.perf_counter() - t0
             hit_cap += int(policy.last_stats.hit_memory_cap)
-            update = maps[layer].apply(placement)
+            update = maps[layer].apply(placement, now, policy.peer_copies)
+            maps[layer].expire(now, keep_alive)  # a serverful policy frees what the new placement does not use
             counts, host_in, peer_in = update.tally(G)
             for src, n in counts.items():
                 moves[src.value] += n

@@ -9,7 +9,9 @@ slots per MoE layer. Applying a placement:
   new placement does not need) and its weights come from a peer device that holds e right now
   (device-to-device copy) or, if none does, from host memory;
 - slots the new placement does not use keep their expert alive (serverless keep-alive): a later
-  placement may warm-start from them until they are overwritten.
+  placement may warm-start from them until they are overwritten, or, with a keep-alive window, until
+  the window after their last use has passed (`expire`: the slot is freed and its memory no longer
+  held). A kept-alive replica is resident: it is held (and billed as held) like one in use.
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ class SlotMap:
         # per-call overhead on these few slots was most of its time
         self._table = [[EMPTY] * slots_per_device for _ in range(num_devices)]
         self._last_used = [[-1] * slots_per_device for _ in range(num_devices)]
+        self._last_time = [[0.0] * slots_per_device for _ in range(num_devices)]  # trace time of the last claim
         self._resident = 0
+        self._idle = 0  # resident slots the last update did not claim (kept alive)
         self._clock = 0
         self._live: Placement | None = None
 
@@ -103,10 +107,30 @@ class SlotMap:
         return self._live
 
     def resident_replicas(self) -> int:
+        """Replicas held on the devices: the ones in use and the kept-alive ones."""
         return self._resident
 
-    def apply(self, placement: Placement) -> SlotUpdate:
-        """Assign every replica of `placement` a slot; return the slots and the copies to make."""
+    def expire(self, now_s: float, keep_alive_s: float | None) -> int:
+        """Free every slot whose replica has not been used for more than `keep_alive_s` seconds of trace time
+        (None: never; 0: a replica lives only while a placement uses it). Returns the slots freed."""
+        if keep_alive_s is None or not self._idle:
+            return 0
+        freed = 0
+        for g, row in enumerate(self._table):
+            times, used = self._last_time[g], self._last_used[g]
+            for i, e in enumerate(row):
+                # the replicas of the last placement are in use, whatever the window
+                if e != EMPTY and used[i] != self._clock and now_s - times[i] >= keep_alive_s:
+                    row[i] = EMPTY
+                    freed += 1
+        if freed:
+            self._resident -= freed
+            self._idle -= freed
+            self._live = None
+        return freed
+
+    def apply(self, placement: Placement, now_s: float = 0.0, peer_copies: bool = True) -> SlotUpdate:
+        """Assign every replica of `placement` a slot at trace time `now_s`; return the slots and the copies to make."""
         if placement.num_devices != self.num_devices or placement.num_experts != self.num_experts:
             raise ValueError(f"slot map: placement for {placement.num_experts} experts / {placement.num_devices} "
                              f"devices, map has {self.num_experts} / {self.num_devices}")
@@ -145,7 +169,7 @@ class SlotMap:
             i = empty[0] if empty else min(free, key=lambda j: last_used[g][j])
             taken[i] = True
             slot_of[r] = i
-            src = holders.get(e)
+            src = holders.get(e) if peer_copies else None
             if src:
                 moves.append(Move(g, i, e, Source.peer, g if g in src else src[0]))  # inside the device if it has e
             else:
@@ -153,8 +177,11 @@ class SlotMap:
             self._resident += row[i] == EMPTY
             row[i] = e
         for g, taken in enumerate(claimed):
+            times = self._last_time[g]
             for i, t in enumerate(taken):
                 if t:
                     last_used[g][i] = self._clock
+                    times[i] = now_s
+        self._idle = self._resident - len(pairs)
         slot_of = np.asarray(slot_of, dtype=np.int64)
         return SlotUpdate(slot_of_replica=slot_of, moves=moves, warm_first=len(pairs) - len(pending))
