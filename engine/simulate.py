@@ -71,6 +71,10 @@ def numbers(results: dict[str, Any]) -> dict[str, Any]:
 
 @hydra_task("simulate", summarize=headline, metrics=numbers)
 def main(cfg: DictConfig, tm: Telemetry) -> dict[str, Any]:
+    if cfg.study.kind:  # a study multirun's job (conf/experiment/<study>.yaml): many replays, rows in results.json
+        from engine.studies import study_job
+
+        return study_job(cfg)
     spec = spec_from_config(cfg)
     routing = prepare_routing(spec)
     draw = {int(cfg.timeline.step)} if cfg.timeline.plot and int(cfg.timeline.step) < len(routing.passes) else set()
