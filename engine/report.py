@@ -68,6 +68,8 @@ def load_rows(folder: Path) -> list[dict[str, Any]]:
         if "study_rows" in results:
             job = str(path.parent.relative_to(folder))
             rows.extend({**row, "job": job} for row in results["study_rows"])
+        elif "constants" in results and "rows" in results:  # an engine.calibrate_paper job: its points, by seed
+            rows.extend({**row, "calibration": True, "seeds": results["seeds"]} for row in results["rows"])
         elif "compare" in (results.get("experiments") or {}):
             rows.append(serve_row(path, results))
         else:
@@ -479,6 +481,33 @@ def write_regimes_report(folder: Path, out: Path, rows: list[dict[str, Any]]) ->
     return out / "report.md"
 
 
+def write_calibration_report(folder: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
+    """The calibration's comparison over seeds (engine.calibrate_paper jobs, one seed each): every published
+    point's simulated figure as mean ± std over the jobs' seeds, its error (of the mean) or its direction."""
+    seeds = sorted({s for r in rows for s in r["seeds"]})
+    by_point: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_point[r["id"]].append(r)
+    lines = ["# Calibration against LayerScope's published figures, over routing seeds", "",
+             f"Seeds {seeds}, one engine.calibrate_paper job each ({multirun_wall(folder):.0f} s wall under "
+             f"{launcher_of(folder)}); simulated = mean ± sample std over the seeds; error of the mean.", "",
+             "| point | kind | role | system | metric | paper | simulated | error / direction |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for point, runs in by_point.items():
+        r, values = runs[0], [float(x["simulated"]) for x in runs]
+        mean, std = statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+        if r["kind"] == "relative":
+            verdict = "right" if (mean > 0) == (r["paper"] > 0) else "**wrong**"
+            cells = (f"{r['paper']:+.3f}", f"{mean:+.3f} ± {std:.3f}", f"{mean:+.1%} vs {r['paper']:+.1%}: {verdict}")
+        else:
+            cells = (f"{r['paper']:.4g}", f"{mean:.4g} ± {std:.2g}", f"{mean / r['paper'] - 1:+.1%}")
+        lines.append(f"| {point} | {r['kind']} | {r['role']} | {r['system']} | {r['metric']} | " + " | ".join(cells) + " |")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def write_serverless_report(folder: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
     """A serverless seeds study (engine.serve jobs): per model, each system's mean ± std over seeds and MoEless's
     relative changes (engine.bench.bench_serverless_seeds' table)."""
@@ -595,6 +624,8 @@ def build(folder: Path, out: Optional[Path] = None, wandb_mode: Optional[str] = 
     rows = load_rows(folder)
     if any("axis" in r for r in rows):
         path = write_regimes_report(folder, out, [r for r in rows if "axis" in r])
+    elif any(r.get("calibration") for r in rows):
+        path = write_calibration_report(folder, out, [r for r in rows if r.get("calibration")])
     elif any(r.get("serve") for r in rows):
         path = write_serverless_report(folder, out, [r for r in rows if r.get("serve")])
     else:
