@@ -1,7 +1,12 @@
-"""`python -m engine.report <dir>`: tables and figures from simulated runs.
+"""`python -m engine.report <dir>`: a study's tables and figures from its run folders alone.
 
-`<dir>` is a Hydra multirun folder of `engine.simulate` jobs (every `results.json` below it) or a
-benchmark output holding `results.jsonl`. Writes into `<dir>` (or `--out`):
+`<dir>` is a Hydra multirun folder (any launcher: basic, joblib, submitit, Ray; every `results.json` below it,
+a study job's `study_rows` each a run) or a benchmark output holding `results.jsonl`. The study is told by its
+rows: PreSched regimes (`+experiment=presched_regimes`) -> that study's report and figures; `engine.serve` jobs
+(`+experiment=serverless_seeds`) -> the seeds table; `engine.calibrate_paper` jobs (`+experiment=calibration_seeds`)
+-> every published point as mean ± std over seeds; otherwise simulated runs (Figure 11 / 13, hit-rate sweep).
+Every table and figure also goes to a summary run of the multirun's wandb group (`log_to_wandb`; the mode the
+jobs ran in, `--wandb` to change it). For simulated runs it writes into `<dir>` (or `--out`):
 
 - `runs.csv`: one row per run, every scalar metric;
 - `report.md`: per model and machine, throughput and decode latency per system x batch size, and
