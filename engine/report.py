@@ -619,6 +619,7 @@ def log_to_wandb(folder: Path, out: Path, report: Path, rows: list[dict[str, Any
         return str(run.dir)
     finally:
         run.finish()
+        wandb.teardown()  # wait for wandb's service to write the offline log out (finish alone may return first)
 
 
 def build(folder: Path, out: Optional[Path] = None, wandb_mode: Optional[str] = "disabled") -> Path:
