@@ -10,16 +10,18 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import hydra
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 
 from conf import schemas
 from core.config import CONF_DIR, USER_ERRORS, register_resolvers, report_user_error
-from core.telemetry import Telemetry
+from core.telemetry import Telemetry, completed_results, mark_complete, multirun_job
 
 
 def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[], Any]]:
@@ -65,11 +67,20 @@ def hydra_task(config_name: str, title: str | Callable[[dict], str] | None = Non
     def wrap(task: Callable[[Any, Telemetry], dict]) -> Callable[[], Any]:
         @functools.wraps(task)
         def run(node: Any, run_dir: Optional[Path] = None) -> dict:
+            job = multirun_job() if run_dir is None else None
+            if job is not None:  # a rerun of the same multirun skips the jobs it finished (resume)
+                done = completed_results(*job)
+                if done is not None:
+                    logging.getLogger(__name__).info("%s: complete in %s, skipped", " ".join(job[1]), job[0])
+                    return done
+            started = time.time()
             with Telemetry(node, task=config_name, run_dir=run_dir) as tm:
                 results = task(node, tm)
                 heading = title(results) if callable(title) else (title or config_name)
                 rows = summarize(results) if summarize else {k: v for k, v in results.items() if k not in hide}
                 tm.finish(results, heading, rows, metrics(results) if metrics else None)
+            if job is not None:
+                mark_complete(job[0], job[1], started)
             return results
 
         main = hydra_main(config_name)(run)
@@ -80,8 +91,10 @@ def hydra_task(config_name: str, title: str | Callable[[dict], str] | None = Non
 
 
 def compose(config_name: str, overrides: Optional[list[str]] = None) -> Any:
-    """Compose a task config outside a Hydra app (tests, notebooks)."""
+    """Compose a task config: outside a Hydra app (tests, notebooks) or inside one (a study job's other configs)."""
     schemas.register_all()
     register_resolvers()
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app (a study job): its search path is this tree
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []), return_hydra_config=False)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides or []), return_hydra_config=False)

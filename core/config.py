@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import importlib
 import os
 import secrets
 import sys
@@ -52,8 +53,26 @@ def unfrozen(cls: type) -> type:
         specs.append((f.name, ftype, dataclasses.field(**kwargs)))
     schema = dataclasses.make_dataclass(cls.__name__, specs)
     schema.__doc__ = cls.__doc__
+    # importable by name (this module's __getattr__ rebuilds it), so a launcher that pickles the config store
+    # to its workers (joblib, submitit, Ray) pickles a reference, not a copy that loses dataclasses.MISSING
+    schema.__module__ = __name__
+    schema.__qualname__ = f"{_UNFROZEN_PREFIX}{cls.__module__.replace('.', '/')}:{cls.__qualname__.replace('.', '/')}"
     _UNFROZEN[cls] = schema
     return schema
+
+
+_UNFROZEN_PREFIX = "unfrozen:"
+
+
+def __getattr__(name: str) -> Any:
+    """`unfrozen(cls)` by its qualified name (what pickle looks up in another process)."""
+    if name.startswith(_UNFROZEN_PREFIX):
+        module, _, qualname = name[len(_UNFROZEN_PREFIX):].partition(":")
+        cls: Any = importlib.import_module(module.replace("/", "."))
+        for part in qualname.split("/"):
+            cls = getattr(cls, part)
+        return unfrozen(cls)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _thaw(instance: Any) -> Any:

@@ -40,6 +40,49 @@ def hydra_run_dir() -> Optional[Path]:
     return None
 
 
+JOB_COMPLETE = "job_complete.json"  # a multirun job's marker: results.json is whole (what resume skips on)
+WANDB_RUN = "wandb.json"  # where a run's wandb run went (project, group, mode): the report's summary run joins it
+
+
+def multirun_job() -> Optional[tuple[Path, list[str]]]:
+    """(the job's folder, its overrides) when this process runs a job of a Hydra multirun, whichever launcher
+    started it; None otherwise."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if HydraConfig.initialized():
+            hc = HydraConfig.get()
+            if hc.mode == RunMode.MULTIRUN:
+                return Path(hc.runtime.output_dir), list(hc.overrides.task)
+    except (ImportError, ValueError):
+        pass
+    return None
+
+
+def completed_results(job_dir: Path, overrides: list[str]) -> Optional[dict[str, Any]]:
+    """The results of a multirun job already done in `job_dir` with the same `overrides` (a rerun of the same
+    multirun resumes: a finished job is not redone); None when it has to run."""
+    marker, results = job_dir / JOB_COMPLETE, job_dir / "results.json"
+    if not (marker.is_file() and results.is_file()):
+        return None
+    try:
+        done = json.loads(marker.read_text())
+        if done.get("overrides") != overrides:
+            return None  # the folder holds another sweep's job: run this one over it
+        return json.loads(results.read_text())
+    except (json.JSONDecodeError, OSError):
+        return None  # an unreadable marker or results: run again
+
+
+def mark_complete(job_dir: Path, overrides: list[str], started: float) -> None:
+    """Record that the job with `overrides` finished its results.json in `job_dir` (written last, atomically)."""
+    import time
+
+    atomic_write_text(job_dir / JOB_COMPLETE, json.dumps({"overrides": overrides, "started": started,
+                                                          "finished": time.time()}) + "\n")
+
+
 def to_jsonable(value: Any) -> Any:
     """Convert numpy / jax scalars and arrays, enums, paths and tuples to JSON types."""
     if isinstance(value, Mapping):
@@ -135,18 +178,25 @@ class Telemetry:
         import wandb  # heavy and optional: only when a run logs to wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
+        job = multirun_job()
+        # a multirun is one wandb group (its folder's name), its jobs the runs in it, named by their overrides
+        group = wcfg.get("group") or (f"{self.task}/{job[0].parent.name}" if job else None)
+        name = wcfg.get("name") or (",".join(job[1]) or job[0].name if job else None)
         self._wandb_run = wandb.init(
             mode=mode,
             project=wcfg.get("project", "moescope"),
             entity=wcfg.get("entity"),
-            group=wcfg.get("group"),
-            name=wcfg.get("name"),
+            group=group,
+            name=name,
             tags=list(wcfg.get("tags") or []) or None,
             job_type=self.task,
             dir=str(self.run_dir),
             config=self._config_dict(),
             reinit="finish_previous",
         )
+        where = {"project": wcfg.get("project", "moescope"), "entity": wcfg.get("entity"), "group": group,
+                 "mode": mode, "run_id": self._wandb_run.id}
+        atomic_write_text(self.run_dir / WANDB_RUN, json.dumps(where) + "\n")
 
     @property
     def wandb_run(self) -> Any:

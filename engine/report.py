@@ -1,7 +1,12 @@
-"""`python -m engine.report <dir>`: tables and figures from simulated runs.
+"""`python -m engine.report <dir>`: a study's tables and figures from its run folders alone.
 
-`<dir>` is a Hydra multirun folder of `engine.simulate` jobs (every `results.json` below it) or a
-benchmark output holding `results.jsonl`. Writes into `<dir>` (or `--out`):
+`<dir>` is a Hydra multirun folder (any launcher: basic, joblib, submitit, Ray; every `results.json` below it,
+a study job's `study_rows` each a run) or a benchmark output holding `results.jsonl`. The study is told by its
+rows: PreSched regimes (`+experiment=presched_regimes`) -> that study's report and figures; `engine.serve` jobs
+(`+experiment=serverless_seeds`) -> the seeds table; `engine.calibrate_paper` jobs (`+experiment=calibration_seeds`)
+-> every published point as mean ± std over seeds; otherwise simulated runs (Figure 11 / 13, hit-rate sweep).
+Every table and figure also goes to a summary run of the multirun's wandb group (`log_to_wandb`; the mode the
+jobs ran in, `--wandb` to change it). For simulated runs it writes into `<dir>` (or `--out`):
 
 - `runs.csv`: one row per run, every scalar metric;
 - `report.md`: per model and machine, throughput and decode latency per system x batch size, and
@@ -19,6 +24,8 @@ import argparse
 import csv
 import json
 import math
+import re
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -45,7 +52,10 @@ def paper_points(path: str = PUBLISHED) -> list[tuple[str, str, str, int, str, s
 
 
 def load_rows(folder: Path) -> list[dict[str, Any]]:
-    """Every run below `folder`: `results.json` files and `results.jsonl` lines."""
+    """Every run below `folder`: `results.json` files (a study job's `study_rows` each a run, tagged with the job's
+    folder) and `results.jsonl` lines."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"report: {folder} is not a folder")
     rows: list[dict[str, Any]] = []
     for path in sorted(folder.rglob("results.jsonl")):
         with open(path) as fh:
@@ -55,14 +65,45 @@ def load_rows(folder: Path) -> list[dict[str, Any]]:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as exc:
                         raise ValueError(f"{path}:{n}: not JSON: {exc}") from None
-    for path in sorted(folder.rglob("results.json")):
+    for path in sorted(folder.rglob("results.json"), key=job_order):
         try:
-            rows.append(json.loads(path.read_text()))
+            results = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not JSON: {exc}") from None
+        if "study_rows" in results:
+            job = str(path.parent.relative_to(folder))
+            rows.extend({**row, "job": job} for row in results["study_rows"])
+        elif "constants" in results and "rows" in results:  # an engine.calibrate_paper job: its points, by seed
+            rows.extend({**row, "calibration": True, "seeds": results["seeds"]} for row in results["rows"])
+        elif "compare" in (results.get("experiments") or {}):
+            rows.append(serve_row(path, results))
+        else:
+            rows.append(results)
     if not rows:
         raise FileNotFoundError(f"report: no results.json / results.jsonl below {folder}")
     return [normalise(r) for r in rows]
+
+
+def serve_row(path: Path, results: dict[str, Any]) -> dict[str, Any]:
+    """An `engine.serve` job of a serverless study as the seeds table reads it: per system kind its metrics, the
+    seed (the job's composed config) and the job's wall seconds (its job_complete.json)."""
+    from omegaconf import OmegaConf
+
+    from core.telemetry import JOB_COMPLETE
+    from engine.bench.bench_serverless_seeds import system_metrics
+
+    composed = path.parent / ".hydra" / "config.yaml"
+    seed = int(OmegaConf.load(composed).seed) if composed.is_file() else 0
+    marker = path.parent / JOB_COMPLETE
+    done = json.loads(marker.read_text()) if marker.is_file() else {}
+    return {"serve": True, "model": results["model"], "seed": seed,
+            "wall_s": done.get("finished", float("nan")) - done.get("started", float("nan")),
+            "systems": {s["kind"]: system_metrics(s) for s in results["experiments"]["compare"]["systems"].values()}}
+
+
+def job_order(path: Path) -> tuple:
+    """Multirun jobs in their number's order (2 before 10), whatever the launcher named the folders."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.parts)
 
 
 def normalise(row: dict[str, Any]) -> dict[str, Any]:
@@ -83,13 +124,26 @@ def _fmt(x: Any, digits: int = 3) -> str:
     return str(x)
 
 
-def pivot(rows: Iterable[dict[str, Any]], metric: str) -> dict[tuple[str, str], dict[str, dict[int, float]]]:
-    """(model, hardware) -> system -> batch -> metric."""
-    out: dict[tuple[str, str], dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+def pivot(rows: Iterable[dict[str, Any]], metric: str, spread: bool = False
+          ) -> dict[tuple[str, str], dict[str, dict[int, float]]]:
+    """(model, hardware) -> system -> batch -> the metric's mean over the runs' seeds (`spread`: its sample std,
+    0 for one seed)."""
+    values: dict[tuple[str, str], dict[str, dict[int, list[float]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list)))
     for r in rows:
         if metric in r and r[metric] is not None:
-            out[(r["model"], r["hardware"])][r["system_label"]][int(r["batch_size"])] = float(r[metric])
+            values[(r["model"], r["hardware"])][r["system_label"]][int(r["batch_size"])].append(float(r[metric]))
+    out: dict[tuple[str, str], dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    for key, systems in values.items():
+        for system, batches in systems.items():
+            for b, v in batches.items():
+                out[key][system][b] = (statistics.stdev(v) if len(v) > 1 else 0.0) if spread else statistics.fmean(v)
     return out
+
+
+def seed_count(rows: Iterable[dict[str, Any]]) -> int:
+    """How many routing seeds the runs were replayed on (1 for runs without one)."""
+    return len({r.get("seed", 0) for r in rows}) or 1
 
 
 def gains(table: dict[str, dict[int, float]], higher_is_better: bool) -> dict[str, dict[int, float]]:
@@ -109,14 +163,19 @@ def gains(table: dict[str, dict[int, float]], higher_is_better: bool) -> dict[st
     return out
 
 
-def markdown_table(table: dict[str, dict[int, float]], digits: int = 3, percent: bool = False) -> str:
+def markdown_table(table: dict[str, dict[int, float]], digits: int = 3, percent: bool = False,
+                   spread: Optional[dict[str, dict[int, float]]] = None) -> str:
+    """system x batch; with `spread` (the std over seeds) each cell is mean ± std."""
     batches = sorted({b for v in table.values() for b in v})
     lines = ["| system | " + " | ".join(f"b={b}" for b in batches) + " |", "|---|" + "---|" * len(batches)]
     for system in sorted(table, key=lambda s: (s != REFERENCE, s)):
         cells = []
         for b in batches:
             v = table[system].get(b)
-            cells.append("-" if v is None else (f"{100 * v:+.1f}%" if percent else _fmt(v, digits)))
+            cell = "-" if v is None else (f"{100 * v:+.1f}%" if percent else _fmt(v, digits))
+            if v is not None and spread is not None:
+                cell += f" ± {_fmt(spread[system][b], 2)}"
+            cells.append(cell)
         lines.append(f"| {system} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -354,17 +413,21 @@ def write_report(out: Path, rows: list[dict[str, Any]]) -> Path:
     rows = [r for r in rows if r.get("hit_sweep") is None]  # the hit-rate sweep has its own section
     thr = pivot(rows, "throughput_tok_s")
     lat = pivot(rows, "decode_latency_s")
+    seeds = seed_count(rows)
+    thr_sd = pivot(rows, "throughput_tok_s", spread=True) if seeds > 1 else {}
+    lat_sd = pivot(rows, "decode_latency_s", spread=True) if seeds > 1 else {}
     lines = ["# Simulated offloaded inference", "",
              "Throughput = tokens generated / generation time (prefill included); decode latency = seconds per "
-             "decode step. Gains are LayerScope's relative to each system (throughput up, latency down).", ""]
+             "decode step. Gains are LayerScope's relative to each system (throughput up, latency down)"
+             + (f"; mean ± sample std over {seeds} routing seeds, gains of the means." if seeds > 1 else "."), ""]
     summary: dict[str, list[float]] = defaultdict(list)
     worst: list[tuple[float, str]] = []
     for key in sorted(thr):
         model, hw = key
         lines += [f"## {model} on {hw}", "", routing_line(rows, model, hw), "",
-                  "Throughput (tokens/s)", "", markdown_table(thr[key]), ""]
+                  "Throughput (tokens/s)", "", markdown_table(thr[key], spread=thr_sd.get(key)), ""]
         if key in lat:
-            lines += ["Decode latency (s/token)", "", markdown_table(lat[key], 3), ""]
+            lines += ["Decode latency (s/token)", "", markdown_table(lat[key], 3, spread=lat_sd.get(key)), ""]
         g = gains(thr[key], higher_is_better=True)
         if g:
             lines += ["LayerScope throughput gain", "", markdown_table(g, percent=True), ""]
@@ -409,14 +472,187 @@ def write_report(out: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
+def write_regimes_report(folder: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
+    """The PreSched regimes study (rows with an `axis`): its tables and figures, in the regimes' order."""
+    from engine.bench import bench_presched_regimes as regimes  # the study's own tables and figures
+
+    order = {(r.axis, r.setting): i for i, r in enumerate(regimes.REGIMES)}
+    rows = sorted(rows, key=lambda r: (order.get((r["axis"], r["setting"]), len(order)), r["forecasts"] != "transition",
+                                       r["seed"]))
+    seeds = sorted({int(r["seed"]) for r in rows})
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "runs.csv", rows)
+    regimes.write_report(out, rows, seeds, multirun_wall(folder), launcher_of(folder))
+    return out / "report.md"
+
+
+def write_calibration_report(folder: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
+    """The calibration's comparison over seeds (engine.calibrate_paper jobs, one seed each): every published
+    point's simulated figure as mean ± std over the jobs' seeds, its error (of the mean) or its direction."""
+    seeds = sorted({s for r in rows for s in r["seeds"]})
+    by_point: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_point[r["id"]].append(r)
+    lines = ["# Calibration against LayerScope's published figures, over routing seeds", "",
+             f"Seeds {seeds}, one engine.calibrate_paper job each ({multirun_wall(folder):.0f} s wall under "
+             f"{launcher_of(folder)}); simulated = mean ± sample std over the seeds; error of the mean.", "",
+             "| point | kind | role | system | metric | paper | simulated | error / direction |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for point, runs in by_point.items():
+        r, values = runs[0], [float(x["simulated"]) for x in runs]
+        mean, std = statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+        if r["kind"] == "relative":
+            verdict = "right" if (mean > 0) == (r["paper"] > 0) else "**wrong**"
+            cells = (f"{r['paper']:+.3f}", f"{mean:+.3f} ± {std:.3f}", f"{mean:+.1%} vs {r['paper']:+.1%}: {verdict}")
+        else:
+            cells = (f"{r['paper']:.4g}", f"{mean:.4g} ± {std:.2g}", f"{mean / r['paper'] - 1:+.1%}")
+        lines.append(f"| {point} | {r['kind']} | {r['role']} | {r['system']} | {r['metric']} | " + " | ".join(cells) + " |")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_serverless_report(folder: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
+    """A serverless seeds study (engine.serve jobs): per model, each system's mean ± std over seeds and MoEless's
+    relative changes (engine.bench.bench_serverless_seeds' table)."""
+    from engine.bench.bench_serverless_seeds import aggregate, markdown
+
+    out.mkdir(parents=True, exist_ok=True)
+    summary = aggregate(sorted(rows, key=lambda r: (r["model"], r["seed"])))
+    text = ["# MoEless vs Megatron-LM vs EPLB vs Oracle over seeds", "",
+            f"{len(rows)} engine.serve runs in {multirun_wall(folder):.0f} s wall under {launcher_of(folder)}.", "",
+            markdown(summary)]
+    (out / "summary.json").write_text(json.dumps({"models": summary}, indent=1))
+    path = out / "report.md"
+    path.write_text("\n".join(text))
+    return path
+
+
+def multirun_wall(folder: Path) -> float:
+    """Seconds from the first job's start to the last job's end (their job_complete.json markers): the study's
+    wall time on whatever ran it, resumed parts counted once; NaN without markers."""
+    from core.telemetry import JOB_COMPLETE
+
+    marks = [json.loads(p.read_text()) for p in folder.rglob(JOB_COMPLETE)]
+    if not marks:
+        return float("nan")
+    return max(m["finished"] for m in marks) - min(m["started"] for m in marks)
+
+
+def launcher_of(folder: Path) -> str:
+    """The Hydra launcher that wrote the multirun (`multirun.yaml`), e.g. `the joblib launcher`."""
+    path = folder / "multirun.yaml"
+    if not path.is_file():
+        return "an unknown launcher"
+    from omegaconf import OmegaConf
+
+    target = str(OmegaConf.load(path).hydra.launcher.get("_target_", "?"))
+    return f"the {target.split('.')[-1].replace('Launcher', '').lower() or '?'} launcher"
+
+
+def markdown_tables(text: str) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """Every table of a markdown report as (columns, rows), keyed by the line above it (a heading or caption,
+    made a wandb key: lower case, words joined by `_`; repeats numbered)."""
+    tables: dict[str, tuple[list[str], list[list[str]]]] = {}
+    caption, lines = "table", text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        if line.startswith("|") and i + 1 < len(lines) and lines[i + 1].strip().startswith("|---"):
+            columns = [c.strip() for c in line.strip("|").split("|")]
+            body = []
+            i += 2
+            while i < len(lines) and lines[i].strip().startswith("|"):
+                cells = [c.strip() for c in lines[i].strip().strip("|").split("|")]
+                body.append((cells + [""] * len(columns))[:len(columns)])
+                i += 1
+            key = re.sub(r"[^a-z0-9]+", "_", caption.lower()).strip("_")[:60] or "table"
+            n, unique = 2, key
+            while unique in tables:
+                unique, n = f"{key}_{n}", n + 1
+            tables[unique] = (columns, body)
+            continue
+        if line and not line.startswith("!["):
+            caption = line.lstrip("#").strip()
+        i += 1
+    return tables
+
+
+def wandb_target(folder: Path) -> dict[str, Any]:
+    """Where the jobs of a multirun logged (any job's wandb.json): project, entity, group, mode; jobs that ran
+    without wandb give the folder's name as the group and mode disabled (`--wandb offline` logs anyway)."""
+    from core.telemetry import WANDB_RUN
+
+    for path in sorted(folder.rglob(WANDB_RUN), key=job_order):
+        return json.loads(path.read_text())
+    return {"project": "moescope", "entity": None, "group": folder.resolve().name, "mode": "disabled"}
+
+
+def log_to_wandb(folder: Path, out: Path, report: Path, rows: list[dict[str, Any]], mode: Optional[str]) -> Optional[str]:
+    """A summary run in the multirun's wandb group: every table of the report as a `wandb.Table` (keys as
+    `markdown_tables` names them, plus `runs`, one row per simulated run), every figure as an image, and the
+    report's text. Returns the run's folder (None when wandb is disabled)."""
+    target = wandb_target(folder)
+    mode = mode or str(target.get("mode") or "offline")
+    if mode == "disabled":
+        return None
+    import os
+
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    text = report.read_text()
+    run = wandb.init(mode=mode, project=target.get("project") or "moescope", entity=target.get("entity"),
+                     group=target.get("group"), job_type="report", name=f"report {target.get('group')}",
+                     dir=str(out), config={"multirun": str(folder.resolve()), "runs": len(rows)},
+                     reinit="finish_previous")
+    try:
+        payload: dict[str, Any] = {name: wandb.Table(columns=cols, data=body)
+                                   for name, (cols, body) in markdown_tables(text).items()}
+        scalar = [k for k in dict.fromkeys(k for r in rows for k, v in r.items()
+                                           if isinstance(v, (int, float, str, bool)) or v is None)]
+        payload["runs"] = wandb.Table(columns=scalar, data=[[r.get(k) for k in scalar] for r in rows])
+        payload.update({png.stem: wandb.Image(str(png)) for png in sorted(out.glob("*.png"))})
+        payload["report"] = wandb.Html(f"<pre>{text}</pre>")
+        run.log(payload)
+        return str(run.dir)
+    finally:
+        run.finish()
+        wandb.teardown()  # wait for wandb's service to write the offline log out (finish alone may return first)
+
+
+def build(folder: Path, out: Optional[Path] = None, wandb_mode: Optional[str] = "disabled") -> Path:
+    """The report of a multirun folder (or a benchmark output): each study's tables and figures into `out`
+    (default: the folder), and, unless `wandb_mode` is "disabled", a summary run of the multirun's wandb group
+    (None: the mode its jobs ran in)."""
+    out = out or folder
+    rows = load_rows(folder)
+    if any("axis" in r for r in rows):
+        path = write_regimes_report(folder, out, [r for r in rows if "axis" in r])
+    elif any(r.get("calibration") for r in rows):
+        path = write_calibration_report(folder, out, [r for r in rows if r.get("calibration")])
+    elif any(r.get("serve") for r in rows):
+        path = write_serverless_report(folder, out, [r for r in rows if r.get("serve")])
+    else:
+        path = write_report(out, rows)
+    log_to_wandb(folder, out, path, rows, wandb_mode)
+    return path
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m engine.report", description="tables and figures from simulated runs")
-    ap.add_argument("folder", type=Path, help="Hydra multirun folder or benchmark output")
+    ap.add_argument("folder", type=Path, help="Hydra multirun folder (any launcher) or benchmark output")
     ap.add_argument("--out", type=Path, default=None, help="where to write (default: the folder)")
+    ap.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None,
+                    help="the summary run's wandb mode (default: the mode the multirun's jobs ran in; none "
+                         "when they ran without wandb)")
     args = ap.parse_args(argv)
-    rows = load_rows(args.folder)
-    path = write_report(args.out or args.folder, rows)
-    print(f"{len(rows)} runs -> {path}")
+    try:
+        path = build(args.folder, args.out, args.wandb)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"python -m engine.report: {exc}") from None
+    print(f"{len(load_rows(args.folder))} runs -> {path}")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,8 @@
 Writes results.json (throughput, decode latency, prefill time, PCIe / CPU / GPU use, per-layer busy
 and bubble times, cache / prefetch / predictor hit rates, bytes moved, memory plan, lower bound and
 the distance to it), a timeline plot of one forward pass, and wandb logs (offline by default).
-Figure-11 sweep: `python -m engine.simulate -m model=... hardware=v100_pcie3,a100_pcie4
-batch_size=4,8,16,32,64 scheduler=presched,hybrimoe,... wandb.mode=disabled`, then
-`python -m engine.report runs/simulate/multirun/<date>`.
+Figure-11 sweep: `python -m engine.simulate -m +experiment=fig11` (a study job per model and batch, see
+engine.studies and conf/experiment/; any Hydra launcher), then `python -m engine.report runs/simulate/multirun/<date>`.
 """
 
 from __future__ import annotations
@@ -71,6 +70,10 @@ def numbers(results: dict[str, Any]) -> dict[str, Any]:
 
 @hydra_task("simulate", summarize=headline, metrics=numbers)
 def main(cfg: DictConfig, tm: Telemetry) -> dict[str, Any]:
+    if cfg.study.kind:  # a study multirun's job (conf/experiment/<study>.yaml): many replays, rows in results.json
+        from engine.studies import study_job
+
+        return study_job(cfg)
     spec = spec_from_config(cfg)
     routing = prepare_routing(spec)
     draw = {int(cfg.timeline.step)} if cfg.timeline.plot and int(cfg.timeline.step) < len(routing.passes) else set()

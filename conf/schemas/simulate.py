@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
@@ -38,6 +38,19 @@ class BoundsConfig:
 
 
 @dataclass
+class StudyConfig:
+    """One job of a study multirun (`conf/experiment/<study>.yaml`, `engine.studies`): `kind` null runs the one
+    configured simulation; otherwise the job replays its routing under every system x machine (`systems`,
+    `hit_rates`) or one PreSched cost regime (`presched_regime`) and writes the rows into results.json."""
+
+    kind: Optional[str] = None  # systems | hit_rates | presched_regime
+    systems: List[str] = field(default_factory=list)  # conf/scheduler names (`presched_no_async`: synchronous copies)
+    machines: List[str] = field(default_factory=list)  # conf/hardware names every system runs on (default: hardware)
+    hit_rates: List[str] = field(default_factory=list)  # kind hit_rates: the points (engine.bench.bench_simulate_sweep)
+    regime: Optional[str] = None  # kind presched_regime: a name of engine.bench.bench_presched_regimes.REGIMES
+
+
+@dataclass
 class SimulateConfig:
     model: ModelSpec = MISSING
     hardware: unfrozen(HardwareProfile) = MISSING  # type: ignore[valid-type]
@@ -56,6 +69,7 @@ class SimulateConfig:
     check_invariants: bool = False  # assert the mechanism's invariants while simulating (tests)
     cache_slots: Optional[int] = None  # override the expert-cache size the memory plan gives (small studies)
     seed: int = 0
+    study: StudyConfig = field(default_factory=StudyConfig)  # a study multirun's job (conf/experiment)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     notes: Optional[str] = None
 

@@ -20,14 +20,18 @@ combinations of the regimes that favour cross-layer scheduling. For scale, the c
 that lose more than cross-layer scheduling (Fiddler: every missing expert on the CPU; Fate and on-demand: every
 expert on the GPU; kTransformers: a static placement), each against PreSched the same way.
 
+The study is the multirun `python -m engine.simulate -m +experiment=presched_regimes` (one job per regime and
+seed, `engine.studies`; its report `python -m engine.report <folder>`); this script runs it under joblib into
+`--out` (a rerun resumes; `--fresh` starts over), times it and prints the report:
+
     python engine/bench/bench_presched_regimes.py [--seeds 0,1,2,3,4] [--workers 2] [--out runs/bench/presched_regimes]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -39,8 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
-from engine.bench.bench_simulate_sweep import hardware, scheduler_settings, sweep_predictor  # noqa: E402
-from engine.bench.parallel import in_workers  # noqa: E402
+from engine.bench.bench_simulate_sweep import hardware, multirun, scheduler_settings, sweep_predictor  # noqa: E402
 from conf import compose  # noqa: E402
 from engine.calibrate_paper import load_points  # noqa: E402
 from engine.report import PUBLISHED  # noqa: E402
@@ -72,6 +75,13 @@ class Regime:
     forecasts: tuple[str, ...] = FORECASTS
     references: tuple[str, ...] = ()  # other systems (conf/scheduler/<name>.yaml) run for scale
 
+    @property
+    def name(self) -> str:
+        """The regime's name in a study multirun (`study.regime=<name>`, conf/experiment/presched_regimes.yaml)."""
+        if self.axis == "calibrated":
+            return "calibrated"
+        return re.sub(r"[^a-z0-9]+", "_", f"{self.axis} {self.setting}".lower().replace("%", "pct")).strip("_")
+
 
 REGIMES = [
     Regime("calibrated", "as fitted (1,106 us/call, PCIe 4.0, b64)", references=REFERENCES),
@@ -88,6 +98,14 @@ REGIMES = [
     Regime("combined", "link x0.25, b16", link_scale=0.25, batch=16),
     Regime("combined", "link x0.5, b4", link_scale=0.5, batch=4),
 ]
+
+
+def regime_named(name: str) -> Regime:
+    """The regime of a study job's `study.regime` (one line naming the known ones when it is none of them)."""
+    found = next((r for r in REGIMES if r.name == name), None)
+    if found is None:
+        raise ValueError(f"study.regime: {name!r} is not a PreSched regime; known: {', '.join(r.name for r in REGIMES)}")
+    return found
 
 
 def profile(regime: Regime) -> HardwareProfile:
@@ -330,13 +348,14 @@ def best(rows: list[dict[str, Any]]) -> str:
             f"paper {100 * PAPER_LOSS:.1f} %")
 
 
-def write_report(out: Path, rows: list[dict[str, Any]], seeds: list[int], wall: float, workers: int) -> None:
+def write_report(out: Path, rows: list[dict[str, Any]], seeds: list[int], wall: float, workers: str) -> None:
+    """report.md and the two figures into `out`; `wall`: the study's seconds, run by `workers` (words)."""
     figure(rows, out / "presched_regimes.png")
     backlog_figure(rows, out / "presched_backlog.png")
     text = [f"# PreSched's lead over the greedy per-layer split, by cost regime ({MODEL}, {MACHINE})", "",
             f"LayerScope Fig. 13: {100 * PAPER_LOSS:.1f} % of the throughput lost without PreSched (batch 64). "
             f"Lead = 1 - throughput(layerwise) / throughput(presched), mean ± std over seeds {seeds}; "
-            f"{len(rows)} simulated runs in {wall:.0f} s wall with {workers} worker(s).", "",
+            f"{len(rows)} simulated runs in {wall:.0f} s wall under {workers}.", "",
             best(rows), "", table(rows), "", "For scale (the calibrated point):", "", reference_table(rows), "",
             "Prefetch load: the link time of layerwise's two prefetches per MoE layer over PreSched's decode time "
             "per MoE layer; above 1 a link that cannot drop queued copies falls behind and the loads queue behind "
@@ -347,31 +366,26 @@ def write_report(out: Path, rows: list[dict[str, Any]], seeds: list[int], wall: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2,3,4")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2, help="parallel jobs (hydra.launcher.n_jobs)")
     ap.add_argument("--axes", default="", help="comma-separated axes to run (default: all)")
-    ap.add_argument("--out", default="runs/bench/presched_regimes")
+    ap.add_argument("--out", default="runs/bench/presched_regimes", help="the multirun folder (a rerun resumes it)")
+    ap.add_argument("--fresh", action="store_true", help="rerun every job, even those complete in --out")
     args = ap.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
-    regimes = [r for r in REGIMES if not args.axes or r.axis in args.axes.split(",")]
-    work = [(r, s) for s in seeds for r in regimes]
-    work.sort(key=lambda w: -w[0].batch)  # big batches first: better packing over the workers
-    wall0 = time.perf_counter()
-    rows = [row for chunk in in_workers(run_regime, work, args.workers) for row in chunk]
-    wall = time.perf_counter() - wall0
-    order = {(r.axis, r.setting): i for i, r in enumerate(REGIMES)}
-    rows.sort(key=lambda r: (order[(r["axis"], r["setting"])], r["forecasts"] != "transition", r["seed"]))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.jsonl", "w") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
-    write_report(out, rows, seeds, wall, args.workers)
+    names = [r.name for r in REGIMES if not args.axes or r.axis in args.axes.split(",")]
+    if not names:
+        raise SystemExit(f"--axes {args.axes}: no such axis; known: {', '.join(dict.fromkeys(r.axis for r in REGIMES))}")
+    out = Path(args.out).resolve()
+    wall = multirun("presched_regimes", out, args.workers, [f"seed={args.seeds}", f"study.regime={','.join(names)}"],
+                    args.fresh)
+    from engine.report import load_rows, write_regimes_report  # noqa: E402  (the study's report, by engine.report)
+
+    write_regimes_report(out, out, load_rows(out))
+    rows = [r for r in load_rows(out) if "axis" in r]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(table(rows))
-    print(reference_table(rows))
-    print(best(rows))
-    print(f"{len(rows)} simulated runs, wall {wall:.1f} s with {args.workers} worker(s), simulation CPU "
-          f"{sum(r['sim_cpu_s'] for r in rows):.1f} s; 1-min load average at the end {load:.2f}; report in {out}")
+    print((out / "report.md").read_text())
+    print(f"{len(rows)} simulated runs, wall {wall:.1f} s with {args.workers} joblib worker(s) (Hydra start included), "
+          f"simulation CPU {sum(r['sim_cpu_s'] for r in rows):.1f} s; 1-min load average at the end {load:.2f}; "
+          f"report in {out}")
 
 
 if __name__ == "__main__":

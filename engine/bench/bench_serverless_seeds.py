@@ -1,5 +1,9 @@
 """Benchmark: MoEless vs Megatron-LM vs EPLB vs Oracle over several seeds, per model (mean ± std).
 
+The same study as a Hydra multirun (any launcher, resumable, one wandb group), then its table:
+
+    python -m engine.serve -m +experiment=serverless_seeds && python -m engine.report runs/serve/multirun/<folder>
+
     python engine/bench/bench_serverless_seeds.py [--seeds 0,1,2,3,4] [--models mixtral_8x7b,phi35_moe,llama4_scout]
         [--duration-s 30] [--workers 2] [--out runs/bench/serverless_seeds] [--set key=value ...]
 
@@ -20,6 +24,7 @@ import argparse
 import json
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -28,7 +33,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from conf import compose  # noqa: E402  (the repository on the path first: run as a script)
-from engine.bench.parallel import in_workers  # noqa: E402
 
 MODELS = ("mixtral_8x7b", "phi35_moe", "llama4_scout")
 SYSTEMS = ("static_ep", "eplb", "oracle", "moeless")  # serve's policy kinds, in table order
@@ -88,8 +92,13 @@ def _run_job(job: tuple[list[str], Optional[str], dict[str, Any]]) -> dict[str, 
 def run_jobs(jobs: list[tuple[list[str], Optional[str], dict[str, Any]]], workers: int, rows_path: Optional[Path] = None
              ) -> list[dict[str, Any]]:
     """Every job (overrides, run folder, tags added to its row), `workers` processes at a time; rows appended
-    to `rows_path` as they finish (a long study keeps what it got)."""
-    return collect(in_workers(_run_job, jobs, workers), rows_path)
+    to `rows_path` as they finish (a long study keeps what it got). The seeds study itself is the multirun
+    `python -m engine.serve -m +experiment=serverless_seeds` (any Hydra launcher, resumable); this pool is left
+    for the one-knob-at-a-time axes of bench_serverless_regimes, which are no Cartesian sweep."""
+    if workers <= 1:
+        return collect(map(_run_job, jobs), rows_path)
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return collect(pool.map(_run_job, jobs), rows_path)
 
 
 def collect(done: Iterable[dict[str, Any]], rows_path: Optional[Path]) -> list[dict[str, Any]]:

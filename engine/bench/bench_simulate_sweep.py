@@ -3,8 +3,10 @@
 4 models (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V2-Lite, Moonlight-16B-A3B) x 2 machines
 (v100_pcie3, a100_pcie4) x 5 batch sizes (4..64, prompt 512, generate 64) x every offload system,
 each (model, batch) routing generated once and replayed by every system on both machines.
-Prints the wall and CPU time (the cores are shared: compare ratios within one run) and writes
-`results.jsonl` + the report tables into `--out`.
+Prints the wall and CPU time (the cores are shared: compare ratios within one run) and writes the report tables
+into `--out`. The sweep is the study multirun `python -m engine.simulate -m +experiment=fig11` (fig13_ablation,
+hit_rate_sweep; `engine.studies`), run here under joblib with `--workers` jobs into `--out` (a rerun resumes it;
+`--fresh` starts over); this script times it and sets its axes from the flags:
 
     python engine/bench/bench_simulate_sweep.py [--workers 2] [--out runs/bench/sweep] [--ablation]
 
@@ -20,22 +22,21 @@ routing-only predictors run for real on the same routing and PreSched without fo
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from conf import compose  # noqa: E402  (the repository on the path first: run as a script)
-from engine.bench.parallel import in_workers  # noqa: E402
-from engine.report import write_report  # noqa: E402
+from engine.report import load_rows, write_report  # noqa: E402
 from engine.sim.bounds import lower_bound  # noqa: E402
-from engine.sim.run import default_predictor, prepare_routing, simulate  # noqa: E402
+from engine.sim.run import RunSpec, default_predictor, prepare_routing, simulate  # noqa: E402
 from predictors.config import PredictorConfig, PredictorKind, oracle_config  # noqa: E402
 from engine.simulate import spec_from_config  # noqa: E402
 from schedulers.base import scheduler_settings as from_config  # noqa: E402
@@ -73,14 +74,19 @@ def run_group(args: tuple[str, int, list[str], str, bool, str, tuple[str, ...]])
     if routing_path:
         overrides.append(f"routing.path={routing_path}")
     overrides.extend(extra)
-    cfg = compose("simulate", overrides)
-    base = spec_from_config(cfg)
+    return group_rows(spec_from_config(compose("simulate", overrides)), systems, HARDWARE, routing_name, bounds)
+
+
+def group_rows(base: RunSpec, systems: Sequence[str], machines: Sequence[str], routing_name: str, bounds: bool
+               ) -> list[dict[str, Any]]:
+    """Every system on every machine for the base run's (model, batch, routing): one routing, many replays
+    (a Figure-11 study job, `engine.studies`)."""
     t0 = time.process_time()
     routing = prepare_routing(base)
     t_routing = time.process_time() - t0
     rows = []
     extra_routing: dict[int, Any] = {}
-    for hw in HARDWARE:
+    for hw in machines:
         lb = None
         for system in systems:
             spec = replace(base, hardware=hardware(hw), scheduler=scheduler_settings(system),
@@ -92,9 +98,10 @@ def run_group(args: tuple[str, int, list[str], str, bool, str, tuple[str, ...]])
                 out = simulate(spec, extra_routing[spec.sequences])
             else:
                 out = simulate(spec, routing)
-            row = {"model": spec.model_name, "hardware": hw, "batch_size": batch, "system": system,
-                   "scheduler": spec.scheduler.label, "routing": routing_name, "sim_cpu_s": time.process_time() - t1,
-                   "routing_cpu_s": t_routing if system == systems[0] and hw == HARDWARE[0] else 0.0}
+            row = {"model": spec.model_name, "hardware": hw, "batch_size": base.batch_size, "system": system,
+                   "scheduler": spec.scheduler.label, "routing": routing_name, "seed": base.seed,
+                   "sim_cpu_s": time.process_time() - t1,
+                   "routing_cpu_s": t_routing if system == systems[0] and hw == machines[0] else 0.0}
             row.update({k: v for k, v in out.summary.items() if not isinstance(v, dict)})
             if bounds and spec.async_io and spec.sequences == base.sequences:
                 if lb is None:  # the bound does not depend on the schedule
@@ -135,7 +142,12 @@ def run_hit_sweep(args: tuple[str, int, tuple[str, ...], str, str, tuple[str, ..
     overrides = [f"model={model}", f"batch_size={batch}", f"routing={routing_name}", "scheduler=presched", *extra]
     if routing_path:
         overrides.append(f"routing.path={routing_path}")
-    base = spec_from_config(compose("simulate", overrides))
+    return hit_rows(spec_from_config(compose("simulate", overrides)), points, machines, routing_name)
+
+
+def hit_rows(base: RunSpec, points: Sequence[str], machines: Sequence[str], routing_name: str) -> list[dict[str, Any]]:
+    """PreSched (the base run's scheduler) at every hit-rate point, with the real routing-only predictors and
+    without forecasts, on every machine: one routing, many replays (a hit-rate study job, `engine.studies`)."""
     routing = prepare_routing(base)
     rows = []
     for hw in machines:
@@ -146,8 +158,9 @@ def run_hit_sweep(args: tuple[str, int, tuple[str, ...], str, str, tuple[str, ..
             t1 = time.process_time()
             out = simulate(spec, routing)
             oracle = pred is not None and pred.kind is PredictorKind.oracle
-            row = {"model": spec.model_name, "hardware": hw, "batch_size": batch, "system": "presched",
-                   "scheduler": spec.scheduler.label, "routing": routing_name, "sim_cpu_s": time.process_time() - t1,
+            row = {"model": spec.model_name, "hardware": hw, "batch_size": base.batch_size, "system": "presched",
+                   "scheduler": spec.scheduler.label, "routing": routing_name, "seed": base.seed,
+                   "sim_cpu_s": time.process_time() - t1,
                    "hit_sweep": point, "predictor_kind": "none" if pred is None else
                    ("oracle (upper bound)" if oracle else pred.kind.value),
                    "oracle_hit_rate": pred.oracle.at(1) if oracle else None,
@@ -158,49 +171,62 @@ def run_hit_sweep(args: tuple[str, int, tuple[str, ...], str, str, tuple[str, ..
     return rows
 
 
+def multirun(experiment: str, out: Path, workers: int, overrides: Sequence[str], fresh: bool) -> float:
+    """`python -m engine.simulate -m +experiment=<experiment>` into `out` under joblib with `workers` jobs (wandb
+    off: a timed bench); the wall seconds it took. Jobs already complete in `out` are skipped (resume) unless
+    `fresh`."""
+    if fresh and out.is_dir():
+        for job in out.glob("*/job_complete.json"):
+            job.unlink()
+    cmd = [sys.executable, "-m", "engine.simulate", "-m", f"+experiment={experiment}", f"hydra.sweep.dir={out}",
+           "hydra/launcher=joblib", f"hydra.launcher.n_jobs={workers}", "wandb.mode=disabled", *overrides]
+    wall0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed (exit status {proc.returncode})")
+    return time.perf_counter() - wall0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--out", default="runs/bench/simulate_sweep")
+    ap.add_argument("--workers", type=int, default=2, help="parallel jobs (hydra.launcher.n_jobs)")
+    ap.add_argument("--out", default="runs/bench/simulate_sweep", help="the multirun folder (a rerun resumes it)")
+    ap.add_argument("--fresh", action="store_true", help="rerun every job, even those complete in --out")
     ap.add_argument("--ablation", action="store_true", help="the Figure-13 ablation instead of the Figure-11 systems")
     ap.add_argument("--routing", default="synthetic", help="a conf/routing/ config name")
     ap.add_argument("--routing-path", default="", help="trace / jsonl file for --routing trace|jsonl")
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--batches", default=",".join(map(str, sorted(BATCHES, reverse=True))))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra `simulate` override for every run, e.g. cache_slots=96 (repeatable)")
     ap.add_argument("--bounds", action="store_true", help="also compute the lower bound of every point (not timed)")
     ap.add_argument("--hit-rates", default="", metavar="POINTS",
                     help=f"PreSched vs the oracle's hit rate instead, e.g. {HIT_RATES} (see the module docstring)")
     args = ap.parse_args()
-    systems = ABLATION if args.ablation else SYSTEMS
+    overrides = [f"model={args.models}", f"batch_size={args.batches}", f"routing={args.routing}", *args.set]
+    if args.routing_path:
+        overrides.append(f"routing.path={args.routing_path}")
     if args.hit_rates:
-        points = tuple(p.strip() for p in args.hit_rates.split(",") if p.strip())
+        points = [p.strip() for p in args.hit_rates.split(",") if p.strip()]
         for p in points:
             sweep_predictor(p)  # a bad point fails before any run
-        work, groups = run_hit_sweep, [(m, b, points, args.routing, args.routing_path, tuple(args.set), tuple(HARDWARE))
-                                       for m in args.models.split(",") for b in map(int, args.batches.split(","))]
+        experiment = "hit_rate_sweep"
+        overrides.append("study.hit_rates=[" + ",".join(f"'{p}'" for p in points) + "]")
     else:
-        work, groups = run_group, [(m, b, systems, args.routing, args.bounds, args.routing_path, tuple(args.set))
-                                   for m in args.models.split(",") for b in map(int, args.batches.split(","))]
-    groups.sort(key=lambda g: -g[1])  # big batches first: better packing over the workers
-    wall0 = time.perf_counter()
-    rows = [row for chunk in in_workers(work, groups, args.workers) for row in chunk]
-    wall = time.perf_counter() - wall0
-    cpu_children = sum(r["sim_cpu_s"] + r.get("routing_cpu_s", 0.0) for r in rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.jsonl", "w") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
+        experiment = "fig13_ablation" if args.ablation else "fig11"
+        overrides.append(f"bounds.lower_bound={str(args.bounds).lower()}")
+    out = Path(args.out).resolve()
+    wall = multirun(experiment, out, args.workers, overrides, args.fresh)
+    rows = load_rows(out)
     write_report(out, rows)
-    n_runs = len(rows)
+    jobs = len(list(out.glob("*/job_complete.json")))
+    cpu = sum(r["sim_cpu_s"] + r.get("routing_cpu_s", 0.0) for r in rows)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    per_machine = len(groups[0][2]) + len(REAL_PREDICTORS) + 1 if args.hit_rates else len(systems)
-    what = "forecasts (hit-rate points, real predictors, none)" if args.hit_rates else "systems"
-    print(f"sweep: {n_runs} simulated runs ({len(groups)} routings x {len(HARDWARE)} machines x {per_machine} {what})")
-    print(f"wall time {wall:.1f} s with {args.workers} worker(s); simulation CPU time {cpu_children:.1f} s "
-          f"(routing {sum(r.get('routing_cpu_s', 0.0) for r in rows):.1f} s); 1-min load average at the end {load:.2f}")
+    print(f"sweep: {len(rows)} simulated runs in {jobs} jobs (+experiment={experiment}: one routing per job, "
+          f"replayed by every system / forecast on {len(HARDWARE)} machines)")
+    print(f"wall time {wall:.1f} s with {args.workers} joblib worker(s), Hydra start included; simulation CPU time "
+          f"{cpu:.1f} s (routing {sum(r.get('routing_cpu_s', 0.0) for r in rows):.1f} s); 1-min load average at "
+          f"the end {load:.2f}")
     print(f"target: under 120 s wall on 2 cores -> {'met' if wall < 120 else 'NOT met'} ({wall / 120:.2f} of the budget)")
     print(f"tables and figures in {out}")
 
