@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -278,7 +278,20 @@ def experts_native(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array],
     E = len(gate_up)
     tok, wts, counts, starts = group_by_expert(routing, E, pad=0)
     offsets = jnp.concatenate([starts, (starts[-1] + counts[-1])[None]]).astype(jnp.int32)
+    if is_quantized(gate_up[0]):  # block-type experts: the native kernels quantize the activations as llama.cpp
+        return native.qexperts(x, tok, wts.astype(jnp.float32), offsets, list(gate_up), list(down))
     return native.experts(x, tok, wts.astype(jnp.float32), offsets, list(gate_up), list(down))
+
+
+def native_reads(x: jax.Array, gate_up: Any, down: Any) -> bool:
+    """Whether `experts_native` computes experts of these weights on the CPU: bf16 / f32 weights of x's dtype, or
+    block types the kernels read (Q5_0, a K-quant's fallback, is left to the dequantizing XLA path)."""
+    if x.dtype not in (jnp.bfloat16, jnp.float32) or not native.available_experts():
+        return False
+    if is_quantized(gate_up):
+        first = gate_up[0] if isinstance(gate_up, tuple) else gate_up
+        return native.reads_blocks(first.qtype, down.qtype)
+    return x.dtype == gate_up.dtype
 
 
 class InMemoryExperts:
@@ -309,7 +322,7 @@ class InMemoryExperts:
         if experts is None:
             raise ValueError(f"layer {layer}: the model holds no expert weights; pass an expert executor")
         gate_up, down = experts.arrays()
-        if not is_quantized(gate_up[0]) and x.dtype == gate_up[0].dtype and x.dtype in (jnp.bfloat16, jnp.float32) and native.available_experts():
+        if native_reads(x, gate_up[0], down[0]):
             return jax.lax.platform_dependent(x, routing, gate_up, down, cpu=experts_native, default=self.by_count)
         return self.by_count(x, routing, gate_up, down)
 

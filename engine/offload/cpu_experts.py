@@ -45,7 +45,7 @@ class CpuExperts:
     def __init__(self, store: ExpertStore, threads: int = 1):
         self.store = store
         self.threads = max(int(threads), 1)
-        self.native = native.available() and not store.quantized
+        self.native = native.available()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moescope-cpu-experts")
         self._layers: dict[int, native.ExpertWeights] = {}  # every expert of a layer, validated once
         self.timings: list[tuple[int, float]] = []  # (tokens, seconds) per expert computed, for the Timer
@@ -53,9 +53,16 @@ class CpuExperts:
     def _layer(self, layer: int) -> native.ExpertWeights:
         """The layer's experts packed for the native call (views of the store: nothing is read or copied)."""
         if layer not in self._layers:
-            views = [self.store.numpy_views(layer, e) for e in range(self.store.num_experts)]
-            self._layers[layer] = native.pack_experts(*zip(*views))
+            view = self.store.quant_views if self.store.quantized else self.store.numpy_views
+            self._layers[layer] = native.pack_experts(*zip(*(view(layer, e) for e in range(self.store.num_experts))))
         return self._layers[layer]
+
+    def _native_layer(self, layer: int) -> bool:
+        """Whether the native kernels run this layer's experts (bf16 / f32, or block types they read)."""
+        if not self.native:
+            return False
+        fmt = self.store.formats[layer]
+        return not self.store.quantized or native.reads_blocks(fmt.gate_up, fmt.down)
 
     def compute(self, layer: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
                 cpu_experts: list[int]) -> np.ndarray:
@@ -77,10 +84,12 @@ class CpuExperts:
         tokens = (pairs // k).astype(np.int32)
         pair_w = weights.reshape(-1)[pairs].astype(np.float32)
         used = np.flatnonzero(counts)
-        if self.store.quantized:  # activations in float32, as the device's quantized experts take them
+        if not self._native_layer(layer):  # block types the kernels do not read: dequantized, f32 activations
             self._quantized(out, layer, np.asarray(x, np.float32), used, counts[used], tokens, pair_w)
             return out
-        xs = np.ascontiguousarray(np.asarray(x).astype(self.store.dtype, copy=False))
+        # the kernels quantize the activations of block-type experts themselves (as the in-memory model's do)
+        dtype = np.float32 if self.store.quantized else self.store.dtype
+        xs = np.ascontiguousarray(np.asarray(x).astype(dtype, copy=False))
         if self.native:  # every expert of the layer passed, the unused ones with no pairs (never read)
             seconds = np.zeros(E, np.float64)
             offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)

@@ -692,6 +692,11 @@ def count_nonfinite(a: np.ndarray, threads: int = 0) -> int:
 # same way for the down projection, and returns f32.
 
 QTYPE_IDS = {"q4_0": 2, "q8_0": 8, "q4_k": 12, "q6_k": 14}
+
+
+def reads_blocks(*qtypes: str) -> bool:
+    """Whether the native kernels read every one of these block types (and the library is there)."""
+    return available() and all(q in QTYPE_IDS for q in qtypes)
 _XBLK = {"q4_0": 32, "q8_0": 32, "q4_k": 256, "q6_k": 256}
 
 
@@ -1012,33 +1017,43 @@ def qexperts_reference(x: jax.Array, tokens: jax.Array, pair_weight: jax.Array, 
 
 def qexperts(x: jax.Array, tokens: jax.Array, pair_weight: jax.Array, offsets: jax.Array, gate_up: Sequence[Any],
              down: Sequence[Any], *, strategy: str = "auto") -> jax.Array:
-    """`experts` over block-quantized experts: gate_up E `QuantArray`s [2F, H] (one block type), down E
-    `QuantArray`s [H, F] (one block type), data jax uint8 arrays; the rest as `experts` (raw CPU-only FFI call,
-    routing checked at run time, deterministic for any thread count and strategy). Numerics: `qswiglu`'s per
-    pair, pair_weight * y rounded once to f32, added in expert order. `experts(...)` calls this for QuantArrays."""
+    """`experts` over block-quantized experts: gate_up E `QuantArray`s [2F, H], or E (gate, up) pairs of
+    `QuantArray`s [F, H] each (a GGUF file's separate tensors, passed without joining them), one block type
+    for gate and up; down E `QuantArray`s [H, F] (one block type); data jax uint8 arrays; the rest as `experts`
+    (raw CPU-only FFI call, routing checked at run time, deterministic for any thread count and strategy).
+    Numerics: `qswiglu`'s per pair, pair_weight * y rounded once to f32, added in expert order. `experts(...)`
+    calls this for QuantArrays."""
     tokens, pair_weight, offsets = _routing(x, tokens, pair_weight, offsets, "experts")
     E = offsets.shape[0] - 1
     gate_up, down = list(gate_up), list(down)
-    if len(gate_up) != E or len(down) != E or not all(map(_is_quant, gate_up + down)):
+    pairs = bool(gate_up) and isinstance(gate_up[0], tuple)
+    firsts = [g[0] if pairs else g for g in gate_up]
+    parts = [q for g in gate_up for q in (g if pairs else (g,))]
+    if len(gate_up) != E or len(down) != E or not all(map(_is_quant, parts + down)):
         raise ValueError(f"experts: expected {E} gate_up and {E} down QuantArrays, got {len(gate_up)} and {len(down)}")
     T, H = x.shape
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"experts: x dtype {x.dtype}, expected bfloat16 or float32 with block-quantized experts")
-    F = gate_up[0].shape[0] // 2 if E else 0
-    qgu = {g.qtype for g in gate_up}
+    F = (firsts[0].shape[0] if pairs else firsts[0].shape[0] // 2) if E else 0
+    gu_rows = F if pairs else 2 * F
+    qgu = {q.qtype for q in parts}
     qdn = {d.qtype for d in down}
-    if len(qgu) > 1 or len(qdn) > 1 or any(tuple(g.shape) != (2 * F, H) for g in gate_up) or any(
+    if len(qgu) > 1 or len(qdn) > 1 or any(tuple(q.shape) != (gu_rows, H) for q in parts) or any(
             tuple(d.shape) != (H, F) for d in down):
-        raise ValueError(f"experts: gate_up {sorted(qgu)} {sorted({tuple(g.shape) for g in gate_up})}, down "
+        raise ValueError(f"experts: gate_up {sorted(qgu)} {sorted({tuple(q.shape) for q in parts})}, down "
                          f"{sorted(qdn)} {sorted({tuple(d.shape) for d in down})}: expected one block type each, "
-                         f"gate_up [2F, H] and down [H, F] with H = {H}")
+                         f"gate_up [2F, H] (or gate and up [F, H]) and down [H, F] with H = {H}")
     if not available_experts():
         raise RuntimeError(f"models.native: library unavailable ({_error})")
     if E == 0:
         return jnp.zeros((T, H), jnp.float32)
     qg, qd = next(iter(qgu)), next(iter(qdn))
     out = jax.ShapeDtypeStruct((T, H), jnp.float32)
-    args = [jnp.asarray(g.data) for g in gate_up] + [jnp.asarray(d.data) for d in down]
+    if pairs:  # E gates, E ups, E downs
+        args = [jnp.asarray(g[0].data) for g in gate_up] + [jnp.asarray(g[1].data) for g in gate_up]
+    else:
+        args = [jnp.asarray(g.data) for g in gate_up]
+    args += [jnp.asarray(d.data) for d in down]
     return jax.ffi.ffi_call("moescope_qexperts", out, vmap_method="sequential")(
         x, tokens, pair_weight, offsets, *args, strategy=np.int32(_strategy(strategy)),
         qgu=np.int32(QTYPE_IDS[qg]), qdown=np.int32(QTYPE_IDS[qd]), F=np.int64(F))

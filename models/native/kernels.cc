@@ -2542,8 +2542,8 @@ ffi::Error qswiglu_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::DataType::U8, 2> gate
   return ffi::Error::Success();
 }
 
-// A layer's block-quantized experts: weights E gate_up [2F, rb] then E down [H, rbd], or one [E, 2F, rb] and one
-// [E, H, rbd] (uint8); see experts_impl for the routing arguments.
+// A layer's block-quantized experts: weights E gate_up [2F, rb] then E down [H, rbd], or E gate [F, rb], E up
+// [F, rb] and E down, or one [E, 2F, rb] and one [E, H, rbd] (uint8); see experts_impl for the routing arguments.
 ffi::Error qexperts_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::DataType::S32, 1> tokens,
                          ffi::Buffer<ffi::DataType::F32, 1> pair_weight, ffi::Buffer<ffi::DataType::S32, 1> offsets,
                          ffi::RemainingArgs weights, ffi::ResultBuffer<ffi::DataType::F32, 2> y, int32_t strategy,
@@ -2560,19 +2560,22 @@ ffi::Error qexperts_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::DataType::S32, 1> to
   if (strategy < kStrategyAuto || strategy > kStrategyExperts) return bad("strategy must be 0, 1 or 2");
   const size_t nw = weights.size();
   const bool stacked = nw == 2 && weights.get<ffi::AnyBuffer>(0).value().dimensions().size() == 3;
-  if (!stacked && nw != size_t(2 * E))
+  // split: E gate [F, rb], E up [F, rb], E down (a GGUF file's gate and up tensors are separate mapped views)
+  const bool split = !stacked && E > 0 && nw == size_t(3 * E);
+  if (!stacked && !split && nw != size_t(2 * E))
     return bad(std::to_string(nw) + " weight operands for " + std::to_string(E) + " experts");
   for (size_t i = 0; i < nw; ++i) {
     auto b = weights.get<ffi::AnyBuffer>(i);
     if (!b.has_value()) return bad("weight operand " + std::to_string(i) + " could not be decoded");
     const ffi::AnyBuffer w = b.value();
-    const bool down = stacked ? i == 1 : int64_t(i) >= E;
+    const bool down = stacked ? i == 1 : int64_t(i) >= (split ? 2 * E : E);
     if (w.element_type() != ffi::DataType::U8) return bad("weight operand " + std::to_string(i) + ": expected uint8 blocks");
     const size_t rank = stacked ? 3 : 2;
     if (stacked && (w.dimensions().size() != 3 || w.dimensions()[0] != E))
       return bad("stacked weight operand " + std::to_string(i) + " " + dims_str(w.dimensions()) + ": expected E first");
     const std::string m = down ? qcheck_rows(qdown, H, F, w.dimensions(), rank, "down")
-                               : qcheck_rows(qgu, 2 * F, H, w.dimensions(), rank, "gate_up");
+                        : split ? qcheck_rows(qgu, F, H, w.dimensions(), rank, int64_t(i) < E ? "gate" : "up")
+                                : qcheck_rows(qgu, 2 * F, H, w.dimensions(), rank, "gate_up");
     if (!m.empty()) return bad(m);
   }
   const int32_t* off32 = offsets.typed_data();
@@ -2595,6 +2598,11 @@ ffi::Error qexperts_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::DataType::S32, 1> to
     if (stacked) {
       gu = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(0).value().untyped_data()) + size_t(e) * gu_bytes;
       dn = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(1).value().untyped_data()) + size_t(e) * dn_bytes;
+    } else if (split) {
+      gu = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(size_t(e)).value().untyped_data());
+      const auto* up = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(size_t(E + e)).value().untyped_data());
+      dn = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(size_t(2 * E + e)).value().untyped_data());
+      return ExpertW{gu, up, dn};
     } else {
       gu = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(size_t(e)).value().untyped_data());
       dn = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(size_t(E + e)).value().untyped_data());
