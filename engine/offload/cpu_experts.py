@@ -57,12 +57,13 @@ class CpuExperts:
             self._layers[layer] = native.pack_experts(*zip(*(view(layer, e) for e in range(self.store.num_experts))))
         return self._layers[layer]
 
-    def _native_layer(self, layer: int) -> bool:
-        """Whether the native kernels run this layer's experts (bf16 / f32, or block types they read)."""
-        if not self.native:
+    def _dequantizing(self, layer: int) -> bool:
+        """Whether this layer's quantized experts run dequantized (block types the native kernels do not read,
+        or no native library)."""
+        if not self.store.quantized:
             return False
         fmt = self.store.formats[layer]
-        return not self.store.quantized or native.reads_blocks(fmt.gate_up, fmt.down)
+        return not (self.native and native.reads_blocks(fmt.gate_up, fmt.down))
 
     def compute(self, layer: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
                 cpu_experts: list[int]) -> np.ndarray:
@@ -84,7 +85,7 @@ class CpuExperts:
         tokens = (pairs // k).astype(np.int32)
         pair_w = weights.reshape(-1)[pairs].astype(np.float32)
         used = np.flatnonzero(counts)
-        if not self._native_layer(layer):  # block types the kernels do not read: dequantized, f32 activations
+        if self._dequantizing(layer):  # f32 activations, as the device's dequantizing experts take them
             self._quantized(out, layer, np.asarray(x, np.float32), used, counts[used], tokens, pair_w)
             return out
         # the kernels quantize the activations of block-type experts themselves (as the in-memory model's do)
