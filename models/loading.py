@@ -41,7 +41,7 @@ class ModelSpec:
     # q4_k, q6_k = every expert tensor in that ggml block type, quantized on load; q4_k_m = llama.cpp's Q4_K_M preset.
     # A folder written by `python -m models.quant.save` is served in its own format (bf16 here means "as saved").
     expert_format: str = "bf16"
-    # [GGUF helper] an HF folder holding tokenizer.json (or the file itself) to use instead of the checkpoint's own
+    # an HF folder holding tokenizer.json (or the file itself) to use instead of the checkpoint's own
     # tokenizer (a GGUF file's metadata tokenizer, or the tokenizer.json beside an HF checkpoint); its ids must fit
     # the model's vocabulary
     tokenizer: Optional[str] = None
@@ -75,7 +75,7 @@ def resolve_model_config(spec: Any) -> ModelConfig:
     from models.hf import config_from_hf
 
     path = resolve_path(ckpt) / "config.json"
-    if is_gguf_path(ckpt):  # [GGUF helper] a llama.cpp file: the config is its metadata
+    if is_gguf_path(ckpt):  # a llama.cpp file: the config is its metadata
         path = resolve_path(ckpt)
         from_ckpt = read_gguf_config(path)
     elif not path.is_file():
@@ -101,7 +101,7 @@ def open_model_checkpoint(spec: Any) -> Optional["OpenCheckpoint"]:
     from models.fp8 import is_fp8_checkpoint, open_fp8
     from models.gguf import is_gguf_path, open_gguf
 
-    if is_gguf_path(folder):  # [GGUF helper] a GGUF file / an FP8 folder: readers behind the same interface
+    if is_gguf_path(folder):  # a GGUF file / an FP8 folder: readers behind the same interface
         return open_gguf(folder)
     if is_fp8_checkpoint(folder):
         return open_fp8(folder)
@@ -124,7 +124,7 @@ def model_dtype(choice: Any, checkpoint: Optional["OpenCheckpoint"]) -> Any:
     if name != "auto":
         return jnp.dtype(name)
     run_dtype = getattr(checkpoint.reader, "run_dtype", None) if checkpoint is not None else None
-    if run_dtype is not None:  # [GGUF helper] a GGUF file says what its own dtype is (its experts stay in blocks)
+    if run_dtype is not None:  # a GGUF file says what its own dtype is (its experts stay in blocks)
         return jnp.dtype(run_dtype)
     if checkpoint is not None and checkpoint.stored_dtype() == ml_dtypes.bfloat16:
         return jnp.dtype(jnp.bfloat16)
@@ -153,7 +153,7 @@ def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool =
     saved = quantized_info(ck.folder) if ck is not None else None
     from models.gguf import block_experts, has_block_experts
 
-    blocks = ck is not None and has_block_experts(ck)  # [GGUF helper] a GGUF file's experts, served in their blocks
+    blocks = ck is not None and has_block_experts(ck)  # a GGUF file's experts, served in their blocks
     if blocks and fmt != "bf16":
         raise ValueError(f"model.expert_format={fmt}: model.checkpoint {ck.folder} is a GGUF file whose experts are "
                          "already in ggml blocks (leave model.expert_format at bf16 to serve them as stored)")
@@ -219,7 +219,7 @@ def expert_format(spec: Any) -> str:
 
 
 def load_tokenizer(folder: Optional[Path], spec: Any = None) -> Any:
-    """The `tokenizers.Tokenizer` saved next to a checkpoint (tokenizer.json), or None. [GGUF helper] A GGUF file's
+    """The `tokenizers.Tokenizer` saved next to a checkpoint (tokenizer.json), or None. A GGUF file's
     own (from its metadata), or the `model.tokenizer` of `spec` when set, checked against the model's vocabulary."""
     from models.gguf import is_gguf_path
 

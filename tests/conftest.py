@@ -22,3 +22,24 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+
+
+import pytest  # noqa: E402  (after the environment above, which must precede any jax import)
+
+NATIVE_ISAS = ["amx", "avx512bf16", "avx2", "scalar"]  # best first
+
+
+@pytest.fixture(params=NATIVE_ISAS)
+def isa(request):
+    """Each native ISA path this CPU supports, forced for one test (the default path restored afterwards)."""
+    from models import native
+
+    if not native.available():
+        pytest.skip(f"native library unavailable: {native.build_error()}")
+    name = request.param
+    if NATIVE_ISAS.index(name) < NATIVE_ISAS.index(native.best_isa()):
+        pytest.skip(f"this CPU lacks {name}")
+    native.set_isa(name)
+    assert native.isa() == name
+    yield name
+    native.set_isa(None)

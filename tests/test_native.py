@@ -25,26 +25,12 @@ import torch
 
 from models import native
 from models.native import build
+from tests.conftest import NATIVE_ISAS as ISAS
 
 BF16 = ml_dtypes.bfloat16
-ISAS = ["amx", "avx512bf16", "avx2", "scalar"]
 ROOT = Path(__file__).resolve().parents[1]
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native library unavailable: {native.build_error()}")
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Each ISA path this CPU supports (the best one restored afterwards)."""
-    if not native.available():
-        pytest.skip(f"native library unavailable: {native.build_error()}")
-    name = request.param
-    if ISAS.index(name) < ISAS.index(native.best_isa()):
-        pytest.skip(f"this CPU lacks {name}")
-    native.set_isa(name)
-    assert native.isa() == name
-    yield name
-    native.set_isa(None)
 
 
 @pytest.fixture

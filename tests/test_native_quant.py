@@ -19,23 +19,10 @@ import pytest
 
 from models import native
 from models.quant.blocks import QuantArray
+from tests.conftest import NATIVE_ISAS as ISAS
 
 BF16 = ml_dtypes.bfloat16
-ISAS = ["amx", "avx512bf16", "avx2", "scalar"]
 QTYPES = ["q8_0", "q4_0", "q4_k", "q6_k"]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Each ISA path this CPU supports (the best one restored afterwards)."""
-    if not native.available():
-        pytest.skip(f"native library unavailable: {native.build_error()}")
-    name = request.param
-    if ISAS.index(name) < ISAS.index(native.best_isa()):
-        pytest.skip(f"this CPU lacks {name}")
-    native.set_isa(name)
-    yield name
-    native.set_isa(None)
 
 
 def bound(x: np.ndarray, w: QuantArray) -> np.ndarray:
