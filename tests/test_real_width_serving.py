@@ -37,11 +37,13 @@ from tests.test_generate_entry import run_entry
 SMALL = dict(vocab_size=4096, bos_token_id=1, eos_token_id=2)
 
 
-@pytest.fixture(scope="module", params=[("qwen3_moe", 2, "per_expert"), ("deepseek_v2", 3, "fused")],
+@pytest.fixture(scope="module", params=[("qwen3_moe", 2, "per_expert", 8), ("deepseek_v2", 3, "fused", 8),
+                                        # two experts per token: the offloaded run must equal the in-memory one
+                                        pytest.param(("mixtral", 2, "per_expert", 4), marks=pytest.mark.slow)],
                 ids=lambda p: p[0])
 def checkpoint(request, tmp_path_factory) -> Path:
-    family, layers, layout = request.param
-    cfg = real_width_config(family, layers, num_experts=8, **SMALL)
+    family, layers, layout, experts = request.param
+    cfg = real_width_config(family, layers, num_experts=experts, **SMALL)
     return write_random_checkpoint(cfg, tmp_path_factory.mktemp(family) / "ckpt", layout=layout, shards=3)
 
 
