@@ -43,3 +43,20 @@ def isa(request):
     assert native.isa() == name
     yield name
     native.set_isa(None)
+
+
+def offload_policies() -> list:
+    """Every registered offload policy as a test parameter; DALI (a 2026 baseline whose plans are checked step by
+    step in tests/test_horizon.py) runs the whole-executor checks in the slow suite only, to keep the default
+    suite's time."""
+    from schedulers.base import OFFLOAD
+
+    return [pytest.param(name, marks=pytest.mark.slow) if name == "dali" else name for name in OFFLOAD.names()]
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ARG001 - pytest's hook signature
+    """The bf16 kernels' AMX-BF16 path runs in the slow suite (it is opt-in, and tests/test_native_quant.py
+    checks it against AVX512-BF16 in the default suite)."""
+    for item in items:
+        if item.nodeid.startswith("tests/test_native.py") and "[amx" in item.nodeid:
+            item.add_marker(pytest.mark.slow)

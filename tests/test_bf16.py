@@ -24,6 +24,7 @@ from models.loading import load_model
 from predictors.gate import GatePredictor
 from schedulers.base import OFFLOAD, SchedulerSetup, build_scheduler
 from schedulers.cost import CostModel
+from tests.conftest import offload_policies
 
 ROWS, POSITIONS = 16, 32
 
@@ -50,7 +51,7 @@ def test_the_store_keeps_bf16_views_and_the_envelope_is_real(bf16_case) -> None:
     assert envelope.max_abs > 0  # bf16 is not float32: an envelope of zero would make the test vacuous
 
 
-@pytest.mark.parametrize("kind", OFFLOAD.names())
+@pytest.mark.parametrize("kind", offload_policies())
 def test_offloaded_bf16_stays_within_bf16s_own_distance_from_float32(bf16_case, kind: str) -> None:
     cfg, model, store, prompts, forced, ref, envelope = bf16_case
     L, E = len(cfg.moe_layers), cfg.num_experts

@@ -23,6 +23,7 @@ from models.loading import load_model, resolve_model_config
 from predictors.gate import GatePredictor
 from schedulers.base import OFFLOAD, LayerState, SchedulerSetup, build_scheduler
 from schedulers.cost import CostModel
+from tests.conftest import offload_policies
 
 HW = load_hardware("local_cpu")
 
@@ -101,7 +102,7 @@ def shipped():
     return cfg, model, store, prompts, ref
 
 
-@pytest.mark.parametrize("kind", OFFLOAD.names())
+@pytest.mark.parametrize("kind", offload_policies())
 def test_every_scheduler_and_budget_gives_the_in_memory_tokens(shipped, kind: str) -> None:
     cfg, model, store, prompts, ref = shipped
     L, E = len(cfg.moe_layers), cfg.num_experts
@@ -219,7 +220,7 @@ def deepseek():
     return cfg, model, ExpertStore.from_model(model), prompts, Generator(model).generate(prompts, 5)
 
 
-@pytest.mark.parametrize("kind", OFFLOAD.names())
+@pytest.mark.parametrize("kind", offload_policies())
 def test_every_scheduler_and_budget_on_a_second_family(deepseek, kind: str) -> None:
     """DeepSeek-V2 (MLA, shared experts, a dense first layer) through every scheduler and budget."""
     cfg, model, store, prompts, ref = deepseek
