@@ -602,6 +602,29 @@ def _check_vec(a: Any, dtype: Any, n: Optional[int], what: str, writeable: bool 
     return a.__array_interface__["data"][0]
 
 
+def _out_rows(out: np.ndarray, xshape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(address, T, H) of a layer call's f32 [T, H] output, checked against x's shape."""
+    oa, odt, oshape = _host_array(out, "out", writeable=True)
+    if odt != _F32 or len(oshape) != 2:
+        raise ValueError(f"out: {odt} {oshape}, expected float32 [T, H]")
+    T, H = oshape
+    if tuple(xshape) != (T, H):
+        raise ValueError(f"x: shape {tuple(xshape)}, expected {[T, H]} like out")
+    return oa, T, H
+
+
+def _pair_vectors(n: int, offsets: np.ndarray, tokens: np.ndarray, pair_weight: np.ndarray,
+                  seconds: Optional[np.ndarray]) -> tuple[int, int, int, int, Optional[int]]:
+    """Addresses of a layer call's routing vectors for n experts: (offsets, pair count, tokens, pair weights,
+    seconds or None)."""
+    offs = _check_vec(offsets, np.int64, n + 1, "offsets")
+    n_pairs = int(tokens.shape[0]) if isinstance(tokens, np.ndarray) else -1
+    toks = _check_vec(tokens, np.int32, None, "tokens")
+    pws = _check_vec(pair_weight, np.float32, n_pairs, "pair_weight")
+    secs = None if seconds is None else _check_vec(seconds, np.float64, n, "seconds", writeable=True)
+    return offs, n_pairs, toks, pws, secs
+
+
 def experts_host(out: np.ndarray, x: Any, gates: Sequence[Any] | ExpertWeights, ups: Optional[Sequence[Any]],
                  downs: Optional[Sequence[Any]], offsets: np.ndarray, tokens: np.ndarray, pair_weight: np.ndarray,
                  threads: int = 1, seconds: Optional[np.ndarray] = None, strategy: str = "auto") -> None:
@@ -626,22 +649,13 @@ def experts_host(out: np.ndarray, x: Any, gates: Sequence[Any] | ExpertWeights, 
     if w.qtypes is not None:
         return _qexperts_host(lib, out, x, w, offsets, tokens, pair_weight, threads, seconds, strategy)
     xa, xdt, xshape = _host_array(x, "x")
-    oa, odt, oshape = _host_array(out, "out", writeable=True)
-    if odt != _F32 or len(oshape) != 2:
-        raise ValueError(f"out: {odt} {oshape}, expected float32 [T, H]")
-    T, H = oshape
-    if tuple(xshape) != (T, H):
-        raise ValueError(f"x: shape {tuple(xshape)}, expected {[T, H]} like out")
+    oa, T, H = _out_rows(out, xshape)
     if w.n and w.hidden != H:
         raise ValueError(f"experts: hidden size {w.hidden}, but x and out have {H}")
     if w.n and xdt != w.dtype:
         raise ValueError(f"x: dtype {xdt}, expected {w.dtype} like the weights")
     wdtype = w.wdtype if w.n else _wdtype(xdt, "x")
-    offs = _check_vec(offsets, np.int64, w.n + 1, "offsets")
-    n_pairs = int(tokens.shape[0]) if isinstance(tokens, np.ndarray) else -1
-    toks = _check_vec(tokens, np.int32, None, "tokens")
-    pws = _check_vec(pair_weight, np.float32, n_pairs, "pair_weight")
-    secs = None if seconds is None else _check_vec(seconds, np.float64, w.n, "seconds", writeable=True)
+    offs, n_pairs, toks, pws, secs = _pair_vectors(w.n, offsets, tokens, pair_weight, seconds)
     rc = lib.ms_experts(xa, T, H, w.intermediate, wdtype, w.n, *w.addresses, offs, n_pairs, toks, pws, oa, int(threads), secs,
                         _strategy(strategy))
     if rc != 0:
@@ -757,19 +771,10 @@ def _qexperts_host(lib: ctypes.CDLL, out: np.ndarray, x: Any, w: ExpertWeights, 
                    tokens: np.ndarray, pair_weight: np.ndarray, threads: int, seconds: Optional[np.ndarray],
                    strategy: str) -> None:
     xa, xbf, xshape = _x_rows(x)
-    oa, odt, oshape = _host_array(out, "out", writeable=True)
-    if odt != _F32 or len(oshape) != 2:
-        raise ValueError(f"out: {odt} {oshape}, expected float32 [T, H]")
-    T, H = oshape
-    if tuple(xshape) != (T, H):
-        raise ValueError(f"x: shape {tuple(xshape)}, expected {[T, H]} like out")
+    oa, T, H = _out_rows(out, xshape)
     if w.hidden != H:
         raise ValueError(f"experts: hidden size {w.hidden}, but x and out have {H}")
-    offs = _check_vec(offsets, np.int64, w.n + 1, "offsets")
-    n_pairs = int(tokens.shape[0]) if isinstance(tokens, np.ndarray) else -1
-    toks = _check_vec(tokens, np.int32, None, "tokens")
-    pws = _check_vec(pair_weight, np.float32, n_pairs, "pair_weight")
-    secs = None if seconds is None else _check_vec(seconds, np.float64, w.n, "seconds", writeable=True)
+    offs, n_pairs, toks, pws, secs = _pair_vectors(w.n, offsets, tokens, pair_weight, seconds)
     qg, qu, qd = (QTYPE_IDS[q] for q in w.qtypes)
     rc = lib.ms_qexperts(xa, xbf, T, H, w.intermediate, qg, qu, qd, w.n, *w.addresses, offs, n_pairs, toks, pws, oa,
                          int(threads), secs, _strategy(strategy))
