@@ -89,7 +89,8 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
     cost, tok = state.cost, state.tokens
     landing = {t.expert: t.remaining_s for t in state.inflight if t.layer == state.layer}
     gpu_ids = np.asarray(split.gpu, dtype=np.int64)
-    waits = np.isin(gpu_ids, [*split.loads, *landing, *held])
+    later = {*split.loads, *landing, *held}  # a set, not np.isin: a layer's few experts, five splits per plan
+    waits = np.fromiter((e in later for e in split.gpu), dtype=bool, count=len(split.gpu))
     gpu = cost.t_shared(state.batch_tokens) + float(np.sum(cost.t_g_group(tok[gpu_ids[~waits]]))) \
         if gpu_ids.size else cost.t_shared(state.batch_tokens)
     for e in sorted((e for e in split.gpu if e in landing), key=landing.__getitem__):

@@ -182,37 +182,48 @@ def resident_to_cpu(state: LayerState, ready: Sequence[int], cpu: Sequence[int],
     expert moves while moving it lowers that maximum (Algorithm 1 never revisits resident experts,
     so at moderate batches of many small experts the GPU computes while the CPU waits). Where device
     compute takes a share s of the host cores (`cost.device_cpu_share`), each side also waits for s
-    of the other's compute."""
+    of the other's compute.
+
+    One pass over the candidates with running sums (the CPU side's tokens and expert count, the GPU side's
+    per-expert times), so a layer of n resident experts costs O(n log n) (the sort), not O(n^2) from re-summing
+    both sides per candidate: the CPU side's sums are integers, exactly `t_c_sum`'s; the GPU side's differ from
+    `t_g_group_sum`'s only by rounding, where no move decides on (a move must lower the layer time strictly)."""
     cost, tokens = state.cost, state.tokens.tolist()
-    s = cost.device_cpu_share
     resident = state.resident[state.layer].tolist()
     candidates = sorted_by([e for e in ready if resident[e]], tokens)
     if not candidates:
         return []
+    s = cost.device_cpu_share
     link = alpha + n_loads * t_load
     tail = t_g if n_loads else 0.0
-    shared = cost.t_shared(state.batch_tokens)
-    cpu_m = [tokens[e] for e in cpu]
-    gpu_left = [tokens[e] for e in ready]
     floor = link + tail  # T_G never drops below the link's share, whatever moves
+    shared = cost.t_shared(state.batch_tokens)
+    call = cost.call_overhead_s
+    beta, startup, dispatch = cost.beta_s, cost.cpu_startup_s, cost.cpu_dispatch_s
+    cpu_m = [float(tokens[e]) for e in cpu if tokens[e] > 0]
+    cpu_total, cpu_n = sum(cpu_m), len(cpu_m)  # integer token counts: exact running sums
+    g_times = {e: cost.t_g(tokens[e]) for e in ready if tokens[e] > 0}
+    g_sum, g_n = sum(g_times.values()), len(g_times)
 
-    def layer_time(t_cpu: float, gpu_m: list) -> float:
-        work = cost.t_g_group_sum(gpu_m) + shared
+    def layer_time(t_cpu: float, g_sum: float, g_n: int) -> float:
+        work = (g_sum - (g_n - 1) * call if g_n else 0.0) + shared  # one device call: its dispatch paid once
         return max(t_cpu + s * work, max(work + s * t_cpu, link) + tail)
 
-    best = layer_time(cost.t_c_sum(cpu_m), gpu_left)
+    def cpu_time(total: float, n: int) -> float:  # `CostModel.t_c_sum` of n experts holding `total` tokens
+        return beta * total + startup * n + dispatch if n else 0.0
+
+    best = layer_time(cpu_time(cpu_total, cpu_n), g_sum, g_n)
     moved: list[int] = []
     for e in candidates:
-        t_cpu = cost.t_c_sum(cpu_m + [tokens[e]])
+        t_cpu = cpu_time(cpu_total + tokens[e], cpu_n + 1)
         if max(t_cpu, floor) >= best:  # a lower bound of the layer with e moved: no gain possible
             break
-        gpu_try = list(gpu_left)
-        gpu_try.remove(tokens[e])
-        t = layer_time(t_cpu, gpu_try)
+        g_left = g_sum - g_times[e]
+        t = layer_time(t_cpu, g_left, g_n - 1)
         if t >= best:
             break
-        best, gpu_left = t, gpu_try
-        cpu_m.append(tokens[e])
+        best, g_sum, g_n = t, g_left, g_n - 1
+        cpu_total, cpu_n = cpu_total + tokens[e], cpu_n + 1
         moved.append(e)
     return moved
 
