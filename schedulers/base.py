@@ -147,6 +147,10 @@ class LayerPlan:
     # (layer, expert) prefetches of `state.queued` kept, not dropped: they stay at the head of the link, ahead of the
     # on-demand loads; one of this layer that the plan computes on the GPU is waited for like a landing prefetch
     hold: tuple[tuple[int, int], ...] = ()
+    # Expert Deferral (kTransformers, SOSP'25): per token, up to this many of its lowest-weight routed experts that run
+    # on the CPU (never its highest-weight one) land one MoE layer late, added to the residual with the next MoE layer's
+    # output, so the CPU computes them while the GPU runs on. It changes the model's output: 0 in every exact policy
+    defer: int = 0
 
     def held_here(self, layer: int) -> set[int]:
         """Experts of `layer` whose held prefetch brings them."""
@@ -176,6 +180,8 @@ class LayerPlan:
         if any(avail[e] for e in loads):
             raise ValueError(f"{where}: on-demand load of an expert already resident or landing")
         self._validate_hold(state, loads)
+        if self.defer < 0 or (self.defer and (state.layer == state.num_layers - 1 or not self.cpu)):
+            raise ValueError(f"{where}: defer={self.defer} needs a CPU expert and a later MoE layer to land in")
         held = self.held_here(state.layer)
         missing = [e for e in gpu if not avail[e] and e not in loads and e not in held]
         if missing:

@@ -33,6 +33,7 @@ import numpy as np
 from engine.offload.accounting import Event, LayerAccounting, QueuedTransfer
 from engine.offload.cache import DeviceExpertCache
 from engine.offload.cpu_experts import CpuExperts
+from engine.offload.deferral import deferred_pairs, split_routing
 from engine.offload.forecasts import LazyForecasts, LiveForecastBook
 from engine.offload.kernels import LayerKernels
 from engine.offload.link import Job, TransferLink
@@ -85,6 +86,8 @@ class LayerRun:
     cpu_start: float = 0.0
     cpu_future: Optional[Future] = None  # the CPU side on the torch worker
     inline_cpu: bool = False  # the CPU side on the main thread, after the device work is dispatched
+    cpu_routing: Optional[np.ndarray] = None  # int64 [B * S, k]: the pairs the layer's CPU side waits for (None: all)
+    deferred_routing: Optional[np.ndarray] = None  # Expert Deferral: the CPU pairs landing one MoE layer late
 
 
 def link_view(active: Optional[Job], resident: np.ndarray, t_io: float, now: float
@@ -163,6 +166,7 @@ class OffloadExecutor:
         self.seq_offset = 0  # sequence id of the next batch's first row (row_lookup into a reference trace)
         self._t0 = time.perf_counter()
         self._moe_wall = 0.0  # wall time of the current pass's MoE layers (the rest is the pass's overhead)
+        self._deferred: Optional[Future] = None  # Expert Deferral: the last MoE layer's late CPU output, on the worker
         self._preload(np.asarray(scheduler.initial_residency(), bool))
 
     # ---- setup / teardown -----------------------------------------------------------------------------
@@ -323,8 +327,12 @@ class OffloadExecutor:
         """The CPU side: the torch worker starts now, unless no on-demand load is to be waited for: then the main
         thread computes it itself once the device work is dispatched (a hand-over to the worker costs more than a small layer's CPU work)."""
         run.inline_cpu = bool(plan.cpu) and not plan.ondemand
+        run.cpu_routing = run.experts
+        if plan.defer:  # Expert Deferral: the deferred pairs go to the worker once the layer's own CPU side is done
+            run.cpu_routing, run.deferred_routing = split_routing(
+                run.experts, deferred_pairs(run.experts, run.weights, plan.cpu, plan.defer))
         if plan.cpu and not run.inline_cpu:
-            run.cpu_future = self.cpu.submit(run.layer, run.host, run.experts, run.weights, list(plan.cpu))
+            run.cpu_future = self.cpu.submit(run.layer, run.host, run.cpu_routing, run.weights, list(plan.cpu))
         run.cpu_start = time.perf_counter()
 
     def _compute_ready(self, run: LayerRun, plan: LayerPlan, early: list[int], laps: LayerLaps) -> None:
@@ -392,7 +400,7 @@ class OffloadExecutor:
         cpu_out, cpu_busy = None, 0.0
         if run.inline_cpu:
             run.cpu_start = time.perf_counter()
-            cpu_out = self.cpu.compute(run.layer, run.host, run.experts, run.weights, list(plan.cpu))
+            cpu_out = self.cpu.compute(run.layer, run.host, run.cpu_routing, run.weights, list(plan.cpu))
             cpu_busy = time.perf_counter() - run.cpu_start
             laps.lap("cpu_experts")
         gpu_busy = 0.0
@@ -408,7 +416,19 @@ class OffloadExecutor:
             run.parts.append(jnp.asarray(cpu_out))
             self._time_cpu(cpu_busy, gpu_busy)
             laps.lap("bookkeeping")
+        self._defer(run, plan, laps)
         return gpu_busy, cpu_busy
+
+    def _defer(self, run: LayerRun, plan: LayerPlan, laps: LayerLaps) -> None:
+        """Expert Deferral: the last MoE layer's deferred output joins this layer's (it lands in the residual with
+        this layer's experts), and this layer's deferred pairs start on the CPU worker, which computes them while
+        the device runs on (the next layer's attention and device experts)."""
+        if self._deferred is not None:
+            run.parts.append(jnp.asarray(self._deferred.result()))
+            self._deferred = None
+            laps.lap("cpu_experts")
+        if run.deferred_routing is not None:
+            self._deferred = self.cpu.submit(run.layer, run.host, run.deferred_routing, run.weights, list(plan.cpu))
 
     def _time_cpu(self, cpu_busy: float, gpu_busy: float) -> None:
         """The Timer's CPU samples of the layer, and its hand-over when the CPU side was the critical path."""
@@ -522,6 +542,9 @@ class OffloadExecutor:
         if pending is not None:
             x = self.kernels.back(pending[0], x, pending[1], pending[2])
             self._release(pending, x)
+        if self._deferred is not None:  # LayerPlan.validate refuses a deferral at the last MoE layer
+            raise RuntimeError(f"{self.scheduler.name}: a deferred expert output of the last MoE layer has no layer to "
+                               "land in")
         self.book.drop_pending()
         kv = type(kv)(layers=layers, valid=kv.valid, positions=kv.positions, index=kv.index + S)
         return self.kernels.logits(x[:, -1]), kv

@@ -21,6 +21,7 @@ from typing import Optional
 import numpy as np
 
 from engine.offload.accounting import Event, LayerAccounting, QueuedTransfer, ResidencyTable
+from engine.offload.deferral import deferred_pairs, pair_counts
 from engine.offload.forecasts import ForecastBook, LazyForecasts
 from engine.offload.metrics import RunMetrics
 from engine.sim.workload import ForwardPass, microbatch_loads
@@ -109,6 +110,8 @@ class PipelineSim:
         self.jobs: list[Job] = []  # scheduled on the link, in start order
         self.link_end = 0.0  # end of the last transfer that ran
         self.now = 0.0
+        self.cpu_free = 0.0  # the CPU lane is free from here (later than a layer's end only under Expert Deferral)
+        self.deferred_due = 0.0  # deferred outputs of the last MoE layer are done here: the next one ends no earlier
         self.accounting = LayerAccounting(self.L, self.cost.expert_bytes)
         # decoder layers between MoE layers: dense[i] dense layers run before MoE layer i, dense[L] after the last
         dense = [0] * (self.L + 1)
@@ -219,8 +222,9 @@ class PipelineSim:
                    self._issue_times(layer, plan, gates, mb), mb_layer)
         self._prefetch(clock, [item for item in queue if item.prefetch])
         self._queue(clock.jobs)
-        cpu_free = self._compute_cpu(layer, plan, state.tokens, gate_last)
-        end = max(clock.gpu_free, cpu_free)
+        due = self.deferred_due  # the last MoE layer's deferred outputs are added with this layer's
+        cpu_free = self._compute_cpu(layer, plan, self._cpu_tokens(fp, layer, plan, state.tokens), gate_last)
+        end = max(clock.gpu_free, cpu_free, due)
         if self.options.check_invariants:
             self._check_capacity(layer)
         self.accounting.close_layer(fp.prefill, layer, plan, end - start, clock.gpu_busy + sum(t_attn_parts),
@@ -389,18 +393,45 @@ class PipelineSim:
             for job in jobs:
                 self._commit(job)
 
-    def _compute_cpu(self, layer: int, plan: LayerPlan, tokens: np.ndarray, start: float) -> float:
-        """The CPU experts one after another on the pool from `start`; returns when the CPU side is done."""
-        if not plan.cpu:
-            return start
-        counts = tokens[list(plan.cpu)]
+    def _cpu_tokens(self, fp: ForwardPass, layer: int, plan: LayerPlan,
+                    tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens per expert the layer waits for, tokens per expert deferred to the next MoE layer): Expert
+        Deferral's split of the CPU experts' (token, slot) pairs (`engine.offload.deferral`); no deferral: (tokens, 0)."""
+        if not plan.defer:
+            return tokens, np.zeros_like(tokens)
+        experts = self.trace.experts[layer, fp.rows].astype(np.int64)
+        mask = deferred_pairs(experts, self.trace.weights[layer, fp.rows], plan.cpu, plan.defer)
+        later = pair_counts(np.where(mask, experts, -1), self.E)
+        return tokens - later, later
+
+    def _cpu_lane(self, layer: int, experts: tuple[int, ...], counts: np.ndarray, start: float, kind: str) -> float:
+        """`experts` with `counts` tokens one after another on the CPU lane from `start`, one hand-over; returns the
+        end (experts without tokens take no time)."""
         spans = np.atleast_1d(self.cost.t_c(counts))
+        if not np.any(spans):
+            return start
         if self.accounting.recording:
             begin = start
-            for expert, span, count in zip(plan.cpu, spans, counts):
-                self.accounting.record("cpu", begin, begin + span, layer, expert, int(count), "expert")
+            for expert, span, count in zip(experts, spans, counts):
+                self.accounting.record("cpu", begin, begin + span, layer, expert, int(count), kind)
                 begin += span
-        return start + (float(spans.sum()) + self.cost.cpu_dispatch_s)  # one hand-over of the layer's CPU side
+        return start + (float(spans.sum()) + self.cost.cpu_dispatch_s)
+
+    def _compute_cpu(self, layer: int, plan: LayerPlan, split: tuple[np.ndarray, np.ndarray], start: float) -> float:
+        """The CPU experts one after another on the CPU lane from `start` (or once the lane is free: deferred work of
+        the last layer may hold it); returns when the layer's own CPU side is done. Deferred pairs (`split[1]`) run
+        after it and set when the next MoE layer may end at the earliest (`deferred_due`)."""
+        now, later = split
+        self.deferred_due = 0.0
+        if not plan.cpu:
+            return start
+        cpu = list(plan.cpu)
+        begin = max(start, self.cpu_free)
+        done = self._cpu_lane(layer, plan.cpu, now[cpu], begin, "expert")
+        self.cpu_free = done
+        if plan.defer:
+            self.cpu_free = self.deferred_due = self._cpu_lane(layer, plan.cpu, later[cpu], done, "deferred")
+        return done
 
     def _check_capacity(self, layer: int) -> None:
         used = self.n_resident + self._reserved()
@@ -459,10 +490,10 @@ class PipelineSim:
     def snapshot(self) -> tuple:
         """The mutable mechanism state (for search: restore with `restore`)."""
         return (self.residency.copy(), [Job(**vars(job)) for job in self.jobs], self.link_end, self.now,
-                self.accounting.snapshot())
+                self.accounting.snapshot(), self.cpu_free, self.deferred_due)
 
     def restore(self, snap: tuple) -> None:
-        residency, jobs, self.link_end, self.now, accounting = snap
+        residency, jobs, self.link_end, self.now, accounting, self.cpu_free, self.deferred_due = snap
         self.residency = residency.copy()
         self.jobs = [Job(**vars(job)) for job in jobs]
         self.accounting.restore(accounting)
