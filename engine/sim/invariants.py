@@ -6,7 +6,10 @@
    its transfer to the end of its GPU compute); the expert cache's capacity is asserted by the
    pipeline itself at every layer;
 4. every (token, expert) pair is computed exactly once: per pass and layer, the experts computed
-   on CPU and GPU are disjoint, equal the active ones, and carry exactly their routed tokens.
+   on CPU and GPU are disjoint, equal the active ones, and carry exactly their routed tokens (under Expert
+   Deferral a CPU expert's on-time and deferred pairs together);
+5. the CPU lane never runs two experts at once (deferred work of one layer and the next layer's CPU experts
+   included).
 """
 
 from __future__ import annotations
@@ -31,10 +34,16 @@ def check_events(events: Sequence[Event], passes: Sequence[ForwardPass], staging
     transfers = defaultdict(list)
     for e in link:
         transfers[(e.layer, e.expert)].append(e)
+    cpu = sorted((e for e in events if e.lane == "cpu" and e.end > e.start), key=lambda e: e.start)
+    for a, b in zip(cpu, cpu[1:]):
+        if b.start < a.end - EPS:
+            raise InvariantError(f"cpu: expert ({b.layer}, {b.expert}) starts at {b.start:.6f} before "
+                                 f"({a.layer}, {a.expert}) ends at {a.end:.6f}")
     computed: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)
+    seen: set[tuple[int, int, int, str]] = set()
     gpu_end: dict[tuple[int, int, int], float] = {}
     for ev in events:
-        if ev.kind != "expert":
+        if ev.kind not in ("expert", "deferred"):
             continue
         if ev.lane == "gpu":
             for t in transfers.get((ev.layer, ev.expert), ()):
@@ -43,9 +52,11 @@ def check_events(events: Sequence[Event], passes: Sequence[ForwardPass], staging
                                          f"its transfer runs until {t.end:.6f}")
             gpu_end[(ev.pass_index, ev.layer, ev.expert)] = ev.end
         slot = computed[(ev.pass_index, ev.layer)]
-        if ev.expert in slot:
+        key = (ev.pass_index, ev.layer, ev.expert, ev.kind)
+        if key in seen:
             raise InvariantError(f"pass {ev.pass_index} layer {ev.layer}: expert {ev.expert} computed twice")
-        slot[ev.expert] = ev.tokens
+        seen.add(key)
+        slot[ev.expert] = slot.get(ev.expert, 0) + ev.tokens
     for fp in passes:
         for layer in range(fp.loads.shape[0]):
             want = {int(e): int(m) for e, m in enumerate(fp.loads[layer]) if m > 0}

@@ -413,7 +413,8 @@ class PipelineSim:
         if self.accounting.recording:
             begin = start
             for expert, span, count in zip(experts, spans, counts):
-                self.accounting.record("cpu", begin, begin + span, layer, expert, int(count), kind)
+                if count:  # an expert whose pairs all run on time (or all late) has no event on the other side
+                    self.accounting.record("cpu", begin, begin + span, layer, expert, int(count), kind)
                 begin += span
         return start + (float(spans.sum()) + self.cost.cpu_dispatch_s)
 
