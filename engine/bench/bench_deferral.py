@@ -32,24 +32,12 @@ SYSTEMS = ("ktransformers", "ktransformers_deferral", "horizon", "presched", "kl
 POINTS = "mixtral_8x7b:a100_pcie4:64,mixtral_8x7b:a100_pcie4:1,mixtral_8x7b:a100_pcie4:4,qwen3_30b_a3b:a100_pcie4:4"
 
 
-def deferred_log_probs(model: Any, tokens: np.ndarray, per_token: int, batch: int = 4) -> np.ndarray:
+def deferred_log_probs(model: Any, tokens: np.ndarray, per_token: int) -> np.ndarray:
     """float32 [W, S, V] log-softmax of the next-token logits, teacher-forced, with `per_token` experts deferred."""
-    import jax
-    import jax.numpy as jnp
-
     from engine.offload.deferral import DeferringExperts
-    from models.transformer import forward, init_cache
+    from models.quant.accuracy import log_probs
 
-    out = []
-    W, S = tokens.shape
-    for i in range(0, W, batch):
-        chunk = jnp.asarray(tokens[i:i + batch])
-        cache = init_cache(model, chunk.shape[0], S, model.embed[...].dtype)
-        positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), chunk.shape)
-        ex = DeferringExperts(model.cfg, per_token)
-        logits, _, _ = forward(model, chunk, cache, positions, executor=ex)
-        out.append(np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)))
-    return np.concatenate(out)
+    return log_probs(model, tokens, executor=lambda: DeferringExperts(model.cfg, per_token))
 
 
 def accuracy(models: Sequence[str], deferred: Sequence[int], windows: int, length: int) -> list[dict[str, Any]]:

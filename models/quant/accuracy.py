@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -46,12 +46,14 @@ def held_out_windows(checkpoint: str, windows: int, length: int) -> np.ndarray:
     return np.asarray(stream[:windows * length], np.int32).reshape(windows, length)
 
 
-def log_probs(model: Any, tokens: np.ndarray, batch: int = 4) -> np.ndarray:
-    """float32 [W, S, V] log-softmax of the next-token logits, teacher-forced, `batch` windows per call."""
+def log_probs(model: Any, tokens: np.ndarray, batch: int = 4, executor: Optional[Callable[[], Any]] = None
+              ) -> np.ndarray:
+    """float32 [W, S, V] log-softmax of the next-token logits, teacher-forced, `batch` windows per call. `executor`:
+    a factory of a stateful expert executor for each call (run eagerly; e.g. Expert Deferral's), else the jitted model."""
     import jax
     import jax.numpy as jnp
 
-    from models.transformer import forward_jit, init_cache
+    from models.transformer import forward, forward_jit, init_cache
 
     out = []
     W, S = tokens.shape
@@ -59,7 +61,10 @@ def log_probs(model: Any, tokens: np.ndarray, batch: int = 4) -> np.ndarray:
         chunk = jnp.asarray(tokens[i:i + batch])
         cache = init_cache(model, chunk.shape[0], S, model.embed[...].dtype)
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), chunk.shape)
-        logits, _, _ = forward_jit(model, chunk, cache, positions)
+        if executor is None:
+            logits, _, _ = forward_jit(model, chunk, cache, positions)
+        else:
+            logits, _, _ = forward(model, chunk, cache, positions, executor=executor())
         out.append(np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)))
     return np.concatenate(out)
 
