@@ -62,8 +62,8 @@ def accuracy(models: Sequence[str], deferred: Sequence[int], windows: int, lengt
 def accuracy_table(rows: list[dict[str, Any]]) -> str:
     out = ["| model | top-k | deferred per token | perplexity | mean KL | p99 KL | top-1 agreement |",
            "|---|---|---|---|---|---|---|"]
-    out += [f"| {r['model']} | {r['top_k']} | {r['deferred']} | {r['ppl']:.3f} | {r['kl_mean']:.5f} | {r['kl_p99']:.4f} | "
-            f"{100 * r['top1_agree']:.2f} % |" for r in rows]
+    out += [f"| {r['model']} | {r['top_k']} | {r['deferred']} | {r['ppl']:.3f} | {r['kl_mean']:.5f} | "
+            f"{r['kl_p99']:.4f} | {100 * r['top1_agree']:.2f} % |" for r in rows]
     return "\n".join(out)
 
 

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             t, r = gpu_layer_s(model, batch, args.machine), gpu_layer_s(model, batch, args.machine, roofline=True)
             out[f"{model} gpu layer b{batch}"] = (t, r)
             print(f"budget: {model} {args.machine} in-memory decode MoE layer at batch {batch}: {t * 1e6:8.0f} us as "
-                  f"the profile has it (per-call overheads fitted to the paper's PyTorch), {r * 1e6:6.0f} us at the roofline")
+                  f"the profile has it (per-call overheads fitted to the paper's PyTorch), {r * 1e6:6.0f} us at the "
+                  "roofline")
     return out
 
 

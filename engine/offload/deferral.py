@@ -83,8 +83,8 @@ class DeferringExperts:
             y = y + self.pending.astype(y.dtype)
             self.pending = None
         if mask.any():
-            self.pending = self.base(layer, x, dataclasses.replace(routing, weights=jnp.where(late, routing.weights, 0.0)),
-                                     experts)
+            deferred = dataclasses.replace(routing, weights=jnp.where(late, routing.weights, 0.0))
+            self.pending = self.base(layer, x, deferred, experts)
         return y
 
 

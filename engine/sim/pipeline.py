@@ -396,7 +396,7 @@ class PipelineSim:
     def _cpu_tokens(self, fp: ForwardPass, layer: int, plan: LayerPlan,
                     tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(tokens per expert the layer waits for, tokens per expert deferred to the next MoE layer): Expert
-        Deferral's split of the CPU experts' (token, slot) pairs (`engine.offload.deferral`); no deferral: (tokens, 0)."""
+        Deferral's split of the CPU experts' (token, slot) pairs (`engine.offload.deferral`); else (tokens, 0)."""
         if not plan.defer:
             return tokens, np.zeros_like(tokens)
         experts = self.trace.experts[layer, fp.rows].astype(np.int64)

@@ -49,7 +49,8 @@ def held_out_windows(checkpoint: str, windows: int, length: int) -> np.ndarray:
 def log_probs(model: Any, tokens: np.ndarray, batch: int = 4, executor: Optional[Callable[[], Any]] = None
               ) -> np.ndarray:
     """float32 [W, S, V] log-softmax of the next-token logits, teacher-forced, `batch` windows per call. `executor`:
-    a factory of a stateful expert executor for each call (run eagerly; e.g. Expert Deferral's), else the jitted model."""
+    a factory of a stateful expert executor for each call (run eagerly; e.g. Expert Deferral's); None: the jitted
+    model."""
     import jax
     import jax.numpy as jnp
 
