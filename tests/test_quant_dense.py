@@ -13,6 +13,7 @@ from flax import nnx
 
 from engine.bench.peers.to_gguf import convert
 from models import native
+from models.quant.blocks import QuantArray
 from models.quant.dense import QuantLinear, dense_blocks_of
 from tests.test_native_quant import bound
 
@@ -68,14 +69,8 @@ def tiny_folders(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow),
-                                    pytest.param("phimoe", marks=pytest.mark.slow)])
-def test_gguf_dense_in_blocks(tiny_folders, family) -> None:
-    """A file whose attention and LM head are Q8_0: `blocks` keeps them as QuantLinear (the same matrices as
-    `dequantize` loads, bit for bit once dequantized), logits within Q8 activation rounding of `dequantize`'s;
-    Qwen3's o_proj (rows of 48, not whole Q8_0 blocks) stays dequantized."""
+def _load_both(tiny_folders, family: str):
     from models.loading import load_model
-    from models.transformer import forward, forward_jit, init_cache, without_experts
 
     path = tiny_folders(family) / "q8-matrices.gguf"
     if not path.is_file():
@@ -83,21 +78,56 @@ def test_gguf_dense_in_blocks(tiny_folders, family) -> None:
     spec = {"name": "tiny", "checkpoint": str(path)}
     cfg, kept, _ = load_model({**spec, "dense_format": "blocks"})
     _, plain, _ = load_model({**spec, "dense_format": "dequantize"})
+    return cfg, kept, plain
+
+
+def test_gguf_dense_in_blocks(tiny_folders) -> None:
+    """A Mixtral file whose attention and LM head are Q8_0: `blocks` keeps them as QuantLinear, each the same matrix
+    `dequantize` loads, bit for bit once dequantized (q/k rows back in HF's rope order); the LM head's logits within
+    the reference's tolerance; the offload executor's model (`without_experts`) shares the blocks."""
+    from models.transformer import without_experts
+
+    cfg, kept, plain = _load_both(tiny_folders, "mixtral")
     slots = {(a if p is kept else "attn." + a) for p, a in dense_blocks_of(kept)}
-    assert "lm_head" in slots and "attn.qkv" in slots
-    assert ("attn.o" in slots) == (family != "qwen3_moe")
+    assert slots == {"lm_head", "attn.qkv", "attn.o"}
     for i in range(cfg.num_hidden_layers):
         for name in ("qkv", "o"):
             np.testing.assert_array_equal(_weight(kept, ("layers", i, "attn", name)),
                                           _weight(plain, ("layers", i, "attn", name)))
     np.testing.assert_array_equal(_weight(kept, ("lm_head",)), _weight(plain, ("lm_head",)))
+    h = np.random.default_rng(1).standard_normal((3, cfg.hidden_size)).astype(np.float32)
+    head = kept.lm_head
+    got = np.asarray(jax.jit(lambda h: head(h))(jnp.asarray(h)))
+    (w,) = head.quant_parts
+    assert np.all(np.abs(got - native.qlinear_reference(h, QuantArray(np.asarray(w.data), w.qtype, w.shape)))
+                  <= bound(h, QuantArray(np.asarray(w.data), w.qtype, w.shape)))
+    lean = without_experts(kept)
+    assert len(dense_blocks_of(lean)) == len(dense_blocks_of(kept))
+    assert dense_blocks_of(lean)[0][0].qkv.parts[0][...] is dense_blocks_of(kept)[0][0].qkv.parts[0][...]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "phimoe"])
+def test_gguf_dense_in_blocks_forward(tiny_folders, family) -> None:
+    """The whole forward pass with the blocks kept: logits within Q8 activation rounding of `dequantize`'s; Qwen3's
+    o_proj (rows of 48, not whole Q8_0 blocks) stays dequantized, PhiMoE's biases stay with their projections."""
+    from models.transformer import forward, forward_jit, init_cache
+
+    cfg, kept, plain = _load_both(tiny_folders, family)
+    slots = {(a if p is kept else "attn." + a) for p, a in dense_blocks_of(kept)}
+    assert "lm_head" in slots and "attn.qkv" in slots
+    assert ("attn.o" in slots) == (family != "qwen3_moe")
     tokens = jnp.asarray(np.arange(3, 13, dtype=np.int32).reshape(2, 5))
     pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
     out = [np.asarray(f(m, tokens, init_cache(m, 2, 8, jnp.float32), pos)[0])  # eager FFI calls compile slowly: jit
            for f, m in ((forward_jit, kept), (forward, plain))]
     scale = np.abs(out[1]).max()
-    assert np.abs(out[0] - out[1]).max() <= 0.05 * scale
-    assert np.abs(out[0] - out[1]).max() > 0  # the Q8 activation rounding is there
-    lean = without_experts(kept)  # the offload executor's model shares the blocks
-    assert len(dense_blocks_of(lean)) == len(dense_blocks_of(kept))
-    assert dense_blocks_of(lean)[0][0].qkv.parts[0][...] is dense_blocks_of(kept)[0][0].qkv.parts[0][...]
+    assert 0 < np.abs(out[0] - out[1]).max() <= 0.05 * scale  # the Q8 activation rounding is there, and only it
+
+
+def test_dense_format_names_the_key() -> None:
+    from models.loading import dense_blocks
+
+    with pytest.raises(ValueError, match=r"model.dense_format='bf16' is not supported; supported: blocks, dequantize"):
+        dense_blocks({"name": "x", "dense_format": "bf16"}, None)
+    assert dense_blocks({"name": "x", "dense_format": "dequantize"}, None) == {}
