@@ -559,3 +559,41 @@ def has_block_experts(ck: OpenCheckpoint) -> bool:
     if not isinstance(reader, GGUFTensors):
         return False
     return any(reader.expert_type(p.name) in QUANTIZED for s in ck.sources if s.expert is not None for p in s.pieces)
+
+
+# ---- dense projections in their blocks (model.dense_format=blocks) ----------------------------------------------
+
+
+def block_dense(ck: OpenCheckpoint) -> dict[tuple, list[QuantArray]]:
+    """Module path (`models.quant.dense.dense_path`) -> row parts (`QuantArray`s, views of the mapped file) of each
+    dense projection a GGUF file stores in block types the native kernels read: the attention projections and the
+    LM head. A projection kind (e.g. every layer's qkv) is kept in blocks only when every layer's tensors for it are
+    (one module structure for all layers); Mixtral's q/k rows are put back into HF's rope order (a row permutation
+    of the blocks: a copy of those two matrices). Empty for other checkpoints."""
+    from models.native import QTYPE_IDS
+    from models.quant.dense import dense_path
+
+    reader = ck.reader
+    if not isinstance(reader, GGUFTensors):
+        return {}
+    found: dict[tuple, list[QuantArray]] = {}
+    refused: set = set()
+    for src in ck.sources:
+        path = dense_path(src.path)
+        if path is None or src.expert is not None:
+            continue
+        kind = path[-1] if path[0] == "layers" else path
+        parts = []
+        for piece in src.pieces:
+            gsrc = reader.source(piece.name)
+            qtype = BY_GGML_ID.get(reader.file.qtype(gsrc.tensors[0]))
+            if len(gsrc.tensors) != 1 or qtype is None or qtype.name not in QTYPE_IDS or piece.index is not None:
+                refused.add(kind)
+                break
+            rows = reader.file.block_rows(gsrc.tensors[0])
+            if gsrc.make is not None:  # a single-tensor transform is the rope row order: rows moved, blocks kept
+                rows = np.ascontiguousarray(gsrc.make([rows]))
+            parts.append(QuantArray(rows, qtype.name, reader.shape(piece.name)))
+        else:
+            found[path] = parts
+    return {p: q for p, q in found.items() if (p[-1] if p[0] == "layers" else p) not in refused}

@@ -455,7 +455,7 @@ def open_checkpoint(folder: str | Path) -> OpenCheckpoint:
 
 def load_hf(folder: str | Path, dtype: Any = jnp.float32, with_experts: bool = True,
             opened: Optional[OpenCheckpoint] = None, check_finite: bool = False,
-            huge_pages: bool = False) -> tuple[ModelConfig, MoETransformer]:
+            huge_pages: bool = False, skip: frozenset = frozenset()) -> tuple[ModelConfig, MoETransformer]:
     """Load an HF MoE checkpoint folder into an NNX model (routed experts skipped when `with_experts` is False,
     e.g. for the offload executor, which reads them from the files itself).
 
@@ -464,7 +464,8 @@ def load_hf(folder: str | Path, dtype: Any = jnp.float32, with_experts: bool = T
     backend: the model's own arrays are the only lasting allocation. `check_finite` refuses NaN / Inf
     weights (a CheckpointError naming the tensor), scanning each copy right after it is written, while it
     is still in cache, instead of reading the files a second time. `huge_pages`: those host arrays on 2 MiB pages
-    (see `models.memory.HostArrays`).
+    (see `models.memory.HostArrays`). `skip`: parameter paths the caller fills itself (left abstract here, e.g. dense
+    projections kept in a GGUF file's blocks, `models.quant.dense.install_dense`).
     """
     ck = opened or open_checkpoint(folder)
     dtype = jnp.dtype(dtype)
@@ -472,7 +473,7 @@ def load_hf(folder: str | Path, dtype: Any = jnp.float32, with_experts: bool = T
     check_finite = check_finite and not ck.finite
     graphdef, state = nnx.split(abstract_model(ck.cfg, dtype, with_experts=with_experts))
     pure = nnx.to_pure_dict(state)
-    wanted = [src for src in ck.sources if with_experts or src.expert is None]
+    wanted = [src for src in ck.sources if (with_experts or src.expert is None) and src.path not in skip]
     shapes = [(src.shape, np_dtype) for src in wanted]
     arrays = HostArrays(huge_pages, capacity=HostArrays.footprint(shapes, huge_pages))
 
@@ -489,8 +490,9 @@ def load_hf(folder: str | Path, dtype: Any = jnp.float32, with_experts: bool = T
         hosts = list(pool.map(read, wanted))
     for src, arr in zip(wanted, to_device(hosts)):
         _set_path(pure, src.path, arr)
+    skipped = {"".join(f"[{key!r}]" for key in path) for path in skip}
     unfilled = [jax.tree_util.keystr(p) for p, leaf in jax.tree_util.tree_leaves_with_path(pure)
-                if isinstance(leaf, jax.ShapeDtypeStruct)]
+                if isinstance(leaf, jax.ShapeDtypeStruct) and jax.tree_util.keystr(p) not in skipped]
     if unfilled:
         raise CheckpointError(f"{folder}: no tensor for model parameters {unfilled[:8]}")
     ck.finite = ck.finite or (check_finite and with_experts)

@@ -41,6 +41,10 @@ class ModelSpec:
     # q4_k, q6_k = every expert tensor in that ggml block type, quantized on load; q4_k_m = llama.cpp's Q4_K_M preset.
     # A folder written by `python -m models.quant.save` is served in its own format (bf16 here means "as saved").
     expert_format: str = "bf16"
+    # a GGUF file's dense projections (attention, LM head) stored in block types: `blocks` keeps them in their blocks
+    # and multiplies by them with the native block kernels (each token reads the file's bytes, as llama.cpp does);
+    # `dequantize` converts them to the run dtype on load (models.quant.dense)
+    dense_format: str = "blocks"
     # an HF folder holding tokenizer.json (or the file itself) to use instead of the checkpoint's own
     # tokenizer (a GGUF file's metadata tokenizer, or the tokenizer.json beside an HF checkpoint); its ids must fit
     # the model's vocabulary
@@ -174,8 +178,14 @@ def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool =
                "serve it offloaded (python -m engine.run ... compare_in_memory=false), whose experts stay in the "
                "checkpoint's mapped files")
     scan = not spec_node(spec).get("allow_nonfinite", False)  # each copy is scanned as it is written
+    dense = dense_blocks(spec, ck)
     _, model = load_hf(ck.folder, dtype=dtype, with_experts=with_experts and not quantized, opened=ck,
-                       check_finite=scan, huge_pages=bool(spec_node(spec).get("huge_pages", False)))
+                       check_finite=scan, huge_pages=bool(spec_node(spec).get("huge_pages", False)),
+                       skip=frozenset(path + ("weight",) for path in dense))
+    if dense:
+        from models.quant.dense import install_dense
+
+        install_dense(model, dense)
     if quantized and with_experts:
         if saved:
             install(model, mapped_experts(ck.folder, cfg))
@@ -186,6 +196,22 @@ def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool =
                 ck.check_finite()
             install(model, quantized_layers(cfg, fmt, checkpoint_source(ck)))
     return cfg, model, ck.folder
+
+
+DENSE_FORMATS = ("blocks", "dequantize")
+
+
+def dense_blocks(spec: Any, ck: "OpenCheckpoint") -> dict:
+    """The dense projections `model.dense_format` keeps in their blocks: module path -> row parts (`QuantArray`s);
+    empty for `dequantize` and for checkpoints that store no dense projection in a block type."""
+    fmt = str(spec_node(spec).get("dense_format", None) or "blocks")
+    if fmt not in DENSE_FORMATS:
+        raise ValueError(f"model.dense_format={fmt!r} is not supported; supported: {', '.join(DENSE_FORMATS)}")
+    if fmt == "dequantize":
+        return {}
+    from models.gguf import block_dense
+
+    return block_dense(ck)
 
 
 def model_bytes(cfg: ModelConfig, dtype: Any = np.float32, with_experts: bool = True) -> int:

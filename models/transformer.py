@@ -236,7 +236,8 @@ forward_jit = nnx.jit(forward, static_argnames=("executor", "capture", "capture_
 def rebuild(model: MoETransformer, dtype: jnp.dtype, with_experts: bool = True) -> MoETransformer:
     """A model of `model.cfg` whose parameters are `model`'s, in `dtype`: the same arrays where the dtype
     already matches (nothing copied), converted copies otherwise; routed experts left out unless `with_experts`
-    (quantized experts, `models.quant.QuantExperts`, are shared as they are)."""
+    (quantized experts, `models.quant.QuantExperts`, and dense projections kept in blocks,
+    `models.quant.dense.QuantLinear`, are shared as they are)."""
     from models.quant.experts import QuantExperts
 
     quantized = {layer: model.layers[layer].moe.experts for layer in model.cfg.moe_layers
@@ -246,7 +247,11 @@ def rebuild(model: MoETransformer, dtype: jnp.dtype, with_experts: bool = True) 
         for layer, experts in quantized.items():
             out.layers[layer].moe.experts = nnx.data(experts)
         return out
-    graphdef, state = nnx.split(abstract_model(model.cfg, dtype, with_experts=with_experts))
+    from models.quant.dense import carry_dense
+
+    target = abstract_model(model.cfg, dtype, with_experts=with_experts)
+    carry_dense(model, target, dtype)  # dense projections kept in blocks: shared as they are
+    graphdef, state = nnx.split(target)
     source = nnx.to_pure_dict(nnx.state(model))
 
     def fill(target: dict, src: dict) -> dict:

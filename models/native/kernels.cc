@@ -1279,26 +1279,30 @@ uint16_t f32_to_f16(float f) {
 }
 
 // ---- activations ---------------------------------------------------------------------------------
-// One row quantized for a weight type, padded to Kp = K rounded up to 64 (zeros), as 4 arrays:
+// One row quantized for a weight type, padded to Kp = K rounded up to 64 (zeros), as 5 arrays:
 //   q int8 [Kp], nxo int32 [Kp/4] (-o * the sum of each lane's 4 q), dl f32 [Kp/4] (each lane's d),
-//   xs f32 [Kp/4] (d * the lane's sum of q; Q4_K's min term). 4 * Kp bytes per row.
+//   xs f32 [Kp/4] (d * the lane's sum of q; Q4_K's min term), bs int16 [Kp/16] (the sum of each 16 q: the
+//   K-quant kernels' min / offset terms, as llama.cpp's q8_K bsums). 4 * Kp + bs_bytes(Kp) bytes per row.
 struct QRow {
   const int8_t* q;
   const int32_t* nxo;
   const float* dl;
   const float* xs;
+  const int16_t* bs;
 };
 
 inline int64_t pad64(int64_t k) { return (k + 63) / 64 * 64; }
+inline int64_t bs_bytes(int64_t kp) { return pad64(kp / 8); }
 
 struct QAct {
   const uint8_t* base = nullptr;
   int64_t Kp = 0;
-  int64_t stride = 0;  // bytes from row to row: 4 Kp + 64 (rows 4 KiB-multiples apart share L1 sets: AMX loads)
+  int64_t stride = 0;  // bytes from row to row: 4 Kp + bs_bytes + 64 (rows 4 KiB-multiples apart share L1 sets)
   QRow row(int64_t m) const {
     const uint8_t* r = base + size_t(m) * size_t(stride);
     return {reinterpret_cast<const int8_t*>(r), reinterpret_cast<const int32_t*>(r + Kp),
-            reinterpret_cast<const float*>(r + 2 * Kp), reinterpret_cast<const float*>(r + 3 * Kp)};
+            reinterpret_cast<const float*>(r + 2 * Kp), reinterpret_cast<const float*>(r + 3 * Kp),
+            reinterpret_cast<const int16_t*>(r + 4 * Kp)};
   }
 };
 
@@ -1309,7 +1313,8 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
   int32_t* nxo = reinterpret_cast<int32_t*>(dst + Kp);
   float* dl = reinterpret_cast<float*>(dst + 2 * Kp);
   float* xs = reinterpret_cast<float*>(dst + 3 * Kp);
-  std::memset(dst, 0, size_t(4 * Kp));
+  int16_t* bs = reinterpret_cast<int16_t*>(dst + 4 * Kp);
+  std::memset(dst, 0, size_t(4 * Kp + bs_bytes(Kp)));
   const int xb = sp.xblk;
   for (int64_t b = 0; b < K / xb; ++b) {
     const float* v = x + b * xb;
@@ -1338,6 +1343,11 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
         d = 1.0f / iscale;
       }
     }
+    for (int t = 0; t < xb / 16; ++t) {
+      int s16 = 0;
+      for (int k = 0; k < 16; ++k) s16 += o[16 * t + k];
+      bs[b * (xb / 16) + t] = int16_t(s16);
+    }
     for (int l = 0; l < xb / 4; ++l) {
       const int64_t lane = b * (xb / 4) + l;
       const int s = o[4 * l] + o[4 * l + 1] + o[4 * l + 2] + o[4 * l + 3];
@@ -1354,7 +1364,7 @@ QAct quantize_rows(const QSpec& sp, const void* x, bool xbf16, size_t ld, const 
   QAct a;
   a.Kp = pad64(K);
   const int64_t Mp = (M + 31) / 32 * 32;  // AMX takes activation rows 32 at a time: zero rows past M
-  a.stride = 4 * a.Kp + 64;
+  a.stride = 4 * a.Kp + bs_bytes(a.Kp) + 64;
   uint8_t* d = static_cast<uint8_t*>(grow_bytes(buf, size_t(Mp * a.stride) + 64));
   d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64;
   std::memset(d + size_t(M * a.stride), 0, size_t((Mp - M) * a.stride));
@@ -1675,14 +1685,128 @@ void qmk512_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, 
     for (int i = 0; i < MR; ++i) put(y + (m0 + i) * ldy + nc[j], hsum512(accv[j][i]), acc);
 }
 
+// K-quants (Q4_K, Q6_K), as llama.cpp's q4_K / q6_K x q8_K dot products do it: inside a 256-weight super-block
+// the integer sub-block scales multiply integer sums (VPMADDUBSW: unsigned codes x signed activations into 16-bit
+// pair sums, at most 2 * 63 * 127; VPDPWSSD: those by the 16-bit sub-block scales into 32-bit lanes), and the float
+// scales are applied once per super-block: d * d_x * (sum_j sc_j sum_k u_k q_k  - 32 sum_j sc_j bs_j for Q6_K)
+// - dmin * d_x * sum_j m_j bs_j (Q4_K's mins; bs: the activations' 16-sums). The integer sums are exact (at most
+// ~2^25), so each output is still "dequantize, f32 matmul" up to f32 rounding; the per-64-weight float work of
+// the generic loop (scales in registers, convert, two FMAs) is gone, which made Q4_K compute-bound on one core.
+
+// Sub-block scales of one super-block `sb` as 16-bit vectors per 64-weight group (scg: lanes of pair sums, 16
+// per 32 weights for Q4_K, 8 per 16 for Q6_K), plus the vector that meets the activations' 16-sums (Q4_K: each
+// min twice; Q6_K: the 16 scales) and the float scales.
+template <int QT>
+MS_INLINE void kscales(const uint8_t* sb, __m512i* scg, __m256i& per16, float& d, float& dmin) {
+  if constexpr (QT == kQ4_K) {
+    uint32_t a, b, c;
+    std::memcpy(&a, sb + 4, 4);
+    std::memcpy(&b, sb + 8, 4);
+    std::memcpy(&c, sb + 12, 4);
+    const uint64_t sc = uint64_t(a & 0x3f3f3f3fu) | uint64_t((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+    const uint64_t mn = uint64_t(b & 0x3f3f3f3fu) | uint64_t(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+    const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc))));
+    for (int g = 0; g < 4; ++g)
+      scg[g] = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16(short(2 * g)), _mm256_set1_epi16(short(2 * g + 1)), 1), s16);
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn)));
+    per16 = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+    d = f16_at(sb);
+    dmin = f16_at(sb + 2);
+  } else {
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)));
+    const __m512i s512 = _mm512_castsi256_si512(s16);
+    for (int g = 0; g < 4; ++g) {
+      const __m512i idx = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(short(4 * g + 1)), _mm_set1_epi16(short(4 * g)))),
+          _mm256_set_m128i(_mm_set1_epi16(short(4 * g + 3)), _mm_set1_epi16(short(4 * g + 2))), 1);
+      scg[g] = _mm512_permutexvar_epi16(idx, s512);
+    }
+    per16 = s16;
+    d = f16_at(sb + 208);
+    dmin = 0.0f;
+  }
+}
+
+// The 4 groups' codes of one super-block (codes512's values, without its per-group index arithmetic).
+template <int QT>
+MS_INLINE void kcodes(const uint8_t* sb, __m512i* u) {
+  const __m512i m4 = _mm512_set1_epi8(15);
+  if constexpr (QT == kQ4_K) {
+    for (int g = 0; g < 4; ++g) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * g));
+      u[g] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), m4);
+    }
+  } else {
+    const __m512i m3 = _mm512_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(sb + 64 * h);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * h));
+      const __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+      u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(h2, m3), 4));
+      u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                     _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h2, 4), m3), 4));
+    }
+  }
+}
+
+template <int QT, int R, int MR>
+void qmk512k_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, float* y, size_t ldy,
+                const int* nc, bool acc) {
+  constexpr int bytes = QT == kQ4_K ? 144 : 210;
+  __m512 accv[R][MR];
+  for (int j = 0; j < R; ++j)
+    for (int i = 0; i < MR; ++i) accv[j][i] = _mm512_setzero_ps();
+  QRow xr[MR];
+  for (int i = 0; i < MR; ++i) xr[i] = a.row(m0 + i);
+  for (int64_t s = g0 / 4; s < (g1 + 3) / 4; ++s) {
+    float dx[MR];
+    __m256i bs[MR];
+    for (int i = 0; i < MR; ++i) {
+      dx[i] = xr[i].dl[64 * s];
+      bs[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[i].bs + 16 * s));
+    }
+    for (int j = 0; j < R; ++j) {
+      __m512i scg[4], u[4];
+      __m256i per16;
+      float d, dmin;
+      kscales<QT>(wr[j] + s * bytes, scg, per16, d, dmin);
+      kcodes<QT>(wr[j] + s * bytes, u);
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* q = xr[i].q + 256 * s;
+        __m512i v = _mm512_setzero_si512();
+        for (int g = 0; g < 4; ++g)
+          v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(u[g], _mm512_load_si512(q + 64 * g)), scg[g]);
+        const __m256i t = _mm256_madd_epi16(per16, bs[i]);
+        if constexpr (QT == kQ6_K) v = _mm512_sub_epi32(v, _mm512_zextsi256_si512(_mm256_slli_epi32(t, 5)));
+        accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d * dx[i]), accv[j][i]);
+        if constexpr (QT == kQ4_K)
+          accv[j][i] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(t)), _mm512_set1_ps(-(dmin * dx[i])),
+                                       accv[j][i]);
+      }
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int i = 0; i < MR; ++i) put(y + (m0 + i) * ldy + nc[j], hsum512(accv[j][i]), acc);
+}
+
 template <int QT, int R>
 void qmk512_r(const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1, int64_t K, float* y,
               size_t ldy, const int* nc, bool acc) {
-  switch (mr) {
-    case 1: return qmk512_rm<QT, R, 1>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-    case 2: return qmk512_rm<QT, R, 2>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-    case 3: return qmk512_rm<QT, R, 3>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-    default: return qmk512_rm<QT, R, 4>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+  if constexpr (QT == kQ4_K || QT == kQ6_K) {
+    (void)K;
+    switch (mr) {
+      case 1: return qmk512k_rm<QT, R, 1>(wr, a, m0, g0, g1, y, ldy, nc, acc);
+      case 2: return qmk512k_rm<QT, R, 2>(wr, a, m0, g0, g1, y, ldy, nc, acc);
+      case 3: return qmk512k_rm<QT, R, 3>(wr, a, m0, g0, g1, y, ldy, nc, acc);
+      default: return qmk512k_rm<QT, R, 4>(wr, a, m0, g0, g1, y, ldy, nc, acc);
+    }
+  } else {
+    switch (mr) {
+      case 1: return qmk512_rm<QT, R, 1>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+      case 2: return qmk512_rm<QT, R, 2>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+      case 3: return qmk512_rm<QT, R, 3>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+      default: return qmk512_rm<QT, R, 4>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+    }
   }
 }
 

@@ -133,12 +133,14 @@ class Plan:
     package's quantizer, whose blocks are llama.cpp's reference layout)."""
 
     def __init__(self, ck: Checkpoint, dense: "gguf.GGMLQuantizationType" = BF16,
-                 experts: Optional["gguf.GGMLQuantizationType"] = None):
+                 experts: Optional["gguf.GGMLQuantizationType"] = None,
+                 matrices: Optional["gguf.GGMLQuantizationType"] = None):
         if dense not in (BF16, F32):
             raise ValueError(f"dense type {dense.name}: BF16 or F32")
         self.ck = ck
         self.dense = dense
         self.experts = dense if experts is None else experts
+        self.matrices = matrices  # 2-D matrices whose rows are whole blocks of it stored in this type (None: dense)
         self.items: list[Item] = []
 
     def get(self, hname: str) -> np.ndarray:
@@ -146,6 +148,10 @@ class Plan:
         return self.ck.bf16(hname) if self.dense == BF16 else self.ck.f32(hname)
 
     def matrix(self, name: str, shape: tuple[int, ...], make: Callable[[], np.ndarray]) -> None:
+        q = self.matrices
+        if q is not None and len(shape) == 2 and shape[-1] % gguf.GGML_QUANT_SIZES[q][0] == 0:
+            self.items.append((name, tuple(shape), q, self._stored_as(q, make, name)))
+            return
         self.items.append((name, tuple(shape), self.dense, make))
 
     def expert_stack(self, name: str, shape: tuple[int, ...], make: Callable[[], np.ndarray]) -> None:
@@ -154,6 +160,11 @@ class Plan:
         if qtype == self.dense:
             self.items.append((name, tuple(shape), qtype, make))
             return
+        self.items.append((name, tuple(shape), qtype, self._stored_as(qtype, make, name)))
+
+    def _stored_as(self, qtype: "gguf.GGMLQuantizationType", make: Callable[[], np.ndarray], name: str
+                   ) -> Callable[[], np.ndarray]:
+        """`make` (data in the dense type) converted to `qtype`'s stored form."""
 
         def stored() -> np.ndarray:
             a = make()
@@ -169,7 +180,7 @@ class Plan:
                 return quantize_rows(rows, K_QUANTS[qtype], name).reshape(*f32.shape[:-1], -1)
             return gguf.quants.quantize(f32, qtype)
 
-        self.items.append((name, tuple(shape), qtype, stored))
+        return stored
 
     def f32(self, name: str, shape: tuple[int, ...], make: Callable[[], np.ndarray]) -> None:
         self.items.append((name, tuple(shape), F32, make))
@@ -452,12 +463,13 @@ def _ffn(plan: Plan, ck: Checkpoint, c: dict, family: str, i: int, E: int) -> No
 
 
 def build_plan(ck: Checkpoint, w: gguf.GGUFWriter, mla: str = "split", dense: "gguf.GGMLQuantizationType" = BF16,
-               experts: Optional["gguf.GGMLQuantizationType"] = None) -> Plan:
+               experts: Optional["gguf.GGMLQuantizationType"] = None,
+               matrices: Optional["gguf.GGMLQuantizationType"] = None) -> Plan:
     c = ck.config
     family = c["model_type"]
     if family not in ARCH:
         raise ValueError(f"{ck.folder}: model_type {family!r} not supported (supported: {sorted(ARCH)})")
-    plan = Plan(ck, dense, experts)
+    plan = Plan(ck, dense, experts, matrices)
     L, nh = int(c["num_hidden_layers"]), int(c["num_attention_heads"])
     nkv = int(c.get("num_key_value_heads") or nh)
     mla_model = family.startswith("deepseek")
@@ -495,17 +507,20 @@ def _stored(qtype: "gguf.GGMLQuantizationType", shape: tuple[int, ...]) -> tuple
 
 
 def convert(src: str | Path, dst: str | Path, mla: str = "split", verbose: bool = False, dense: str = "bf16",
-            experts: Optional[str] = None) -> dict:
+            experts: Optional[str] = None, matrices: Optional[str] = None) -> dict:
     """Write `dst` from the checkpoint folder `src`; returns {"bytes", "seconds", "tensors"}.
 
     `dense`: bf16 or f32 matrices; `experts`: the routed experts' type (f32, bf16, q8_0, q4_0, q4_k, q6_k; the
-    dense type by default; the K-quants need moescope's quantizer, models.quant.formats, on the path)."""
+    dense type by default; the K-quants need moescope's quantizer, models.quant.formats, on the path); `matrices`:
+    a block type for the 2-D matrices (embedding, attention, dense MLPs, LM head) whose rows are whole blocks of it
+    (the others stay `dense`), as llama.cpp's presets store them."""
     t0 = time.perf_counter()
     ck = Checkpoint(src)
     dst = Path(dst)
     tmp = dst.with_name(dst.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), ARCH.get(ck.config["model_type"], "?"))
-    plan = build_plan(ck, w, mla=mla, dense=TYPES[dense], experts=None if experts is None else TYPES[experts])
+    plan = build_plan(ck, w, mla=mla, dense=TYPES[dense], experts=None if experts is None else TYPES[experts],
+                      matrices=None if matrices is None else TYPES[matrices])
     _tokens(w, ck)
     for name, shape, qtype, _ in plan.items:
         dtype, byte_shape, nbytes = _stored(qtype, shape)
@@ -540,9 +555,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="DeepSeek-V2/V3: one attn_kv_b (joint) or attn_k_b + attn_v_b (split)")
     ap.add_argument("--dense", choices=("bf16", "f32"), default="bf16", help="type of the dense matrices")
     ap.add_argument("--experts", choices=sorted(TYPES), help="type of the routed experts (default: --dense)")
+    ap.add_argument("--matrices", choices=sorted(TYPES), help="type of the 2-D matrices whose rows are whole blocks")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
-    info = convert(a.checkpoint, a.out, mla=a.mla, verbose=a.verbose, dense=a.dense, experts=a.experts)
+    info = convert(a.checkpoint, a.out, mla=a.mla, verbose=a.verbose, dense=a.dense, experts=a.experts,
+                   matrices=a.matrices)
     print(json.dumps(info))
 
 
