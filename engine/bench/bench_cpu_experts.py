@@ -43,6 +43,10 @@ writes every figure). DeepSeek-V2-Lite's F = 1408 is not a whole number of 256-w
 experts take down in llama.cpp's fallback type (q4_k -> q4_0, q6_k -> q8_0), named in the table.
     python -m engine.bench.bench_cpu_experts --types-only --threads 2 --rounds 2
     python -m engine.bench.bench_cpu_experts --types-only --types bf16,q8_0,q4_k,q4_k_m --isa default --json rates.json
+    python -m engine.bench.bench_cpu_experts --types-only --types bf16,q8_0,q4_0,q4_k,q6_k,q4_k_m --isa default \
+        --widths mixtral,qwen3-30b-a3b --rounds 5 --rates-yaml schedulers/data/block_rates.yaml
+The last one refits the simulator's CPU rates per block type (engine/bench/block_rates_fit.py: eq. 2 of each type
+over bf16's at Mixtral width, checked at every other width and m; the file records where it was measured).
 Prints; asserts nothing.
 """
 
