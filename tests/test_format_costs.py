@@ -75,8 +75,14 @@ def test_cpu_time_scales_by_the_measured_rates() -> None:
         assert cost.summary()["expert_format"] == fmt
 
 
-def test_a_profile_overrides_the_rates_and_bad_ones_name_the_key() -> None:
+def test_a_profile_overrides_the_rates_and_bad_ones_name_the_key(tmp_path) -> None:
+    from core.config import CONF_DIR
+
     cfg, hw = mixtral(), load_hardware("a100_pcie4")
+    yaml = tmp_path / "mine.yaml"  # a profile file stating its own rates for one type
+    yaml.write_text((CONF_DIR / "hardware" / "a100_pcie4.yaml").read_text()
+                    + "block_rates:\n  q8_0: {cpu_beta_scale: 3.0, cpu_read_scale: 0.5}\n")
+    assert load_hardware(str(yaml)).block_rates["q8_0"] == BlockRates(3.0, 0.5, 1.0)
     base = CostModel(cfg, hw, expert_format="q8_0")
     mine = dataclasses.replace(hw, block_rates={"q8_0": BlockRates(cpu_beta_scale=3.0, cpu_read_scale=0.5,
                                                                    gpu_compute_scale=2.0)})
