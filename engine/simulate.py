@@ -23,7 +23,7 @@ from core.routing_stats import routing_fingerprint
 from engine.sim.routing import RoutingConfig
 from engine.sim.run import RunOutcome, RunSpec, forecast_distances, prepare_routing, simulate
 from engine.sim.timeline import plot_timeline
-from models.loading import resolve_model_config
+from models.loading import expert_format, resolve_model_config
 from predictors.config import PredictorKind
 from schedulers.base import scheduler_settings
 from schedulers.hardware import composed_profile
@@ -33,7 +33,7 @@ def spec_from_config(cfg: DictConfig) -> RunSpec:
     """The `RunSpec` of a composed `simulate` config: the one conversion of the Hydra node (the hardware profile
     reads which keys the composition set off the node, so it is converted here, not from the typed copy)."""
     sc: SimulateConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    resolved = dict(model=resolve_model_config(sc.model), model_name=str(sc.model.name),
+    resolved = dict(model=resolve_model_config(sc.model), model_name=str(sc.model.name), expert_format=expert_format(sc.model),
                     hardware=composed_profile(cfg.hardware)[0], scheduler=scheduler_settings(sc.scheduler),
                     routing=to_frozen(sc.routing, RoutingConfig), predictor=sc.predictor,
                     profile_batches=sc.hot_table.profile_batches, profile_sequences=sc.hot_table.profile_sequences,
@@ -80,7 +80,7 @@ def main(cfg: DictConfig, tm: Telemetry) -> dict[str, Any]:
     out = simulate(spec, routing, record=bool(draw), record_passes=draw)
     summary = dict(out.summary)
     results: dict[str, Any] = {
-        "model": spec.model_name, "hardware": spec.hardware.name,
+        "model": spec.model_name, "expert_format": spec.expert_format, "hardware": spec.hardware.name,
         "hardware_defaults": composed_profile(cfg.hardware)[1], "scheduler": spec.scheduler.label,
         "scheduler_kind": spec.scheduler.kind, "routing": spec.routing.name, "batch_size": spec.batch_size,
         "routing_statistics": routing_fingerprint(routing.trace),  # what the fitted presets are fitted on

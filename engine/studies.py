@@ -33,7 +33,9 @@ def study_rows(cfg: DictConfig) -> list[dict[str, Any]]:
     if kind == "presched_regime":
         if not study.regime:
             raise ValueError("study.regime: a presched_regime job needs the regime's name")
-        return regimes.run_regime((regimes.regime_named(str(study.regime)), int(cfg.seed)))
+        from models.loading import expert_format
+
+        return regimes.run_regime((regimes.regime_named(str(study.regime)), int(cfg.seed), expert_format(cfg.model)))
     if kind not in STUDY_KINDS:
         raise ValueError(f"study.kind: {kind!r} is not a study job; known: {', '.join(STUDY_KINDS)}")
     base = spec_from_config(cfg)

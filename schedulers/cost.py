@@ -98,8 +98,11 @@ class MemoryPlan:
 
 
 def memory_plan(cfg: ModelConfig, hw: "HardwareProfile", batch: int, prompt_len: int, gen_len: int,
-                staging_slots: int = 2, bytes_per_param: int = 2) -> MemoryPlan:
-    """Expert-cache capacity left on one device after weights, KV cache, activations and staging."""
+                staging_slots: int = 2, bytes_per_param: int = 2, expert_format: str = "bf16") -> MemoryPlan:
+    """Expert-cache capacity left on one device after weights, KV cache, activations and staging; the cache and the
+    staging slots hold experts in `expert_format` (schedulers/formats.py; the rest stays `bytes_per_param`)."""
+    from schedulers.formats import expert_format_bytes
+
     budget = hw.gpu.budget_bytes
     non_expert = non_expert_params(cfg) * bytes_per_param
     kv = batch * (prompt_len + gen_len) * cfg.num_hidden_layers * kv_bytes_per_token(cfg, bytes_per_param)
@@ -107,7 +110,7 @@ def memory_plan(cfg: ModelConfig, hw: "HardwareProfile", batch: int, prompt_len:
     per_expert_tokens = math.ceil(prefill_tokens * cfg.num_experts_per_tok / cfg.num_experts)
     # live hidden states (residual, normed, expert output, attention output) + one expert's intermediates
     activation = (4 * prefill_tokens * cfg.hidden_size + 3 * per_expert_tokens * cfg.expert_intermediate_size) * bytes_per_param
-    e_bytes = cfg.expert_bytes(bytes_per_param)
+    e_bytes = math.ceil(expert_format_bytes(cfg, expert_format, bytes_per_param))
     staging = staging_slots * e_bytes
     free = budget - non_expert - kv - activation - staging
     slots = int(free // e_bytes)
@@ -179,17 +182,24 @@ class CostModel:
     """Per-operation times of one model on one machine (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, hw: "HardwareProfile", model_name: str = "", bytes_per_param: int = 2,
-                 ema: float = 0.2, expert_bytes: Optional[int] = None):
-        """`expert_bytes`: one routed expert's bytes where they are not `bytes_per_param` per weight (quantized
-        experts: `ExpertStore.expert_bytes`, from their block types); transfers and CPU reads follow them."""
+                 ema: float = 0.2, expert_bytes: Optional[int] = None, expert_format: str = "bf16"):
+        """`expert_format`: the routed experts' `model.expert_format` (schedulers/formats.py): their bytes (transfers,
+        GPU streaming, the CPU's read) and the measured CPU / GPU rates of their block types against bf16.
+        `expert_bytes`: one routed expert's bytes where they are known exactly (`ExpertStore.expert_bytes`, from the
+        blocks a checkpoint holds); they replace the format's mean over the layers."""
+        from schedulers.formats import format_costs
+
         self.cfg, self.hw = cfg, hw
         self.bytes_per_param = bytes_per_param
         self.ema = ema
-        self.expert_bytes = expert_bytes or cfg.expert_bytes(bytes_per_param)
+        self.format = format_costs(cfg, hw, expert_format, bytes_per_param)
+        self.expert_format = expert_format
+        self.expert_bytes = expert_bytes or self.format.expert_bytes
         self.expert_flops = 2 * cfg.expert_params  # per token
         measured = hw.measured.get(model_name) if model_name else None
         gpu, cpu, link = hw.gpu, hw.cpu, hw.host_link
         self._gpu_flops = gpu.bf16_tflops * 1e12 * gpu.matmul_efficiency
+        self._expert_gpu_flops = self._gpu_flops / self.format.gpu_compute_scale  # dequantized inside the GEMM
         self._gpu_bw = gpu.hbm_gbps * 1e9 * gpu.hbm_efficiency
         self.gpu_overhead_s = gpu.kernel_overhead_us * 1e-6
         self.call_overhead_s = gpu.call_overhead_us * 1e-6
@@ -200,7 +210,8 @@ class CostModel:
         self.link_cpu_share = link.host_cpu_share  # host core time a transfer takes, per second of transfer
         self.device_cpu_share = gpu.host_cpu_share  # host core time device compute takes, per second of it
         self.beta_s = self.expert_flops / (cpu.peak_gflops * 1e9 * cpu.matmul_efficiency)
-        self.cpu_startup_s = cpu.expert_overhead_us * 1e-6 + self.expert_bytes / (cpu.memory_gbps * 1e9 * cpu.memory_efficiency)
+        read_bytes = self.expert_bytes if expert_format == "bf16" else self.format.bf16_bytes  # scaled below
+        self.cpu_startup_s = cpu.expert_overhead_us * 1e-6 + read_bytes / (cpu.memory_gbps * 1e9 * cpu.memory_efficiency)
         if measured is not None:
             self.t_io = measured.transfer_ms * 1e-3 if measured.transfer_ms is not None else self.t_io
             self.beta_s = measured.cpu_beta_ms * 1e-3 if measured.cpu_beta_ms is not None else self.beta_s
@@ -211,11 +222,19 @@ class CostModel:
                     setattr(self, attr, ms * 1e-3)
             if measured.gpu_ms is not None:  # one expert in its own call: the call's dispatch is part of it
                 self.gpu_overhead_s = max(measured.gpu_ms * 1e-3 - self._gpu_roofline(1) - self.call_overhead_s, 0.0)
+        self._scale_cpu(cpu.expert_overhead_us * 1e-6)
         self._cpu_fit = _RunningFit()
         self._gpu_samples: Optional[collections.deque[float]] = None
         self._attn_params = attention_params(cfg)
         self._kv_bytes = kv_bytes_per_token(cfg, bytes_per_param)
         self._shared_params = shared_expert_params(cfg)
+
+    def _scale_cpu(self, overhead_s: float) -> None:
+        """eq. 2 of bf16 experts (modelled or measured) to the format's: the slope by the kernel's compute rate, the
+        intercept's weight streaming (all of it but the call overhead) by the kernel's read time at m = 1."""
+        fmt = self.format
+        self.beta_s *= fmt.cpu_beta_scale
+        self.cpu_startup_s = overhead_s + max(self.cpu_startup_s - overhead_s, 0.0) * fmt.cpu_read_scale
 
     # eq. 2 and friends --------------------------------------------------------------------------
     @property
@@ -255,7 +274,7 @@ class CostModel:
 
     def _gpu_roofline(self, m: ArrayLike) -> ArrayLike:
         m_arr = np.asarray(m, dtype=np.float64)
-        return np.maximum(m_arr * self.expert_flops / self._gpu_flops, self.expert_bytes / self._gpu_bw)
+        return np.maximum(m_arr * self.expert_flops / self._expert_gpu_flops, self.expert_bytes / self._gpu_bw)
 
     def t_g(self, m: ArrayLike) -> ArrayLike:
         """GPU time of one resident expert for m tokens in a call of its own; 0 where m == 0. Vectorised."""
@@ -263,7 +282,7 @@ class CostModel:
         if isinstance(m, _SCALARS):
             if m <= 0:
                 return 0.0
-            return fixed + max(float(m) * self.expert_flops / self._gpu_flops, self.expert_bytes / self._gpu_bw)
+            return fixed + max(float(m) * self.expert_flops / self._expert_gpu_flops, self.expert_bytes / self._gpu_bw)
         m_arr = np.asarray(m, dtype=np.float64)
         out = np.where(m_arr > 0, fixed + self._gpu_roofline(m_arr), 0.0)
         return float(out) if out.ndim == 0 else out
@@ -369,4 +388,4 @@ class CostModel:
         return {"t_io_ms": self.t_io * 1e3, "t_g_1_ms": self.t_g(1) * 1e3, "cpu_beta_ms": self.beta_s * 1e3,
                 "cpu_startup_ms": self.cpu_startup_s * 1e3, "call_overhead_ms": self.call_overhead_s * 1e3,
                 "layer_overhead_ms": self.layer_overhead_s * 1e3, "cpu_dispatch_ms": self.cpu_dispatch_s * 1e3, "pass_overhead_ms": self.pass_overhead_s * 1e3,
-                "expert_mib": self.expert_bytes / 2**20}
+                "expert_mib": self.expert_bytes / 2**20, **self.format.summary()}

@@ -41,6 +41,7 @@ TFLOP/s = 1e12, µs / ms as named.
 |                | latency_us                  | per-message latency of a collective step                     |
 |                | pair_gbps                   | one-direction bandwidth to a directly bridged peer (NVLink pairs); 0 if none |
 | `measured`     | {model name: ExpertTimes}   | measured per-expert times that override the modelled ones    |
+| `block_rates`  | {block type: BlockRates}    | an expert format's CPU / GPU rates relative to bf16 on this machine (`schedulers/formats.py`); empty: the rates measured on moescope's development machine, `schedulers/data/block_rates.yaml` |
 
 The expert transfer time is `latency_us + bytes / (peak_gbps * efficiency)`: with one efficiency and one
 latency for both links, fitted on two PCIe 3.0 points of LayerScope Table 2 (`python -m engine.calibrate_paper`),
@@ -136,6 +137,22 @@ class ExpertTimes:
 
 
 @dataclass(frozen=True)
+class BlockRates:
+    """How one ggml block type (`models.quant.blocks`) changes an expert's times against bf16 on one machine, for
+    the same weights (`schedulers/formats.py` combines a layer's gate/up and down types):
+
+    - `cpu_beta_scale`: eq. 2's per-token slope (the kernel's compute per weight: dequantizing, int8 dots);
+    - `cpu_read_scale`: the time to stream the expert's weights once (eq. 2's intercept less the call overhead),
+      against bf16's; below the bytes ratio is impossible, above it the kernel is not bound by memory at m = 1;
+    - `gpu_compute_scale`: the GPU GEMM's compute time (dequantized inside the kernel) against bf16's; the GPU's
+      streaming time follows the format's bytes."""
+
+    cpu_beta_scale: float = 1.0
+    cpu_read_scale: float = 1.0
+    gpu_compute_scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str = MISSING
     num_devices: int = 1
@@ -144,10 +161,13 @@ class HardwareProfile:
     host_link: HostLink = field(default_factory=HostLink)
     interconnect: Interconnect = field(default_factory=Interconnect)
     measured: Dict[str, ExpertTimes] = field(default_factory=dict)
+    block_rates: Dict[str, BlockRates] = field(default_factory=dict)  # empty: schedulers/data/block_rates.yaml
 
     def __post_init__(self) -> None:
         measured = {str(k): v if isinstance(v, ExpertTimes) else ExpertTimes(**dict(v)) for k, v in self.measured.items()}
         object.__setattr__(self, "measured", measured)
+        rates = {str(k): v if isinstance(v, BlockRates) else BlockRates(**dict(v)) for k, v in self.block_rates.items()}
+        object.__setattr__(self, "block_rates", rates)
         self.validate()
 
     def validate(self) -> None:
@@ -182,6 +202,9 @@ class HardwareProfile:
                  f"{self.gpu.usable_memory_gib} must lie in (0, memory_gib={self.gpu.memory_gib}]")
         need(self.gpu.budget_bytes > 0, "gpu.reserved_gib", "leaves no device memory")
         need(self.host_link.sync_copy_slowdown >= 1, "host_link.sync_copy_slowdown", "must be >= 1")
+        for name, rates in self.block_rates.items():
+            for f in fields(rates):
+                need(getattr(rates, f.name) > 0, f"block_rates.{name}.{f.name}", f"must be positive, got {getattr(rates, f.name)}")
         for key in ("gpu.host_cpu_share", "host_link.host_cpu_share"):
             block, attr = key.split(".")
             value = getattr(getattr(self, block), attr)
@@ -202,7 +225,8 @@ REQUIRED_KEYS = ("name", "gpu.memory_gib", "gpu.bf16_tflops", "gpu.hbm_gbps", "c
 def _blocks(profile: HardwareProfile) -> list[tuple[str, Any]]:
     """(key prefix, block) of every block of numbers in a profile, the top level and measured times included."""
     named = [("", profile)] + [(f"{name}.", getattr(profile, name)) for name in ("gpu", "cpu", "host_link", "interconnect")]
-    return named + [(f"measured.{model}.", times) for model, times in profile.measured.items()]
+    return (named + [(f"measured.{model}.", times) for model, times in profile.measured.items()]
+            + [(f"block_rates.{name}.", rates) for name, rates in profile.block_rates.items()])
 
 
 def numeric_fields(profile: HardwareProfile) -> list[tuple[str, float]]:
@@ -225,7 +249,7 @@ def given_keys(node: Any) -> set[str]:
     data = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else dict(node)
     keys: set[str] = set()
     for key, value in data.items():
-        if isinstance(value, dict) and key != "measured":
+        if isinstance(value, dict) and key not in ("measured", "block_rates"):
             keys |= {f"{key}.{k}" for k in value}
         else:
             keys.add(str(key))

@@ -29,15 +29,24 @@ buffers get no huge pages and stream ~15% slower -- the mean per call, best of t
 A last table gives the fixed cost per expert of a tiny model layer (H 256) run in one native call
 against one torch call chain per expert.
 
-Types section (`--types`, default bf16,q8_0,q4_0,q4_k,q6_k; `--types-only` runs just it): one expert per
+Types section (`--types`, default bf16,q8_0,q4_0,q4_k,q6_k,q4_k_m; `--types-only` runs just it): one expert per
 call at each width and m = 1, 4, 16, 64 for every weight type, bf16 and ggml's block types (random blocks,
-distinct experts ~5x the L3 as above), on the best ISA path (AMX for m >= 16 where the CPU has it) and
-bf16 also on "today's" AVX512-BF16 path (`bf16@avx512`). Columns: GB/s of the expert's (quantized) bytes
-and their fraction of the read rate measured around the figure; TOP/s (2 x m x 3HF / time) and its ratio
-to today's bf16 kernel at the same width and m. DeepSeek-V2-Lite's F = 1408 is not a whole number of
-256-weight blocks: its K-quant experts take down in llama.cpp's fallback type (q4_k -> q4_0, q6_k -> q8_0),
-named in the table.
+distinct experts ~5x the L3 as above), on the best ISA path (`--isa best`: AMX for m >= 16 where the CPU has
+it; bf16 also on "today's" AVX512-BF16 path, `bf16@avx512`) or on the path moescope serves with by default
+(`--isa default`: AMX off, see `models.native.default_isa`). `q4_k_m` is llama.cpp's Q4_K_M expert in the
+layers it gives more bits (gate and up Q4_K, down Q6_K); its other layers are the `q4_k` row. Columns: GB/s of
+the expert's (quantized) bytes and their fraction of the read rate measured around the figure; TOP/s
+(2 x m x 3HF / time) and its ratio to today's bf16 kernel at the same width and m. After the table, per type:
+whether every width reads at >= 70 % of the read rate at m <= 4 (the issue's target), and the time per m
+relative to bf16 at the same width and m (what `schedulers/format_rates.yaml` is fitted from; `--json OUT`
+writes every figure). DeepSeek-V2-Lite's F = 1408 is not a whole number of 256-weight blocks: its K-quant
+experts take down in llama.cpp's fallback type (q4_k -> q4_0, q6_k -> q8_0), named in the table.
     python -m engine.bench.bench_cpu_experts --types-only --threads 2 --rounds 2
+    python -m engine.bench.bench_cpu_experts --types-only --types bf16,q8_0,q4_k,q4_k_m --isa default --json rates.json
+    python -m engine.bench.bench_cpu_experts --types-only --types bf16,q8_0,q4_0,q4_k,q6_k,q4_k_m --isa default \
+        --widths mixtral,qwen3-30b-a3b --rounds 5 --rates-yaml schedulers/data/block_rates.yaml
+The last one refits the simulator's CPU rates per block type (engine/bench/block_rates_fit.py: eq. 2 of each type
+over bf16's at Mixtral width, checked at every other width and m; the file records where it was measured).
 Prints; asserts nothing.
 """
 
@@ -57,6 +66,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from engine.bench.block_rates_fit import MIXES, write_rates_yaml  # noqa: E402
 from models import native  # noqa: E402
 
 WIDTHS = {"mixtral": (4096, 14336), "deepseek-v2-lite": (2048, 1408), "qwen3-30b-a3b": (2048, 768)}
@@ -318,26 +328,28 @@ def print_layers(experts: dict[str, Experts], threads_list: list[int], fig: Figu
                                         else "copied into XLA buffers (4 KiB pages: slower to stream than numpy's)"))
 
 
-TYPES = ("bf16", "q8_0", "q4_0", "q4_k", "q6_k")
+TYPES = ("bf16", "q8_0", "q4_0", "q4_k", "q6_k", "q4_k_m")
 DOWN_FALLBACK = {"q4_k": "q4_0", "q6_k": "q8_0"}  # llama.cpp's type for a K-quant tensor whose rows are not 256-aligned
+READ_TARGET = 0.70  # the issue's target: quantized bytes read at >= 70 % of the read rate for m <= 4
 
 
 class TypedExperts:
     """`count` distinct experts of one width in one weight type (bf16 arrays or block-quantized QuantArrays),
-    each packed on its own; weights together ~5x the L3 so every call reads from memory."""
+    each packed on its own; weights together ~5x the L3 (at least 2 experts) so every call reads from memory."""
 
     def __init__(self, hidden: int, inter: int, qtype: str, seed: int = 0):
         rng = np.random.default_rng(seed)
         self.hidden, self.inter, self.qtype = hidden, inter, qtype
-        self.down_type = DOWN_FALLBACK.get(qtype, qtype) if inter % 256 and qtype != "bf16" else qtype
+        self.gate_type, down = MIXES.get(qtype, (qtype, qtype))
+        self.down_type = DOWN_FALLBACK.get(down, down) if inter % 256 and down != "bf16" else down
         if qtype == "bf16":
             make = [lambda r, c: random_bf16(rng, (r, c))] * 3
         else:
-            make = [lambda r, c: native.random_blocks(rng, qtype, r, c)] * 2 + [
+            make = [lambda r, c: native.random_blocks(rng, self.gate_type, r, c)] * 2 + [
                 lambda r, c: native.random_blocks(rng, self.down_type, r, c)]
         first = (make[0](inter, hidden), make[1](inter, hidden), make[2](hidden, inter))
         self.bytes = sum(w.nbytes for w in first)
-        count = max(3, math.ceil(5 * L3_BYTES / self.bytes))
+        count = max(2, math.ceil(5 * L3_BYTES / self.bytes))
         self.packed = [native.pack_experts([first[0]], [first[1]], [first[2]])]
         for _ in range(count - 1):
             self.packed.append(native.pack_experts([make[0](inter, hidden)], [make[1](inter, hidden)],
@@ -355,41 +367,87 @@ class TypedExperts:
         return best_seconds(call, calls)
 
 
-def types_table(types: list[str], threads: int, repeats: int, rounds: int) -> None:
-    """The types section (see the module docstring); one width's experts in memory at a time."""
+def types_table(types: list[str], threads: int, repeats: int, rounds: int, isa_mode: str = "best",
+                widths: tuple[str, ...] = tuple(WIDTHS)) -> dict:
+    """The types section (see the module docstring); one width's experts in memory at a time. Returns every figure
+    (width -> type -> m -> seconds, GB/s, fraction of the read rate) and the per-type verdicts."""
     best = native.best_isa()
-    print(f"\ntypes: one expert per call, {threads} thread(s), best ISA {best}; GB/s of the expert's bytes "
-          f"(quantized), 'of read' against the read rate measured around the figure; TOP/s = 2 m 3HF / time")
+    path = best if isa_mode == "best" else native.default_isa()
+    print(f"\ntypes: one expert per call, {threads} thread(s), ISA {path} ({isa_mode}; best {best}); GB/s of the "
+          f"expert's bytes (quantized), 'of read' against the read rate measured around the figure; TOP/s = 2 m 3HF / time")
     head = (f"{'width':17s} {'type':13s} {'MiB':>6s} {'m':>3s} | {'ms':>8s} {'GB/s':>6s} {'of read':>7s} | "
             f"{'TOP/s':>6s} {'x bf16@avx512':>13s}")
     print(f"{head}\n{'-' * len(head)}", flush=True)
-    runs = [(t, best) for t in types] + ([("bf16", "avx512bf16")] if "bf16" in types and best == "amx" else [])
-    for name, (H, F) in WIDTHS.items():
+    today_isa = "avx512bf16" if best == "amx" else best
+    runs = [(t, path) for t in types] + ([("bf16", today_isa)] if "bf16" in types and path != today_isa else [])
+    figures: dict = {"isa": path, "threads": threads, "widths": {}}
+    for name in widths:
+        H, F = WIDTHS[name]
         fig = Figures()
+        experts = {qtype: TypedExperts(H, F, qtype) for qtype in dict.fromkeys(t for t, _ in runs)}
+        # every type's figure of one m measured side by side, the order reversed every other round: what the other
+        # tenants of a shared machine do to the read rate then falls on each type alike
+        for rnd in range(max(rounds, 1)):
+            for m in ROWS:
+                for qtype, isa in (runs if rnd % 2 == 0 else runs[::-1]):
+                    native.set_isa(isa)
+                    try:
+                        fig.measure((qtype, isa, m), threads,
+                                    lambda: experts[qtype].seconds(m, threads, max(repeats, 2)))
+                    finally:
+                        native.set_isa(None)
         rows: list[tuple] = []
         for qtype, isa in runs:
-            ex = TypedExperts(H, F, qtype)
-            native.set_isa(isa)
-            try:
-                for _ in range(max(rounds, 1)):
-                    for m in ROWS:
-                        fig.measure((qtype, isa, m), threads, lambda: ex.seconds(m, threads, max(repeats, 2)))
-            finally:
-                native.set_isa(None)
+            ex = experts[qtype]
             label = qtype if qtype == ex.down_type else f"{qtype}/{ex.down_type}"
-            rows.append((qtype, isa, label + ("@avx512" if isa != best else ""), ex.bytes))
-            del ex
-        today = {m: fig.best[("bf16", "avx512bf16" if best == "amx" else best, m)] for m in ROWS
-                 if ("bf16", "avx512bf16" if best == "amx" else best, m) in fig.best}
+            rows.append((qtype, isa, label + ("@avx512" if isa != path else ""), ex.bytes))
+        del experts
+        today = {m: fig.best[("bf16", today_isa, m)] for m in ROWS if ("bf16", today_isa, m) in fig.best}
+        width = figures["widths"][name] = {"hidden": H, "inter": F, "types": {}}
         for qtype, isa, label, nbytes in rows:
+            cells = width["types"][label] = {"bytes": nbytes, "m": {}}
             for m in ROWS:
                 s, gbs, frac = fig.gbs((qtype, isa, m), nbytes)
+                cells["m"][m] = {"seconds": s, "gb_s": gbs, "of_read": frac}
                 tops = 2 * m * 3 * H * F / s / 1e12
                 ratio = f"{today[m] / s:13.2f}" if m in today else f"{'-':>13s}"
                 print(f"{name:17s} {label:13s} {nbytes / 2**20:6.1f} {m:3d} | {s * 1e3:8.3f} {gbs:6.1f} {frac:7.0%} | "
                       f"{tops:6.3f} {ratio}", flush=True)
     print("'x bf16@avx512': today's bf16 kernel time (AVX512-BF16 dot products, no AMX) over this row's, same width "
           "and m (higher: faster); K-quant experts at DeepSeek-V2-Lite width take down in the type after the slash")
+    figures["verdicts"] = verdicts(figures, types, path)
+    return figures
+
+
+def verdicts(figures: dict, types: list[str], path: str) -> dict:
+    """Per type: the lowest fraction of the read rate over the widths at m <= 4 against READ_TARGET, and its time
+    per m relative to bf16's (same width, same ISA path) at every width."""
+    print(f"\nper type, ISA {path}: the worst 'of read' at m <= 4 over the widths (target >= {READ_TARGET:.0%}); time "
+          f"relative to bf16 at the same width and m (m = {', '.join(map(str, ROWS))})")
+    out = {}
+    for qtype in types:
+        worst, rel = math.inf, {}
+        for name, width in figures["widths"].items():
+            cells = next((v for k, v in width["types"].items() if k.split("/")[0] == qtype and "@" not in k), None)
+            base = width["types"].get("bf16")
+            if cells is None:
+                continue
+            worst = min(worst, *(cells["m"][m]["of_read"] for m in ROWS if m <= 4))
+            if base is not None:
+                rel[name] = [cells["m"][m]["seconds"] / base["m"][m]["seconds"] for m in ROWS]
+        met = worst >= READ_TARGET
+        out[qtype] = {"worst_of_read_m_le_4": worst, "target_met": met, "time_over_bf16": rel}
+        rel_text = "; ".join(f"{w} " + " ".join(f"{r:.2f}" for r in v) for w, v in rel.items())
+        print(f"  {qtype:7s} worst {worst:4.0%} -> {'met' if met else 'NOT met'}; x bf16 time: {rel_text}", flush=True)
+    return out
+
+
+def write_json(path: str | None, figures: dict) -> None:
+    if path:
+        import json
+
+        Path(path).write_text(json.dumps(figures, indent=1) + "\n")
+        print(f"figures written to {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--types", default=",".join(TYPES),
                     help=f"weight types of the types section (default {','.join(TYPES)}; empty: skip it)")
     ap.add_argument("--types-only", action="store_true", help="run only the types section")
+    ap.add_argument("--isa", choices=("best", "default"), default="best",
+                    help="types section: the best ISA path (AMX where present) or moescope's default (AMX off)")
+    ap.add_argument("--json", help="types section: write every figure and verdict to this JSON file")
+    ap.add_argument("--widths", default=",".join(WIDTHS), help=f"types section: of {', '.join(WIDTHS)}")
+    ap.add_argument("--rates-yaml", help="types section: fit the CPU block rates (schedulers/data/block_rates.yaml) "
+                                         "at Mixtral width and write them here (needs bf16 among --types)")
     args = ap.parse_args(argv)
     threads_list = [int(t) for t in args.threads.split(",")]
     if not native.available():
@@ -414,8 +478,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--types: unknown {unknown}; supported: {', '.join(TYPES)}")
         return 2
     start = time.perf_counter()
+    widths = tuple(w for w in args.widths.split(",") if w)
+    if not widths or set(widths) - set(WIDTHS):
+        print(f"--widths: unknown {sorted(set(widths) - set(WIDTHS))}; known: {', '.join(WIDTHS)}")
+        return 2
+    if args.rates_yaml and ("bf16" not in types or "mixtral" not in widths):
+        print("--rates-yaml: the rates are bf16's at Mixtral width; keep bf16 in --types and mixtral in --widths")
+        return 2
     if args.types_only:
-        types_table(types, max(threads_list), args.repeats, args.rounds)
+        figures = types_table(types, max(threads_list), args.repeats, args.rounds, args.isa, widths)
+        write_json(args.json, figures)
+        if args.rates_yaml:
+            write_rates_yaml(args.rates_yaml, figures, "python -m engine.bench.bench_cpu_experts " + " ".join(argv or sys.argv[1:]))
         print(f"\ntotal {time.perf_counter() - start:.0f} s")
         return 0
     print(f"native ISA: {native.isa()}; weights cycle over distinct experts (~5x the {L3_BYTES >> 20} MiB L3); "
@@ -475,7 +549,10 @@ def main(argv: list[str] | None = None) -> int:
         print_layers(experts, threads_list, fig, list(ffi.values()))
     if types:
         del experts, ffi
-        types_table(types, max(threads_list), args.repeats, args.rounds)
+        figures = types_table(types, max(threads_list), args.repeats, args.rounds, args.isa, widths)
+        write_json(args.json, figures)
+        if args.rates_yaml:
+            write_rates_yaml(args.rates_yaml, figures, "python -m engine.bench.bench_cpu_experts " + " ".join(argv or sys.argv[1:]))
     print("\ntiny layer (H 256, F 128, 8 experts x 2 tokens in one call): microseconds per expert")
     for th in threads_list:
         nat, tor = tiny_overhead(th, max(20, args.repeats))

@@ -139,11 +139,13 @@ def base_spec(batch: int, seed: int) -> RunSpec:
                    batch_size=batch, prompt_len=512, gen_len=64, seed=seed)
 
 
-def run_regime(args: tuple[Regime, int]) -> list[dict[str, Any]]:
-    """Every system with every forecast of one regime on one seed's routing."""
-    regime, seed = args
+def run_regime(args: tuple) -> list[dict[str, Any]]:
+    """Every system with every forecast of one regime on one seed's routing: args (regime, seed) or (regime, seed,
+    expert_format), the experts' `model.expert_format` (bf16 when absent; the routing does not depend on it)."""
+    regime, seed = args[:2]
     prepared = routing(regime.batch, seed)
-    spec = replace(base_spec(regime.batch, seed), hardware=profile(regime))
+    spec = replace(base_spec(regime.batch, seed), hardware=profile(regime),
+                   expert_format=args[2] if len(args) > 2 else "bf16")
     if regime.cache_fraction is not None:
         experts = spec.model.num_experts * len(spec.model.moe_layers)
         spec = replace(spec, cache_slots=int(round(regime.cache_fraction * experts)))
@@ -159,6 +161,7 @@ def run_regime(args: tuple[Regime, int]) -> list[dict[str, Any]]:
                 capacity = out.memory.cache_slots + settings.staging_slots
                 bound = lower_bound(spec.model, out.cost, prepared.passes, capacity)
             rows.append({"axis": regime.axis, "setting": regime.setting, "seed": seed, "forecasts": point,
+                         "expert_format": spec.expert_format,
                          "system": system, "sim_cpu_s": time.process_time() - t0,
                          **{k: out.summary[k] for k in ("throughput_tok_s", "decode_latency_s", "cache_slots")},
                          "ceiling": 1 - bound / out.summary["total_s"], "t_io_s": out.cost.t_io,

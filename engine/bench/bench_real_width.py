@@ -39,6 +39,15 @@ bench goes on. llama.cpp does not load DeepSeek-V2-Lite cut in depth (see `llama
 `deepseek_v2_27` preset keeps all 27 layers with 8 experts each so that it can be compared too.
 Everything is written under `--root`: checkpoints in ckpt/, GGUF files in gguf/ (both reused), each
 run's logs and JSON in results/<time>/ with the tables in summary.json.
+
+Per weight type (`--types bf16,q8_0,q4_k_m`, `--types-only` for just this): the bf16 GGUF is quantized by
+llama.cpp's own quantizer (peers/llama_quantize.py: its Q8_0 / Q4_K_M presets, every tensor), and moescope
+(`model.checkpoint=<file.gguf>`: experts in their blocks, memory-mapped; dense weights dequantized to bf16) and
+llama.cpp run on that SAME file, decode bursts alternated in one process per batch size (median and quartiles
+over the bursts). transformers runs bf16 only (see TRANSFORMERS_QUANT).
+
+    python -m engine.bench.bench_real_width --families mixtral_e4 --types bf16,q8_0,q4_k_m --types-only \
+        --llama-python /work/llama-venv/bin/python --bursts 12
 """
 
 from __future__ import annotations
@@ -383,10 +392,15 @@ class Bench:
                "--out", str(fam_dir / "llama.json")]
         return lambda: self.peer_row("llama.cpp bf16", cmd, fam_dir / "llama.json", fam_dir / "llama.log", gguf)
 
-    def interleaved(self, fam: str, ckpt: Path, gguf: Path) -> dict:
+    def interleaved(self, fam: str, ckpt: Path, gguf: Path, tag: str = "") -> dict:
         """moescope in memory and llama.cpp in one process, decode bursts alternated (peers/interleaved.py), per
-        batch size: the comparison that the read rate's drift between separate runs cannot bias."""
-        need = 2 * checkpoint_bytes(ckpt)  # both copies of the weights in one process
+        batch size: the comparison that the read rate's drift between separate runs cannot bias. `ckpt` is what
+        moescope loads: the HF folder, or the GGUF file itself (then both map one file: its bytes count once, plus
+        moescope's dense weights dequantized)."""
+        if ckpt == gguf:
+            need = gguf.stat().st_size + dense_bytes(self.current_cfg)
+        else:
+            need = 2 * checkpoint_bytes(ckpt)  # both copies of the weights in one process
         avail = host_memory()[1]
         if avail is not None and need > 0.9 * avail:
             return {"error": f"needs {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"}
@@ -395,13 +409,61 @@ class Bench:
                               capture_output=True, text=True).stdout.strip()
         out: dict[str, Any] = {}
         for B in self.a.batches:
-            result = self.out / fam / f"interleaved-b{B}.json"
+            result = self.out / fam / f"interleaved{'-' + tag if tag else ''}-b{B}.json"
             res = self.timed([sys.executable, "-m", "engine.bench.peers.interleaved", str(ckpt), str(gguf),
                               "--llama-site", site, "--batch", str(B), "--prompt", str(self.a.prompt), "--new",
                               str(self.a.new), "--bursts", str(self.a.bursts), "--threads", str(self.a.llama_threads),
-                              "--out", str(result)], self.out / fam / f"interleaved-b{B}.log")
+                              "--out", str(result)], result.with_suffix(".log"))
             out[str(B)] = json.loads(result.read_text()) if res.ok and result.is_file() else {"error": res.error}
-            print(f"    interleaved b{B}: {interleaved_line(out[str(B)])}", flush=True)
+            print(f"    interleaved{' ' + tag if tag else ''} b{B}: {interleaved_line(out[str(B)])}", flush=True)
+        return out
+
+    # -- per weight type, on one GGUF file each (`--types`) --
+    def typed_gguf(self, fam: str, ckpt: Path, qtype: str) -> tuple[Optional[Path], str]:
+        """The family's GGUF in `qtype`: the bf16 one (to_gguf.py), or that file quantized by llama.cpp's own
+        quantizer (peers/llama_quantize.py), reused while newer than its source."""
+        src, err = self.gguf(fam, ckpt)
+        if src is None or qtype == "bf16":
+            return src, err
+        dst = src.with_name(f"{src.stem}-{qtype}.gguf")
+        if dst.is_file() and dst.stat().st_mtime > src.stat().st_mtime:
+            return dst, ""
+        res = run_logged([self.a.llama_python, "-m", "engine.bench.peers.llama_quantize", str(src), str(dst), qtype],
+                         self.out / fam / f"quantize-{qtype}.log", self.a.timeout, self.env)
+        if not res.ok:
+            return None, res.error
+        os.sync()
+        print(f"    GGUF {dst.name}: {dst.stat().st_size / 1e9:.2f} GB ({qtype}, llama.cpp's quantizer, "
+              f"{res.seconds:.1f} s)", flush=True)
+        return dst, ""
+
+    def types_section(self, fam: str, cfg: ModelConfig, ckpt: Path) -> dict:
+        """Per `--types` weight type: moescope (`model.checkpoint=<file.gguf>`) and llama.cpp on the SAME GGUF file,
+        decode bursts alternated in one process (peers/interleaved.py) at every batch size; transformers only where
+        it runs the type (bf16: the safetensors checkpoint holding the same weights)."""
+        out: dict[str, Any] = {}
+        ok, why = llama_support(cfg)
+        for qtype in self.a.types:
+            entry: dict[str, Any] = out.setdefault(qtype, {})
+            if not ok or self.skipped("llama.cpp"):
+                entry["error"] = why or "llama.cpp skipped"
+                continue
+            gguf, err = self.typed_gguf(fam, ckpt, qtype)
+            if gguf is None:
+                entry["error"] = f"GGUF: {err}"
+                print(f"    {qtype}: FAILED ({entry['error']})", flush=True)
+                continue
+            entry["gguf"], entry["gguf_bytes"] = str(gguf), gguf.stat().st_size
+            entry["interleaved"] = self.interleaved(fam, gguf, gguf, tag=qtype)
+            if qtype != "bf16":
+                entry["transformers"] = TRANSFORMERS_QUANT
+            elif not self.skipped("transformers"):
+                result = self.out / fam / "transformers-types.json"
+                cmd = [sys.executable, "-m", "engine.bench.peers.hf_peer", str(ckpt), "--batch",
+                       *map(str, self.a.batches), "--prompt", str(self.a.prompt), "--new", str(self.a.new),
+                       "--repeats", str(self.a.repeats), "--out", str(result)]
+                row = self.peer_row("transformers bf16", cmd, result, self.out / fam / "transformers-types.log", ckpt)
+                entry["transformers"] = {str(B): v for B, v in row.tok_s.items()} or {"error": "; ".join(row.errors)}
         return out
 
     def run_rounds(self, jobs: list[tuple[str, Callable[[], Row]]]) -> list[Row]:
@@ -422,6 +484,7 @@ class Bench:
     def family(self, fam: str) -> dict:
         layers = self.a.layers.get(fam)
         cfg = real_width_config(fam, layers)
+        self.current_cfg = cfg
         name = f"{fam}-L{cfg.num_hidden_layers}-{self.a.layout}"
         print(f"\n== {fam}: {describe(cfg)}", flush=True)
         t = time.perf_counter()
@@ -434,9 +497,15 @@ class Bench:
         fam_dir.mkdir(parents=True, exist_ok=True)
         info: dict[str, Any] = {"config": describe(cfg), "checkpoint": str(ckpt), "checkpoint_bytes": size,
                                 "write_gb_s": write_speed(ckpt)}
-        rows = self.run_rounds(self.systems(fam, cfg, ckpt, info))
-        info["rows"] = [vars(r) for r in rows]
-        table = render(fam, cfg, size, rows, self.a.batches, info)
+        tables = []
+        if self.a.types:
+            info["types"] = self.types_section(fam, cfg, ckpt)
+            tables.append(render_types(fam, cfg, info["types"], self.a.batches))
+        if not self.a.types_only:
+            rows = self.run_rounds(self.systems(fam, cfg, ckpt, info))
+            info["rows"] = [vars(r) for r in rows]
+            tables.insert(0, render(fam, cfg, size, rows, self.a.batches, info))
+        table = "\n\n".join(tables)
         info["table"] = table
         print("\n" + table, flush=True)
         self.summary["families"][fam] = info
@@ -471,6 +540,64 @@ def check_line(c: dict) -> str:
         s += (f"; vs transformers fp32: llama.cpp {c['llama_vs_f32_max_abs']:.3f}, transformers bf16 "
               f"{c['hf_bf16_vs_f32_max_abs']:.3f}")
     return s
+
+
+TRANSFORMERS_QUANT = ("n/a: transformers reads a GGUF file (`from_pretrained(..., gguf_file=)`) by dequantizing every "
+                      "tensor to float, so it never runs the blocks (its speed is its bf16 speed, the bf16 row); its "
+                      "int8/int4 backends (bitsandbytes, torchao) quantize in their own layouts, not ggml's")
+
+
+def dense_bytes(cfg: ModelConfig) -> int:
+    """bf16 bytes of everything but the routed experts (what moescope dequantizes from a GGUF file)."""
+    from schedulers.cost import non_expert_params
+
+    return 2 * non_expert_params(cfg)
+
+
+def quartiles(r: dict, key: str) -> str:
+    """`median (q1-q3)` of a per-burst series in an interleaved result."""
+    import numpy as np
+
+    v = np.asarray(r[key], dtype=float)
+    return f"{np.median(v):.2f} ({np.percentile(v, 25):.2f}-{np.percentile(v, 75):.2f})"
+
+
+def render_types(fam: str, cfg: ModelConfig, types: dict, batches: list[int]) -> str:
+    """Per weight type: the GGUF file, and per batch moescope's and llama.cpp's decode tok/s (median and quartiles
+    over the alternated bursts) with the burst-by-burst ratio."""
+    head = ["type", "GGUF GB"] + [c for B in batches for c in (f"b{B} moescope tok/s", f"b{B} llama.cpp tok/s",
+                                                                f"b{B} moescope / llama.cpp")]
+    lines = []
+    notes = []
+    for qtype, e in types.items():
+        if "error" in e:
+            notes.append(f"  {qtype}: {e['error']}")
+            continue
+        cells = [qtype, f"{e['gguf_bytes'] / 1e9:.2f}"]
+        for B in batches:
+            r = e["interleaved"].get(str(B), {"error": "not run"})
+            if "error" in r:
+                cells += ["FAILED", "", r["error"][:60]]
+                continue
+            ours = [B * 1e3 / ms for ms in r["moescope_ms_per_step"]]
+            theirs = [B * 1e3 / ms for ms in r["llama_ms_per_step"]]
+            cells += [quartiles({"v": ours}, "v"), quartiles({"v": theirs}, "v"),
+                      f"{r['moescope_over_llama_median']:.2f} ({r['moescope_over_llama_q1']:.2f}-"
+                      f"{r['moescope_over_llama_q3']:.2f}), faster in {r['bursts_moescope_faster']}/{r['bursts']}"]
+        lines.append(cells)
+        hf = e.get("transformers")
+        if isinstance(hf, str):
+            notes.append(f"  transformers {qtype}: {hf}")
+        elif isinstance(hf, dict):
+            notes.append(f"  transformers {qtype} (safetensors, same weights, its own process): "
+                         + ", ".join(f"b{B} {v:.2f} tok/s" if isinstance(v, float) else f"{B}: {v}"
+                                     for B, v in hf.items()))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)] if lines else [len(h) for h in head]
+    out = [f"[{fam}] per weight type, moescope and llama.cpp on the same GGUF file, alternated bursts in one process "
+           f"(median (quartiles) over the bursts); {describe(cfg)}",
+           "  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(cells, widths)) for cells in lines]
+    return "\n".join(out + notes)
 
 
 def ratio(v: Optional[float], base: Optional[float]) -> Optional[float]:
@@ -560,6 +687,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                           "row keeps its best")
     ap.add_argument("--bursts", type=int, default=16, help="alternated decode bursts of the same-process "
                                                            "moescope / llama.cpp comparison")
+    ap.add_argument("--types", default="", help="weight types of the per-type section, e.g. bf16,q8_0,q4_k_m: "
+                                                "moescope and llama.cpp on the same GGUF file of each (empty: none)")
+    ap.add_argument("--types-only", action="store_true", help="run only the per-type section")
     ap.add_argument("--check-f32", action="store_true",
                     help="also compare both with transformers in fp32 (twice the checkpoint in memory)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per subprocess")
@@ -572,6 +702,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     a.skip = [s for s in a.skip.split(",") if s]
     a.batches = [int(b) for b in a.batches.split(",") if b]
     a.budgets = [float(b) for b in a.budgets.split(",") if b]
+    a.types = [t for t in a.types.split(",") if t]
+    from engine.bench.peers.llama_quantize import FTYPES
+
+    bad = [t for t in a.types if t != "bf16" and t not in FTYPES]
+    if bad:
+        raise SystemExit(f"--types: unknown {bad}; known: bf16, {', '.join(sorted(FTYPES))}")
+    if a.types_only and not a.types:
+        raise SystemExit("--types-only: name the types (--types bf16,q8_0,q4_k_m)")
     if "llama.cpp" not in a.skip and not Path(a.llama_python).exists():
         print(f"no {a.llama_python}: skipping llama.cpp", flush=True)
         a.skip.append("llama.cpp")

@@ -66,6 +66,10 @@ PRESETS: dict[str, Preset] = {
     # needs to recognise a DeepSeek-V2 without q-LoRA (it tells Lite from V2 by n_layer == 27)
     "deepseek_v2_27": Preset("deepseek_v2_lite", 27, "DeepSeek-V2-Lite width and depth, 8 experts per layer",
                              (("num_experts", 8),)),
+    # one Mixtral-width layer with 4 of its 8 experts (still top-2): a b1 step reads what Mixtral's does, and its GGUF
+    # files (bf16 2.0 GB, Q8_0 1.1 GB, Q4_K_M 0.65 GB) are compared on a machine shared by several jobs
+    "mixtral_e4": Preset("mixtral_8x7b", 1, "Mixtral-8x7B width, 1 layer of 4 experts of 4096x14336, top-2",
+                         (("num_experts", 4),)),
     "phimoe": Preset("phi35_moe", 2, "Phi-3.5-MoE width: 16 experts of 4096x6400, LayerNorm, biases"),
 }
 

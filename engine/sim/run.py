@@ -54,6 +54,7 @@ class RunSpec:
     gen_len: int = 64
     num_batches: int = 1
     bytes_per_param: int = 2
+    expert_format: str = "bf16"  # the routed experts' `model.expert_format`: their bytes and CPU rates (schedulers/formats.py)
     async_io: bool = True
     predictor: Optional[PredictorConfig] = field(default_factory=default_predictor)
     profile_batches: int = 2  # traces: batches held out for the hot table and for fitting predictors
@@ -170,10 +171,12 @@ def build_sim(spec: RunSpec, routing: PreparedRouting, record: bool = False,
               record_passes: Optional[set[int]] = None) -> tuple[PipelineSim, MemoryPlan, CostModel]:
     """The simulator of `spec` (scheduler, predictors, memory) ready to replay `routing`."""
     mem = memory_plan(spec.model, spec.hardware, spec.sequences, spec.prompt_len, spec.gen_len,
-                      staging_slots=spec.scheduler.staging_slots, bytes_per_param=spec.bytes_per_param)
+                      staging_slots=spec.scheduler.staging_slots, bytes_per_param=spec.bytes_per_param,
+                      expert_format=spec.expert_format)
     if spec.cache_slots is not None:
         mem = replace(mem, cache_slots=int(spec.cache_slots))
-    cost = CostModel(spec.model, spec.hardware, model_name=spec.model_name, bytes_per_param=spec.bytes_per_param)
+    cost = CostModel(spec.model, spec.hardware, model_name=spec.model_name, bytes_per_param=spec.bytes_per_param,
+                     expert_format=spec.expert_format)
     setup = SchedulerSetup(num_layers=len(spec.model.moe_layers), num_experts=spec.model.num_experts,
                            top_k=spec.model.num_experts_per_tok, cache_slots=mem.cache_slots, cost=cost,
                            profile_loads=routing.profile)

@@ -1,6 +1,10 @@
 """moescope (in memory) and llama.cpp in one process on the same weights, decode bursts alternated.
 
     python -m engine.bench.peers.interleaved CHECKPOINT MODEL.gguf --llama-site SITE [--batch 1] [--bursts 16]
+    python -m engine.bench.peers.interleaved MODEL.gguf MODEL.gguf --llama-site SITE     # both on the same file
+
+CHECKPOINT is what moescope loads: an HF folder, or a GGUF file (its experts served in their blocks, as
+`model.checkpoint=<file.gguf>` does), so that both systems can run on the same bytes.
 
 Why: this VM's memory read rate moves up to 2x within seconds (where the host places the two vCPUs), and a
 decode step at batch 1 reads the weights once, so two systems timed one after the other in separate processes
@@ -111,13 +115,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not (Path(a.llama_site) / "llama_cpp").is_dir():
         raise SystemExit(f"--llama-site: no llama_cpp package in {a.llama_site}")
     sys.path.append(a.llama_site)
-    from models.hf import read_config
+    from models.loading import open_model_checkpoint
     from models.memory import cpu_count
+    from omegaconf import OmegaConf
 
-    prompts = prompt_ids(a.batch, a.prompt, read_config(a.checkpoint).vocab_size)
+    opened = open_model_checkpoint(OmegaConf.create({"checkpoint": a.checkpoint}))  # headers only
+    prompts = prompt_ids(a.batch, a.prompt, opened.cfg.vocab_size)
     ours = moescope_burst(a.checkpoint, prompts, a.new)
     theirs = llama_burst(a.gguf, prompts, a.new, a.threads or cpu_count())
     result = summarise(alternate(ours, theirs, a.bursts, a.settle), a.batch)
+    result.update(moescope_checkpoint=str(a.checkpoint), gguf=str(a.gguf))
     print(f"moescope / llama.cpp decode speed at b{a.batch}: median {result['moescope_over_llama_median']:.2f} "
           f"(quartiles {result['moescope_over_llama_q1']:.2f}-{result['moescope_over_llama_q3']:.2f}; moescope "
           f"faster in {result['bursts_moescope_faster']} of {result['bursts']} bursts)", flush=True)
