@@ -37,7 +37,10 @@ def forecast_label(predictor: dict[str, Any]) -> str:
     rate = f", hit rate {hit:.3f}" if hit is not None else ""
     if predictor.get("upper_bound"):
         return f"oracle{rate}, upper bound"
-    return f"{predictor.get('name', '?')} (trained{rate})"
+    name = str(predictor.get("name", "?"))
+    if predictor.get("checkpoint"):  # the trained folder names the predictor better than its kind
+        name += " " + "/".join(Path(str(predictor["checkpoint"]).split(":")[-1]).parts[-2:])
+    return f"{name} (trained{rate})"
 
 
 def frontier_run(path: Path, results: dict[str, Any], seed: int, wall_s: float) -> dict[str, Any]:
