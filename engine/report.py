@@ -77,6 +77,8 @@ def load_rows(folder: Path) -> list[dict[str, Any]]:
             rows.extend({**row, "calibration": True, "seeds": results["seeds"]} for row in results["rows"])
         elif "compare" in (results.get("experiments") or {}):
             rows.append(serve_row(path, results))
+        elif frontier_job(results):
+            rows.append(frontier_row(path, results))
         else:
             rows.append(results)
     if not rows:
@@ -529,6 +531,27 @@ def write_serverless_report(folder: Path, out: Path, rows: list[dict[str, Any]])
     return path
 
 
+def frontier_job(results: dict[str, Any]) -> bool:
+    """An engine.serve job of the frontier study (`conf/experiment/serverless_frontier.yaml`)."""
+    from engine.serverless.frontier import is_frontier
+
+    return is_frontier(results)
+
+
+def frontier_row(path: Path, results: dict[str, Any]) -> dict[str, Any]:
+    """A frontier job as a report row (engine.serverless.frontier): its seed and wall time from the job's folder."""
+    from engine.serverless.frontier import frontier_run, job_seed, job_wall_s
+
+    return frontier_run(path, results, job_seed(path), job_wall_s(path))
+
+
+def write_frontier(folder: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
+    """The frontier study: a table and a figure per (model, routing), MoEless once per forecast source."""
+    from engine.serverless.frontier import write_frontier_report
+
+    return write_frontier_report(out, rows, multirun_wall(folder), launcher_of(folder))
+
+
 def multirun_wall(folder: Path) -> float:
     """Seconds from the first job's start to the last job's end (their job_complete.json markers): the study's
     wall time on whatever ran it, resumed parts counted once; NaN without markers."""
@@ -634,6 +657,8 @@ def build(folder: Path, out: Optional[Path] = None, wandb_mode: Optional[str] = 
         path = write_calibration_report(folder, out, [r for r in rows if r.get("calibration")])
     elif any(r.get("serve") for r in rows):
         path = write_serverless_report(folder, out, [r for r in rows if r.get("serve")])
+    elif any(r.get("frontier") for r in rows):
+        path = write_frontier(folder, out, [r for r in rows if r.get("frontier")])
     else:
         path = write_report(out, rows)
     log_to_wandb(folder, out, path, rows, wandb_mode)

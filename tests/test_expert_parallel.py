@@ -103,6 +103,41 @@ def test_ep_layer_equals_single_device_reference(mesh, layer, name):
         assert int(short[0]) > 0
 
 
+def test_ep_layer_rounds_as_the_in_memory_model_in_bf16(mesh, layer):
+    """bf16, every expert on one device: the layer's output equals the in-memory experts' bit for bit (the same
+    kernels, float32 outputs carried back, one rounding after the weighted sum). Rounding each expert's output to
+    bf16 before the combine, as the layer once did, moves some entries by a bf16 step."""
+    experts, x, ids, w, valid = layer
+    placement = Placement.from_lists(E, G, PLACEMENTS["one_per_device_two_idle"])
+    slot_of = slots_in_order(placement)
+    gate_up, down = (tuple(a.astype(jnp.bfloat16) for a in arrays) for arrays in experts.arrays())
+    gu = [np.zeros((G, 2 * F, H), jnp.bfloat16) for _ in range(S)]
+    dn = [np.zeros((G, H, F), jnp.bfloat16) for _ in range(S)]
+    for r, (e, g) in enumerate(zip(placement.replica_expert, placement.replica_device)):
+        gu[slot_of[r]][g], dn[slot_of[r]][g] = np.asarray(gate_up[e]), np.asarray(down[e])
+    tables = replicate(mesh, ReplicaTables(**{k: jnp.asarray(v) for k, v in
+                                             tables_from_slots(placement, slot_of, G * S).items()}))
+    xb = jnp.asarray(x * 4, jnp.bfloat16)  # larger activations: more entries where a double rounding shows
+    args = shard_rows(mesh, xb, jnp.asarray(ids), jnp.asarray(w), jnp.asarray(valid))
+    args += (shard_rows(mesh, *map(jnp.asarray, gu)), shard_rows(mesh, *map(jnp.asarray, dn)))
+    out, overflow, _ = ep_moe(*args, tables, mesh=mesh, capacity=(T // G) * K)
+    assert int(overflow[0]) == 0
+    routing = Routing(experts=jnp.asarray(ids), weights=jnp.asarray(w), logits=jnp.zeros((T, E)), valid=jnp.asarray(valid))
+    ref = np.asarray(InMemoryExperts()(0, xb, routing, _Arrays(gate_up, down)).astype(jnp.bfloat16), np.float32)
+    got = np.asarray(out, np.float32)
+    np.testing.assert_array_equal(got[valid], ref[valid])
+
+
+class _Arrays:
+    """Expert weights as the in-memory executor reads them (`arrays()`): the bf16 test's reference experts."""
+
+    def __init__(self, gate_up, down):
+        self.gate_up, self.down = list(gate_up), list(down)
+
+    def arrays(self):
+        return self.gate_up, self.down
+
+
 def assert_replicas_got_their_share(slot_rows: np.ndarray, placement: Placement, slot_of: np.ndarray, ids: np.ndarray,
                                     valid: np.ndarray) -> None:
     """The rows each replica received, counted on its device: expert e's W_e rows split over its R_e

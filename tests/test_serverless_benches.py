@@ -77,17 +77,42 @@ def test_regime_points_share_the_default_run_and_compare_moeless_with_eplb():
     assert "| skew | 0.6 |" in regimes.markdown(pts)
 
 
-def test_frontier_rows_and_table_from_run_summaries():
-    from engine.bench import bench_serverless_frontier as frontier
+def _frontier_results(seed: int, eplb_ms: float, predictor: dict) -> dict:
+    """A frontier job's results.json as engine.serve writes it (the keys the report reads)."""
+    def system(kind: str, ms: float, gib: float) -> dict:
+        return {"kind": kind, "mean_moe_ms": ms, "mean_moe_exec_ms": ms, "held_memory_time_avg_gib": gib,
+                "copies": 0.0, "warm_start_rate": 1.0}
 
-    def run(seed: int, eplb_ms: float) -> dict:
-        cols = lambda ms, gib: {"latency_ms": ms, "exec_ms": ms, "held_gib": gib, "copies": 0.0, "warm_start_rate": 1.0}
-        return {"model": "m", "seed": seed, "systems": {"Megatron-LM": cols(1.0 + seed, 84.0),
-                                                        "EPLB 3000/1000": cols(eplb_ms, 168.0)}}
+    moeless = 0.5 if predictor.get("upper_bound") else 0.8  # the trained predictor's MoEless is slower here
+    return {"mode": "simulate", "model": "m", "routing": "domains", "hardware": "a6000", "iterations": 10.0,
+            "workload": {"duration_s": 1.0}, "predictor": predictor,
+            "experiments": {"frontier": {"systems": {"Megatron-LM": system("static_ep", 1.0 + seed, 84.0),
+                                                     "EPLB 3000/1000": system("eplb", eplb_ms, 168.0),
+                                                     "MoEless strong": system("moeless", moeless, 90.0)}}}}
 
-    rows = frontier.frontier_rows([run(0, 2.0), run(1, 4.0)])
-    assert [r["system"] for r in rows] == ["Megatron-LM", "EPLB 3000/1000"]
-    assert rows[0]["latency_ms"] == 1.5 and rows[0]["latency_ms_std"] == pytest.approx(np.std([1.0, 2.0], ddof=1))
-    table = frontier.frontier_table(rows)
-    assert "vs EPLB 3000/1000 latency" in table and "| Megatron-LM | 1.5 ± 0.71 |" in table and "-50.0 %" in table
-    assert "experiments=[frontier]" in frontier.overrides("m", 3, 1.0)
+
+def test_frontier_report_from_multirun_jobs(tmp_path):
+    """engine.report on a folder of frontier jobs: a table per (model, routing) with mean ± std over the seeds,
+    per-seed paired changes, and MoEless once per forecast source (its trained predictor beside the oracle)."""
+    import json
+
+    from engine import report
+    from engine.bench.bench_serverless_frontier import multirun_command
+
+    oracle = {"name": "oracle", "upper_bound": True, "hit_rate_by_distance": {"1": 0.9}}
+    trained = {"name": "moeless_mixtral_tiny", "hit_rate_by_distance": {"1": 0.906}}
+    for job, (seed, eplb, pred) in enumerate([(0, 2.0, oracle), (1, 4.0, oracle), (0, 2.0, trained), (1, 4.0, trained)]):
+        folder = tmp_path / str(job)
+        (folder / ".hydra").mkdir(parents=True)
+        (folder / ".hydra" / "config.yaml").write_text(f"seed: {seed}\n")
+        (folder / "results.json").write_text(json.dumps(_frontier_results(seed, eplb, pred)))
+    path = report.build(tmp_path)
+    text = path.read_text()
+    assert "| Megatron-LM | 2 | 1.5 ± 0.71 |" in text  # mean ± sample std over seeds 0 and 1
+    assert "-50.0 % ± 0.0" in text  # Megatron-LM against EPLB 3000/1000, paired per seed: 1/2 and 2/4
+    assert text.count("| Megatron-LM |") == 1  # systems that ignore forecasts: once
+    assert "| MoEless strong [moeless_mixtral_tiny (trained, hit rate 0.906)] | 2 | 0.8 ± 0 |" in text
+    assert "| MoEless strong [oracle, hit rate 0.900, upper bound] | 2 | 0.5 ± 0 |" in text
+    assert (tmp_path / "m_domains.png").is_file()
+    cmd = multirun_command("m", "0,1", 10.0, 2, tmp_path)
+    assert "+experiment=serverless_frontier" in cmd and "hydra.launcher.n_jobs=2" in cmd

@@ -45,7 +45,7 @@ def test_layer_time_streams_every_serving_replicas_weights(mixtral):
     assert cm.settings.kind is LatencyKind.roofline  # the default for every system
     ops = CostModel(mixtral, hw)
     stream = cm.expert_bytes / (hw.gpu.hbm_gbps * 1e9 * hw.gpu.hbm_efficiency)
-    assert stream == pytest.approx(336 * 2**20 / (768e9 * 0.8))  # Mixtral's 336 MiB expert at 614 GB/s
+    assert stream == pytest.approx(336 * 2**20 / (768e9 * 0.559))  # Mixtral's 336 MiB expert at the fitted 429 GB/s
     one = np.array([1.0, 0, 0, 0, 0, 0, 0, 0])
     static = Placement.from_lists(8, 8, [(e, e) for e in range(8)])
     t = cm.moe_time(static, one)

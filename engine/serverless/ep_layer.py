@@ -11,8 +11,9 @@ sharded over `ep`, so filling a slot is a plain transfer to one device); `Replic
 2. dispatch: the rows travel to their replica's device (`all_to_all`, padded to a static capacity
    per device pair; or `ragged_all_to_all` where the backend implements it, not on XLA:CPU);
 3. each device runs its slots over the rows it received (grouped by slot, unused slots skipped);
-4. combine: the outputs travel back by the inverse collective and each token sums its k expert
-   outputs times the routing weights.
+4. combine: the outputs travel back (float32) by the inverse collective and each token sums its k
+   expert outputs times the routing weights in float32, in expert-id order, rounding once: with the
+   in-memory model's kernels on each device this is the in-memory model's arithmetic.
 
 Exact (dropless) as long as `capacity` is at least the largest count of assignments one device
 sends to another (`required_capacity` computes it on the host); the layer returns the number of
@@ -32,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.moe import Routing, experts_grouped
+from models.moe import Routing, experts_grouped, experts_native, native_reads
 from schedulers.ep_placement import Placement, assign_tokens
 
 EP_AXIS = "ep"
@@ -122,11 +123,36 @@ def _replica_choice(e: jax.Array, ok: jax.Array, tables: ReplicaTables, num_devi
 
 def _local_experts(rows: jax.Array, slot: jax.Array, gate_up: tuple, down: tuple) -> jax.Array:
     """rows [N, H], slot int32 [N] (S for rows to skip), this device's S slots: gate_up[s] [1, 2F, H],
-    down[s] [1, H, F] -> [N, H]."""
+    down[s] [1, H, F] -> float32 [N, H], each row's expert output unweighted and unrounded.
+
+    The kernels are the in-memory model's (`models.moe.InMemoryExperts`: the native CPU kernels where they read
+    these weights, the XLA grouped path elsewhere), and the output stays float32: the source device weights and
+    sums a token's k outputs in float32 and rounds once, as the in-memory model does. (Rounding each output to
+    the model's dtype here, as this layer once did, rounded twice and moved bf16 logits by up to a rounding step.)
+    """
     S = len(gate_up)
     routing = Routing(experts=slot[:, None], weights=(slot < S).astype(jnp.float32)[:, None],
                       logits=jnp.zeros((rows.shape[0], S), jnp.float32))
-    return experts_grouped(rows, routing, [w[0] for w in gate_up], [w[0] for w in down]).astype(rows.dtype)
+    gu, dn = [w[0] for w in gate_up], [w[0] for w in down]
+    if native_reads(rows, gu[0], dn[0]):
+        out = jax.lax.platform_dependent(rows, routing, gu, dn, cpu=experts_native, default=experts_grouped)
+    else:
+        out = experts_grouped(rows, routing, gu, dn)
+    return out.astype(jnp.float32)
+
+
+def _combine(got: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+    """float32 [t, H]: each token's k expert outputs got [t * k, H] (float32, 0 where not served) times their
+    routing weights [t, k], summed one after another in expert-id order from zero, as the in-memory kernels
+    add a token's experts (so the sum is the same float32 number for any k, not only k <= 2)."""
+    t, k = weights.shape
+    contrib = (got * weights.reshape(-1, 1)).reshape(t, k, -1)
+    order = jnp.argsort(experts, axis=1, stable=True)
+    contrib = jnp.take_along_axis(contrib, order[:, :, None], axis=1)
+    out = jnp.zeros((t, contrib.shape[-1]), jnp.float32)
+    for j in range(k):
+        out = out + contrib[:, j]
+    return out
 
 
 def _assignments(experts, valid, tables: ReplicaTables, num_devices: int):
@@ -154,9 +180,8 @@ def _padded_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTable
     recv_slot = jax.lax.all_to_all(send_slot, EP_AXIS, 0, 0, tiled=True)
     y = _local_experts(recv_x.reshape(G * capacity, H), recv_slot.reshape(-1), gate_up, down)
     back = jax.lax.all_to_all(y.reshape(G, capacity, H), EP_AXIS, 0, 0, tiled=True)
-    got = back.at[dst, pos].get(mode="fill", fill_value=0).astype(jnp.float32)  # [n, H]
-    contrib = got * (weights.reshape(-1) * fits)[:, None]
-    out = jax.ops.segment_sum(contrib, token, num_segments=t)
+    got = back.at[dst, pos].get(mode="fill", fill_value=0)  # float32 [n, H]
+    out = _combine(jnp.where(fits[:, None], got, 0.0), weights, experts)
     return out.astype(x.dtype), jax.lax.psum(overflow, EP_AXIS)[None], _slot_rows(recv_slot, S)
 
 
@@ -189,9 +214,8 @@ def _ragged_body(x, experts, weights, valid, gate_up, down, tables: ReplicaTable
     # the way back: the chunk I received from src returns to src's send offset for me
     back_offsets = jnp.sum(jnp.where((jnp.arange(G) < me)[None, :], sizes, 0), axis=1).astype(jnp.int32)
     back = a2a(y, jnp.zeros((n, H), y.dtype), recv_offsets, recv_sizes, back_offsets, send_sizes, axis_name=EP_AXIS)
-    unsorted = jnp.zeros((n, H), jnp.float32).at[order].set(back.astype(jnp.float32))
-    contrib = unsorted * (weights.reshape(-1) * ok)[:, None]
-    out = jax.ops.segment_sum(contrib, token, num_segments=t)
+    unsorted = jnp.zeros((n, H), jnp.float32).at[order].set(back)
+    out = _combine(jnp.where(ok[:, None], unsorted, 0.0), weights, experts)
     return out.astype(x.dtype), jax.lax.psum(overflow, EP_AXIS)[None], _slot_rows(recv_slot, S)
 
 
