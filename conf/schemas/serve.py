@@ -24,7 +24,7 @@ from schedulers.hardware import HardwareProfile
 from predictors.config import PredictorConfig
 from engine.sim.routing import RoutingConfig
 from engine.workloads.config import WorkloadConfig
-from engine.serverless.ep_layer import Dispatch
+from engine.serverless.dispatch import Dispatch
 from engine.serverless.latency_model import Billing, ComputeKind, LatencyKind
 from schedulers.ep_placement import SERVERLESS
 
