@@ -61,6 +61,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from conf import hydra_task
+from engine.studies import serve_study_node, serve_study_tags
 from conf.schemas.serve import ServeConfig, ServeMode
 from core.config import resolve_path, to_frozen
 from core.routing_stats import routing_fingerprint
@@ -390,7 +391,7 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-@hydra_task("serve", summarize=headline)
+@hydra_task("serve", summarize=headline, prepare=serve_study_node)
 def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     """Serve or simulate as `node` (a composed `serve` config) says: the one conversion of the node."""
     cfg: ServeConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
@@ -402,6 +403,7 @@ def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
         results = run_simulation(cfg, composed_profile(node.hardware), tm)
     else:
         results = run_real(cfg, tm)
+    results.update(serve_study_tags(node))  # a serverless regimes job: its regime (engine.studies)
     if cfg.plots and cfg.mode is ServeMode.simulate:
         # why lazy: matplotlib (~0.35 s to import) loads only when figures are drawn, as in engine/sim/timeline.py
         from engine.serverless.figures import close, draw_all
