@@ -61,12 +61,12 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from conf import hydra_task
-from engine.studies import serve_study_node, serve_study_tags
 from conf.schemas.serve import ServeConfig, ServeMode
 from core.config import resolve_path, to_frozen
 from core.routing_stats import routing_fingerprint
 from core.telemetry import Telemetry
 from engine.serverless.executor import ServerlessExecutor
+from engine.studies import serve_study_node, serve_study_tags
 from engine.serverless.experiments import compare_with_paper, default_specs, run_experiments, system
 from engine.serverless.forecast import LoadForecast, TiledPredictor
 from engine.serverless.latency_model import LatencySettings, ServerlessCostModel
