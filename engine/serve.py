@@ -65,7 +65,6 @@ from conf.schemas.serve import ServeConfig, ServeMode
 from core.config import resolve_path, to_frozen
 from core.routing_stats import routing_fingerprint
 from core.telemetry import Telemetry
-from engine.serverless.executor import ServerlessExecutor
 from engine.studies import serve_study_node, serve_study_tags
 from engine.serverless.experiments import compare_with_paper, default_specs, run_experiments, system
 from engine.serverless.forecast import LoadForecast, TiledPredictor
@@ -73,7 +72,6 @@ from engine.serverless.latency_model import LatencySettings, ServerlessCostModel
 from engine.serverless.model_routing import cached_replay_routing, checkpoint_positions, context_caps
 from engine.serverless.multihost import maybe_initialize
 from engine.serverless.policies import build_policy, slots_per_device
-from engine.serverless.real_serving import ep_mesh, place_model, serve_real
 from engine.serverless.serving_trace import ServingTrace, from_routing_trace, replay_with_synthetic_routing
 from engine.serverless.simulator import cdf_points
 from engine.sim.routing import RoutingConfig, load_routing_file, tile_layers
@@ -327,6 +325,10 @@ def check_real_context(batches: list, cap: int) -> None:
 
 def run_real(cfg: ServeConfig, tm: Telemetry) -> dict[str, Any]:
     """Serve the trace's batches with a small model on the devices' expert-parallel mesh, each system in turn."""
+    # why lazy: the expert-parallel layer brings jax and flax, which mode=simulate (every study job) never uses
+    from engine.serverless.executor import ServerlessExecutor
+    from engine.serverless.real_serving import ep_mesh, place_model, serve_real
+
     sv = cfg.serverless
     if sv.forecast.use_predictor and cfg.predictor.kind.value == "oracle":
         raise ValueError("predictor=oracle: the oracle reads a recorded trace and works in mode=simulate only; "
