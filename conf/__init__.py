@@ -57,12 +57,15 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
 
 def hydra_task(config_name: str, title: str | Callable[[dict], str] | None = None, hide: tuple[str, ...] = (),
                summarize: Optional[Callable[[dict], Mapping[str, Any]]] = None,
-               metrics: Optional[Callable[[dict], Mapping[str, Any]]] = None
+               metrics: Optional[Callable[[dict], Mapping[str, Any]]] = None,
+               prepare: Optional[Callable[[Any], Any]] = None
                ) -> Callable[[Callable[[Any, Telemetry], dict]], Callable[[], Any]]:
     """The one `main` of a task: `hydra_main(config_name)` around `task(node, telemetry) -> results`, in a run
     folder with wandb (`Telemetry`); then results.json, the `metrics` of the results logged (default: none)
     and a summary table titled `title` (default: the task) of `summarize(results)` (default: the results
-    without the `hide` keys). `main.run(node, run_dir=None)` runs the same task in-process (tests)."""
+    without the `hide` keys). `prepare(node) -> node`, when given, settles the node first (a study job's point
+    applied), so wandb records the config the task runs. `main.run(node, run_dir=None)` runs the same task
+    in-process (tests)."""
 
     def wrap(task: Callable[[Any, Telemetry], dict]) -> Callable[[], Any]:
         @functools.wraps(task)
@@ -74,6 +77,8 @@ def hydra_task(config_name: str, title: str | Callable[[dict], str] | None = Non
                     logging.getLogger(__name__).info("%s: complete in %s, skipped", " ".join(job[1]), job[0])
                     return done
             started = time.time()
+            if prepare is not None:
+                node = prepare(node)
             with Telemetry(node, task=config_name, run_dir=run_dir) as tm:
                 results = task(node, tm)
                 heading = title(results) if callable(title) else (title or config_name)

@@ -87,20 +87,20 @@ def load_rows(folder: Path) -> list[dict[str, Any]]:
 
 
 def serve_row(path: Path, results: dict[str, Any]) -> dict[str, Any]:
-    """An `engine.serve` job of a serverless study as the seeds table reads it: per system kind its metrics, the
-    seed (the job's composed config) and the job's wall seconds (its job_complete.json)."""
+    """An `engine.serve` job of a serverless study as its tables read it (`run_summary`: per system kind its
+    metrics, the copy cost model, EPLB's rearrangements), the seed (the job's composed config), the job's wall
+    seconds (its job_complete.json) and, for a regimes job, its regime, axis and value."""
     from omegaconf import OmegaConf
 
     from core.telemetry import JOB_COMPLETE
-    from engine.bench.bench_serverless_seeds import system_metrics
+    from engine.bench.bench_serverless_seeds import run_summary
 
     composed = path.parent / ".hydra" / "config.yaml"
     seed = int(OmegaConf.load(composed).seed) if composed.is_file() else 0
     marker = path.parent / JOB_COMPLETE
     done = json.loads(marker.read_text()) if marker.is_file() else {}
-    return {"serve": True, "model": results["model"], "seed": seed,
-            "wall_s": done.get("finished", float("nan")) - done.get("started", float("nan")),
-            "systems": {s["kind"]: system_metrics(s) for s in results["experiments"]["compare"]["systems"].values()}}
+    return {"serve": True, "seed": seed, **run_summary(results), **results.get("study", {}),
+            "wall_s": done.get("finished", float("nan")) - done.get("started", float("nan"))}
 
 
 def job_order(path: Path) -> tuple:
@@ -515,6 +515,23 @@ def write_calibration_report(folder: Path, out: Path, rows: list[dict[str, Any]]
     return path
 
 
+def write_serverless_regimes_report(folder: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
+    """The serverless regimes study (engine.serve jobs with a `study.regime`): MoEless against EPLB and
+    Megatron-LM at every point, one knob moved at a time (engine.bench.bench_serverless_regimes' table and
+    figure)."""
+    from engine.bench.bench_serverless_regimes import report
+
+    return report(out, rows, multirun_wall(folder), launcher_of(folder))
+
+
+def write_horizon_report(folder: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
+    """The offload-policy study (simulate jobs of kind horizon): points x policies, mean ± std over seeds, the gap
+    to the bound Horizon closes and every policy's `above_lower_bound` (engine.bench.bench_horizon_study)."""
+    from engine.bench.bench_horizon_study import report
+
+    return report(out, rows, multirun_wall(folder), launcher_of(folder))
+
+
 def write_serverless_report(folder: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
     """A serverless seeds study (engine.serve jobs): per model, each system's mean ± std over seeds and MoEless's
     relative changes (engine.bench.bench_serverless_seeds' table)."""
@@ -566,6 +583,8 @@ def multirun_wall(folder: Path) -> float:
 def launcher_of(folder: Path) -> str:
     """The Hydra launcher that wrote the multirun (`multirun.yaml`), e.g. `the joblib launcher`."""
     path = folder / "multirun.yaml"
+    if not path.is_file():  # a folder holding several multiruns (a study's sets): the first one's
+        path = next(iter(sorted(folder.rglob("multirun.yaml"))), path)
     if not path.is_file():
         return "an unknown launcher"
     from omegaconf import OmegaConf
@@ -582,7 +601,7 @@ def markdown_tables(text: str) -> dict[str, tuple[list[str], list[list[str]]]]:
     i = 0
     while i < len(lines):
         line = lines[i].strip()
-        if line.startswith("|") and i + 1 < len(lines) and lines[i + 1].strip().startswith("|---"):
+        if line.startswith("|") and i + 1 < len(lines) and re.match(r"\|\s*:?-{3,}", lines[i + 1].strip()):
             columns = [c.strip() for c in line.strip("|").split("|")]
             body = []
             i += 2
@@ -651,7 +670,11 @@ def build(folder: Path, out: Optional[Path] = None, wandb_mode: Optional[str] = 
     (None: the mode its jobs ran in)."""
     out = out or folder
     rows = load_rows(folder)
-    if any("axis" in r for r in rows):
+    if any(r.get("serve") and "axis" in r for r in rows):
+        path = write_serverless_regimes_report(folder, out, [r for r in rows if r.get("serve") and "axis" in r])
+    elif any(r.get("study") == "horizon" for r in rows):
+        path = write_horizon_report(folder, out, [r for r in rows if r.get("study") == "horizon"])
+    elif any("axis" in r for r in rows):
         path = write_regimes_report(folder, out, [r for r in rows if "axis" in r])
     elif any(r.get("calibration") for r in rows):
         path = write_calibration_report(folder, out, [r for r in rows if r.get("calibration")])

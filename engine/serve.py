@@ -65,14 +65,13 @@ from conf.schemas.serve import ServeConfig, ServeMode
 from core.config import resolve_path, to_frozen
 from core.routing_stats import routing_fingerprint
 from core.telemetry import Telemetry
-from engine.serverless.executor import ServerlessExecutor
+from engine.studies import serve_study_node, serve_study_tags
 from engine.serverless.experiments import compare_with_paper, default_specs, run_experiments, system
 from engine.serverless.forecast import LoadForecast, TiledPredictor
 from engine.serverless.latency_model import LatencySettings, ServerlessCostModel
 from engine.serverless.model_routing import cached_replay_routing, checkpoint_positions, context_caps
 from engine.serverless.multihost import maybe_initialize
 from engine.serverless.policies import build_policy, slots_per_device
-from engine.serverless.real_serving import ep_mesh, place_model, serve_real
 from engine.serverless.serving_trace import ServingTrace, from_routing_trace, replay_with_synthetic_routing
 from engine.serverless.simulator import cdf_points
 from engine.sim.routing import RoutingConfig, load_routing_file, tile_layers
@@ -326,6 +325,10 @@ def check_real_context(batches: list, cap: int) -> None:
 
 def run_real(cfg: ServeConfig, tm: Telemetry) -> dict[str, Any]:
     """Serve the trace's batches with a small model on the devices' expert-parallel mesh, each system in turn."""
+    # why lazy: the expert-parallel layer brings jax and flax, which mode=simulate (every study job) never uses
+    from engine.serverless.executor import ServerlessExecutor
+    from engine.serverless.real_serving import ep_mesh, place_model, serve_real
+
     sv = cfg.serverless
     if sv.forecast.use_predictor and cfg.predictor.kind.value == "oracle":
         raise ValueError("predictor=oracle: the oracle reads a recorded trace and works in mode=simulate only; "
@@ -390,7 +393,7 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-@hydra_task("serve", summarize=headline)
+@hydra_task("serve", summarize=headline, prepare=serve_study_node)
 def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     """Serve or simulate as `node` (a composed `serve` config) says: the one conversion of the node."""
     cfg: ServeConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
@@ -402,6 +405,7 @@ def main(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
         results = run_simulation(cfg, composed_profile(node.hardware), tm)
     else:
         results = run_real(cfg, tm)
+    results.update(serve_study_tags(node))  # a serverless regimes job: its regime (engine.studies)
     if cfg.plots and cfg.mode is ServeMode.simulate:
         # why lazy: matplotlib (~0.35 s to import) loads only when figures are drawn, as in engine/sim/timeline.py
         from engine.serverless.figures import close, draw_all

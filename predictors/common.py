@@ -11,7 +11,6 @@ from typing import Any, Optional
 import numpy as np
 
 from predictors.base import HitStats, LayerContext, topk_experts
-from predictors.nets import param_bytes
 from predictors.oracle import count_hits
 
 
@@ -108,6 +107,8 @@ class TrainedPredictor:
 
     def memory_mb(self) -> dict[int, float]:
         """Per target layer, the predictor's parameter memory in MB (float32 as kept in memory)."""
+        from predictors.nets import param_bytes  # why lazy: nets brings jax; the routing-only predictors run without
+
         return {t: param_bytes(a) / 2**20 for t, a in self.layer_arrays().items()}
 
     def require_hidden(self, ctx: LayerContext) -> np.ndarray:

@@ -47,13 +47,14 @@ def load_predictor(node_or_cfg: Any, model: Any = None, trace: Optional[RoutingT
         hit = cfg.oracle.at(d)
         seed = cfg.seed + 7919 * (d - 1)  # one miss pattern per distance, not the same draws at every distance
         return NoisyOraclePredictor(trace, d, hit, seed, name=cfg.name if hit >= 1.0 else f"{cfg.name}@{hit:g}")
-    # jax, flax and orbax come with the trained kinds only: the oracle (the simulator's default) stays light
-    from predictors.checkpoint import load_predictor_folder
-    from predictors.gate import GatePredictor
+    # jax, flax and orbax come with checkpoints and gate copies only: the oracle (the simulator's default) and the
+    # routing-only predictors fitted here stay light (a study's worker processes never import jax)
     from predictors.stats import StatsPredictor
     from predictors.transition import TransitionPredictor
 
     if cfg.checkpoint:
+        from predictors.checkpoint import load_predictor_folder
+
         folder = resolve_path(cfg.checkpoint)
         pred = load_predictor_folder(folder)
         if pred.kind != cfg.kind.value:
@@ -77,6 +78,8 @@ def load_predictor(node_or_cfg: Any, model: Any = None, trace: Optional[RoutingT
             return StatsPredictor.fit(train, every, name, d, cfg.stats.online)
         return TransitionPredictor.fit(train, every, name, d)
     if cfg.kind is PredictorKind.gate:
+        from predictors.gate import GatePredictor
+
         if model is None:
             raise ValueError("predictor.kind=gate: pass the model (its routers are copied) or set predictor.checkpoint")
         return GatePredictor.from_model(model, d, name=cfg.name if d == 1 else f"{cfg.name}@d{d}")

@@ -29,7 +29,7 @@ def rows():
 
     jobs = seeds.seed_jobs(["mixtral_8x7b"], [0, 1], duration_s=1.0, extra=TINY, out=None)
     with mock.patch.object(serve, "load_predictor", spy):
-        return seeds.run_jobs(jobs, workers=1)
+        return [{**seeds.simulate(overrides), **tags} for overrides, _, tags in jobs]
 
 
 def test_seed_study_tables_every_system_with_std_across_seeds(rows):
@@ -66,8 +66,8 @@ def test_regime_points_share_the_default_run_and_compare_moeless_with_eplb():
         return {"axis": axis, "value": value, "seed": seed, "systems": systems, "cost_model": {"peer_copy_ms": 5.0},
                 "eplb_rearrangements_per_layer": 3.0}
 
-    jobs = regimes.regime_jobs(["skew", "copy_speed_varied"], "mixtral_8x7b", [0, 1], 20.0, None)
-    assert [j[2]["axis"] for j in jobs] == ["default"] * 2 + ["skew"] * 4 + ["copy_speed_varied"] * 2 * len(regimes.AXES["copy_speed_varied"][1])
+    names = regimes.regimes(["skew", "copy_speed_varied"])
+    assert [axis for axis, _ in names.values()] == ["default"] + ["skew"] * 2 + ["copy_speed_varied"] * len(regimes.AXES["copy_speed_varied"][1])
     rows = [row("default", 0.0, s, 2.0 + s, 1.0) for s in (0, 1)] + [row("skew", 0.6, s, 0.5, 1.0) for s in (0, 1)]
     pts = regimes.points(regimes.with_defaults(rows, ["skew"]))
     assert [(p["axis"], p["value"]) for p in pts] == [("skew", 0.2), ("skew", 0.6)]  # the default is skew's first point

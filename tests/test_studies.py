@@ -4,6 +4,7 @@ logs its tables to the multirun's wandb group (offline files read back)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -154,3 +155,124 @@ def test_config_schemas_pickle_by_reference_for_launchers_that_ship_them_to_work
 
     schema = unfrozen(HardwareProfile)
     assert pickle.loads(cloudpickle.dumps(schema)) is schema and pickle.loads(pickle.dumps(schema)) is schema
+
+
+def test_a_serverless_regime_moves_its_one_knob_of_the_composed_serve_config() -> None:
+    """`study.regime` of an engine.serve job names one knob of bench_serverless_regimes, applied to the composed
+    config before the job runs: the copy links of the job's machine scaled, EPLB sized to MoEless's memory from
+    the model's experts, a routing knob in every layer group; nothing else moves."""
+    from omegaconf import OmegaConf
+
+    from conf import compose
+    from engine.bench import bench_serverless_regimes as regimes
+    from engine.studies import serve_study_node, serve_study_tags
+
+    params = OmegaConf.load(ROOT / "conf/experiment/serverless_regimes.yaml").hydra.sweeper.params
+    assert str(params["study.regime"]).split(",") == list(regimes.regimes())  # every point swept, by a name it finds
+    base = compose("serve", ["+experiment=serverless_regimes"])
+    assert serve_study_node(base) is base and serve_study_tags(base) == {}
+
+    def leaves(node: object, prefix: str = "") -> dict[str, object]:
+        if isinstance(node, dict):
+            return {k: v for key, sub in node.items() for k, v in leaves(sub, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: node}
+
+    def moved(name: str) -> dict[str, object]:
+        node = copy.deepcopy(base)
+        node.study.regime = name  # as `study.regime=<name>` composes it
+        node = serve_study_node(node)
+        ours, theirs = (leaves(OmegaConf.to_container(n, resolve=True)) for n in (node, base))
+        return {k: v for k, v in ours.items() if v != theirs.get(k) and k != "study.regime"}
+
+    hw = base.hardware
+    assert moved("copy_speed_10") == {"hardware.interconnect.pair_gbps": pytest.approx(10 * hw.interconnect.pair_gbps),
+                                      "hardware.host_link.peak_gbps": pytest.approx(10 * hw.host_link.peak_gbps)}
+    assert moved("memory_3") == {"serverless.policies.moeless.capacity_slots": 3,
+                                 "serverless.policies.eplb.num_redundant": 3 * 8 - 8}  # Mixtral: 8 experts, 8 GPUs
+    assert moved("skew_0.6") == {f"routing.synthetic.{g}.popularity_sigma": 0.6 for g in ("input", "middle", "output")}
+    assert moved("default") == {}
+    node = copy.deepcopy(base)
+    node.study.regime = "hit_rate_0.5"
+    assert serve_study_tags(node) == {"study": {"regime": "hit_rate_0.5", "axis": "hit_rate", "value": 0.5}}
+    node.study.regime = "nope"
+    with pytest.raises(ValueError, match="study.regime: 'nope' is not a serverless regime"):
+        serve_study_node(node)
+
+
+def serve_job(folder: Path, regime: str, seed: int, moeless_ms: float, eplb_ms: float) -> None:
+    """A serverless regimes job's folder as engine.serve writes it (the keys the report reads)."""
+    from engine.bench.bench_serverless_regimes import regime_named
+
+    def system(kind: str, ms: float) -> dict:
+        return {"kind": kind, "mean_moe_ms": ms, "mean_moe_exec_ms": ms / 2, "copies": 0.0, "warm_start_rate": 0.5,
+                "cost_by_billing_gib_s": {"held": 1.0, "pay_per_use": 0.5}, "mean_misc_ms": 4.0, "eplb_rebalances": 0}
+
+    axis, value = regime_named(regime)
+    systems = {"MoEless": system("moeless", moeless_ms), "EPLB": system("eplb", eplb_ms),
+               "Megatron-LM": system("static_ep", 1.0)}
+    results = {"model": "m", "iterations": 10.0, "steps_simulated": 5, "routing_statistics": {},
+               "cost_model": {"peer_copy_ms": 5.0}, "study": {"regime": regime, "axis": axis, "value": value},
+               "experiments": {"compare": {"systems": systems, "balancedness_per_layer": {"MoEless": [1.0, 1.0]}}}}
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "config.yaml").write_text(f"seed: {seed}\n")
+    (folder / "results.json").write_text(json.dumps(results))
+
+
+def test_the_report_of_a_serverless_regimes_multirun_shares_the_default_run_out_to_each_axis(tmp_path: Path) -> None:
+    jobs = [("skew_0.6", 0, 0.5, 1.0), ("skew_0.6", 1, 0.5, 1.0), ("default", 0, 2.0, 1.0), ("default", 1, 3.0, 1.0)]
+    for n, job in enumerate(jobs):
+        serve_job(tmp_path / str(n), *job)
+    text = build(tmp_path).read_text()
+    [table] = markdown_tables(text).values()
+    assert [(row[0], row[1]) for row in table[1]] == [("skew", "0.2"), ("skew", "0.6")]  # the default: skew's 0.2
+    assert table[1][0][8] == "x2.5 ± 0.7"  # MoEless vs EPLB per seed: +100 %, +200 % -> mean ± sample std
+    assert table[1][1][8] == "-50.0 %" and table[1][1][2] == "5"  # one copy = 5 Megatron-LM MoE layers of 1 ms
+    assert (tmp_path / "regimes.png").is_file()
+
+
+def horizon_job(folder: Path, point: tuple[str, str, int, str | None], seed: int, runs: dict[str, float],
+                bound: float) -> None:
+    """A study job of kind horizon (one point, one seed) as engine.simulate writes it."""
+    set_, machine, batch, regime = point
+    label = f"{set_}: {regime or f'mixtral_8x7b {machine} b{batch}'}"
+    rows = [{"study": "horizon", "point": label, "set": set_, "model": "mixtral_8x7b", "machine": machine,
+             "batch": batch, "regime": regime, "seed": seed, "system": system, "throughput_tok_s": thr,
+             "decode_latency_s": 1 / thr, "total_s": 10 / thr, "lower_bound_s": 10 / bound, "bound_tok_s": bound,
+             "above_lower_bound": bound / thr - 1, "point_bound_tok_s": bound} for system, thr in runs.items()]
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps({"study": "horizon", "seed": seed, "study_rows": rows}))
+
+
+def test_the_report_of_the_horizon_study_tables_points_by_policies_against_the_bound(tmp_path: Path) -> None:
+    regime = ("regimes", "a100_pcie4", 4, "batch: 4")
+    sweep = ("sweep", "a100_pcie4", 4, None)
+    horizon_job(tmp_path / "regimes" / "0", regime, 0, {"horizon": 5.0, "presched": 6.0}, 8.0)  # written first
+    horizon_job(tmp_path / "sweep" / "0", sweep, 0, {"horizon": 9.0, "presched": 6.0}, 14.0)
+    horizon_job(tmp_path / "sweep" / "1", sweep, 1, {"horizon": 11.0, "presched": 6.0}, 14.0)
+    text = build(tmp_path).read_text()
+    tables = list(markdown_tables(text).values())
+    points, bounds = tables[0], tables[1]
+    assert points[0] == ["point", "horizon", "presched", "bound tok/s", "best other", "gap closed", "Horizon ≥ all"]
+    assert points[1] == [  # the sweep's points before the regimes' whatever order the jobs ran in; mean ± std
+        ["sweep: mixtral_8x7b a100_pcie4 b4", "10.00 ± 1.00", "6.00 ± 0.00", "14.00", "presched", "50 %", "yes"],
+        ["regimes: batch: 4", "5.00 ± 0.00", "6.00 ± 0.00", "8.00", "presched", "-50 %", "**no**"]]
+    assert bounds[1][0][:3] == ["horizon", "3", "27.3 %"]  # above_lower_bound over every run: 14/11, 14/9, 8/5 - 1
+    assert "at 1 of 2 points; not at: regimes: batch: 4" in text and (tmp_path / "horizon_study.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_horizon_study_job_runs_the_point_the_study_script_ran() -> None:
+    """The job of `+experiment=horizon_study` / `horizon_regimes` replays what bench_horizon_study's own point
+    did (the same throughput and bound for every policy)."""
+    from conf import compose
+    from engine.bench import bench_horizon_study as horizon
+
+    for overrides, point in (
+            (["+experiment=horizon_study", "model=deepseek_v2_lite", "batch_size=4", "hardware=v100_pcie3", "seed=1"],
+             horizon.Point("sweep", "deepseek_v2_lite", "v100_pcie3", 4)),
+            (["+experiment=horizon_regimes", "study.regime=batch_4", "seed=0"],
+             next(p for p in horizon.study_points(("regimes",)) if p.regime == "batch: 4"))):
+        job = horizon.job_rows(compose("simulate", [*overrides, "study.systems=[presched,horizon]"]))
+        script = horizon.run_point(point, int(overrides[-1].split("=")[1]), ("presched", "horizon"))
+        keys = ("system", "throughput_tok_s", "above_lower_bound", "point_bound_tok_s")
+        assert [[r[k] for k in keys] for r in job] == [[r[k] for k in keys] for r in script]

@@ -24,7 +24,7 @@ from schedulers.hardware import HardwareProfile
 from predictors.config import PredictorConfig
 from engine.sim.routing import RoutingConfig
 from engine.workloads.config import WorkloadConfig
-from engine.serverless.ep_layer import Dispatch
+from engine.serverless.dispatch import Dispatch
 from engine.serverless.latency_model import Billing, ComputeKind, LatencyKind
 from schedulers.ep_placement import SERVERLESS
 
@@ -108,6 +108,15 @@ class DistributedConfig:
 
 
 @dataclass
+class ServeStudyConfig:
+    """One job of a serve study multirun (`conf/experiment/serverless_regimes.yaml`): `regime` names a point of
+    engine.bench.bench_serverless_regimes (one knob moved from the defaults, e.g. `skew_0.6`; `default`), applied
+    to the composed config before the job runs (`engine.studies.serve_study_node`); null: the config as composed."""
+
+    regime: Optional[str] = None
+
+
+@dataclass
 class ServeConfig:
     model: ModelSpec = MISSING
     hardware: unfrozen(HardwareProfile) = MISSING  # type: ignore[valid-type]
@@ -132,6 +141,7 @@ class ServeConfig:
     dtype: DType = DType.auto  # real mode
     plots: bool = True
     seed: int = 0
+    study: ServeStudyConfig = field(default_factory=ServeStudyConfig)  # a serve study multirun's job
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     notes: Optional[str] = None

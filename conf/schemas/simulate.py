@@ -43,11 +43,12 @@ class StudyConfig:
     configured simulation; otherwise the job replays its routing under every system x machine (`systems`,
     `hit_rates`) or one PreSched cost regime (`presched_regime`) and writes the rows into results.json."""
 
-    kind: Optional[str] = None  # systems | hit_rates | presched_regime
+    kind: Optional[str] = None  # systems | hit_rates | presched_regime | horizon
     systems: List[str] = field(default_factory=list)  # conf/scheduler names (`presched_no_async`: synchronous copies)
     machines: List[str] = field(default_factory=list)  # conf/hardware names every system runs on (default: hardware)
     hit_rates: List[str] = field(default_factory=list)  # kind hit_rates: the points (engine.bench.bench_simulate_sweep)
     regime: Optional[str] = None  # kind presched_regime: a name of engine.bench.bench_presched_regimes.REGIMES
+    forecasts: str = "transition"  # kind horizon: the forecasts every policy plans from (a sweep_predictor point)
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """Study: every offload policy at every point, mean ± std over seeds, the gap to the lower bound, drawn.
 
-Points (`study_points`): the Figure-11 sweep (4 models x 2 machines x 5 batches, synthetic routing fitted to real
-Mixtral statistics), the rows of `bench_presched_regimes` (Mixtral-8x7B, A100, one cost moved at a time), and the
-routing of the shipped trained mixtral-tiny (`routing=trained_tiny`) at batches 4-64. Forecasts are realistic: the
-transition table fitted on held-out routing (`predictor=transition`); `--forecasts measured` runs the default
-oracle (LLaPor's measured hit rate: an upper bound, labelled so).
+Points: the Figure-11 sweep (4 models x 2 machines x 5 batches, synthetic routing fitted to real Mixtral
+statistics), the rows of `bench_presched_regimes` (Mixtral-8x7B, A100, one cost moved at a time), and the routing of
+the shipped trained mixtral-tiny (`routing=trained_tiny`) at batches 4-64. Forecasts are realistic: the transition
+table fitted on held-out routing (`study.forecasts=transition`); `study.forecasts=measured` runs the default oracle
+(LLaPor's measured hit rate: an upper bound, labelled so).
 
 Bound: `engine.sim.bounds.lower_bound` of the point's passes, which knows the routing of the whole pass (what no
 forecast does). A policy that keeps two batches in flight (Klotski, Horizon) replays twice the sequences per pass,
@@ -12,17 +12,25 @@ so each in-flight width has its own bound; the point's bound is the best through
 batches in flight could reach (`bound_tok_s`), and `above_lower_bound` of a run is its time over the bound of its own
 passes minus 1. The gap Horizon closes at a point is (Horizon - best other) / (bound - best other) in throughput.
 
-    python engine/bench/bench_horizon_study.py [--seeds 0,1,2,3,4] [--sets sweep,regimes,replay]
-        [--models ...] [--batches ...] [--systems ...] [--jobs 1] [--out runs/bench/horizon_study]
+The study is three Hydra multiruns of `engine.simulate` jobs of kind `horizon` (one job per point and seed, any
+launcher, resumable), one per set of points, and one report over the folder that holds them:
 
-The point list (`study_points`), one point's runs (`run_point`) and the table builders (`point_table`,
-`bound_distribution`, `summary_lines`) are importable, so a Hydra multirun can wrap them.
+    python -m engine.simulate -m +experiment=horizon_study   hydra.sweep.dir=runs/horizon/sweep
+    python -m engine.simulate -m +experiment=horizon_regimes hydra.sweep.dir=runs/horizon/regimes
+    python -m engine.simulate -m +experiment=horizon_replay  hydra.sweep.dir=runs/horizon/replay
+    python -m engine.report runs/horizon     # points x policies, the bound distribution, the figure; wandb
+
+This script runs them under joblib into `--out`/<set> (a rerun resumes; `--fresh` starts over), times them and
+prints the report:
+
+    python engine/bench/bench_horizon_study.py [--seeds 0,1,2,3,4] [--sets sweep,regimes,replay]
+        [--models ...] [--batches ...] [--systems ...] [--workers 2] [--out runs/bench/horizon_study]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -34,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np  # noqa: E402
 
 from conf import compose  # noqa: E402
-from engine.bench.bench_presched_regimes import REGIMES, profile  # noqa: E402
+from engine.bench.bench_presched_regimes import REGIMES, profile, regime_named  # noqa: E402
 from engine.bench.bench_simulate_sweep import BATCHES, HARDWARE, MODELS, hardware, scheduler_settings, \
     sweep_predictor  # noqa: E402
 from engine.sim.bounds import lower_bound  # noqa: E402
@@ -79,26 +87,64 @@ def study_points(sets: tuple[str, ...] = ("sweep", "regimes", "replay"), models:
     return out
 
 
+SETS = ("sweep", "regimes", "replay")
+EXPERIMENTS = {"sweep": "horizon_study", "regimes": "horizon_regimes", "replay": "horizon_replay"}
+
+
 def point_spec(point: Point, seed: int) -> RunSpec:
     """The point's run spec under PreSched (each system replaces the scheduler)."""
     cfg = compose("simulate", [f"model={point.model}", f"batch_size={point.batch}", f"routing={point.routing}",
                                "scheduler=presched"])
     spec = replace(spec_from_config(cfg), hardware=hardware(point.machine), predictor=sweep_predictor(point.forecasts),
                    seed=seed)
-    if point.regime is not None:
-        regime = next(r for r in REGIMES if f"{r.axis}: {r.setting}" == point.regime)
-        spec = replace(spec, hardware=profile(regime))
-        if regime.cache_fraction is not None:
-            experts = spec.model.num_experts * len(spec.model.moe_layers)
-            spec = replace(spec, cache_slots=int(round(regime.cache_fraction * experts)))
+    return regime_costs(point, spec)
+
+
+def regime_costs(point: Point, spec: RunSpec) -> RunSpec:
+    """`spec` with the costs of the point's PreSched regime (machine, batch, expert cache); as it is without one."""
+    if point.regime is None:
+        return spec
+    regime = next(r for r in REGIMES if f"{r.axis}: {r.setting}" == point.regime)
+    spec = replace(spec, hardware=profile(regime), batch_size=regime.batch)
+    if regime.cache_fraction is not None:
+        experts = spec.model.num_experts * len(spec.model.moe_layers)
+        spec = replace(spec, cache_slots=int(round(regime.cache_fraction * experts)))
     return spec
 
 
 def run_point(point: Point, seed: int, systems: tuple[str, ...] = SYSTEMS) -> list[dict[str, Any]]:
     """Every system at one point on one seed's routing (one routing per in-flight width), with the bounds."""
-    base = point_spec(point, seed)
+    return point_rows(point, point_spec(point, seed), systems)
+
+
+def job_rows(cfg: Any) -> list[dict[str, Any]]:
+    """The rows of one study job (`engine.simulate` with `study.kind=horizon`): the point is the job's own
+    config (model, hardware, batch, routing, seed; `study.regime` a PreSched regime's costs instead), every
+    `study.systems` policy planning from `study.forecasts`."""
+    from hydra.core.hydra_config import HydraConfig
+
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    base = spec_from_config(cfg)
+    study = cfg.study
+    forecasts = str(study.forecasts)
+    model, machine = choices.get("model") or base.model_name, choices.get("hardware") or base.hardware.name
+    if study.regime:
+        regime = regime_named(str(study.regime))
+        point = Point("regimes", model, machine, regime.batch, regime=f"{regime.axis}: {regime.setting}",
+                      forecasts=forecasts)
+    else:
+        point = Point("sweep" if base.routing.name == "synthetic" else "replay", model, machine, base.batch_size,
+                      routing=base.routing.name, forecasts=forecasts)
+    spec = replace(base, scheduler=scheduler_settings("presched"), predictor=sweep_predictor(forecasts))
+    return point_rows(point, regime_costs(point, spec), tuple(str(s) for s in study.systems) or SYSTEMS)
+
+
+def point_rows(point: Point, base: RunSpec, systems: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Every system at one point on `base`'s routing (one routing per in-flight width), with the bounds."""
     routings: dict[int, Any] = {}
     bounds: dict[int, float] = {}
+    where = {"study": "horizon", "point": point.label, "set": point.set, "model": point.model,
+             "machine": point.machine, "batch": point.batch, "regime": point.regime, "seed": base.seed}
     rows = []
     for system in systems:
         spec = replace(base, scheduler=scheduler_settings(system))
@@ -107,14 +153,14 @@ def run_point(point: Point, seed: int, systems: tuple[str, ...] = SYSTEMS) -> li
             t0 = time.process_time()
             out = simulate(spec, routing)
         except ValueError as err:  # e.g. two batches' KV cache does not fit the device
-            rows.append({"point": point.label, "set": point.set, "system": system, "seed": seed, "error": str(err)})
+            rows.append({**where, "system": system, "error": str(err)})
             continue
         if spec.sequences not in bounds:
             bounds[spec.sequences] = lower_bound(spec.model, out.cost, routing.passes,
                                                  out.memory.cache_slots + spec.scheduler.staging_slots)
         tokens = sum(p.num_seqs for p in routing.passes)
         lb = bounds[spec.sequences]
-        rows.append({"point": point.label, "set": point.set, "system": system, "seed": seed,
+        rows.append({**where, "system": system,
                      "label": spec.scheduler.label, "in_flight": spec.scheduler.in_flight,
                      "throughput_tok_s": out.summary["throughput_tok_s"],
                      "decode_latency_s": out.summary["decode_latency_s"], "total_s": out.summary["total_s"],
@@ -124,6 +170,15 @@ def run_point(point: Point, seed: int, systems: tuple[str, ...] = SYSTEMS) -> li
     for r in rows:
         r["point_bound_tok_s"] = best_bound
     return rows
+
+
+def point_order(row: dict[str, Any]) -> tuple:
+    """A row's point in the study's table order: sets, then models, machines and batches as the Figure-11 sweep
+    lists them, regimes as bench_presched_regimes does (a seed's rows keep their order)."""
+    regimes = [f"{r.axis}: {r.setting}" for r in REGIMES]
+    index = lambda seq, x: seq.index(x) if x in seq else len(seq)
+    return (index(list(SETS), row["set"]), index(list(MODELS), row["model"]), index(list(HARDWARE), row["machine"]),
+            int(row["batch"]), index(regimes, row.get("regime")), row["seed"])
 
 
 # ---- tables -----------------------------------------------------------------------------------------------------
@@ -227,48 +282,57 @@ def figure(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def run_study(points: list[Point], seeds: list[int], systems: tuple[str, ...], jobs: int = 1) -> list[dict[str, Any]]:
-    """Every (point, seed) sequentially, or over `jobs` joblib processes."""
-    work = [(p, s) for p in points for s in seeds]
-    if jobs > 1:
-        from joblib import Parallel, delayed
-
-        chunks = Parallel(n_jobs=jobs)(delayed(run_point)(p, s, systems) for p, s in work)
-    else:
-        chunks = [run_point(p, s, systems) for p, s in work]
-    return [r for chunk in chunks for r in chunk]
+def report(out: Path, rows: list[dict[str, Any]], wall: float, launcher: str) -> Path:
+    """report.md (points x policies, the bound distribution, the summary) and horizon_study.png of the study's
+    rows (its jobs' `study_rows`) into `out`."""
+    rows = sorted(rows, key=point_order)
+    systems = tuple(s for s in SYSTEMS if any(r["system"] == s for r in rows)) + tuple(
+        dict.fromkeys(r["system"] for r in rows if r["system"] not in SYSTEMS))
+    points = list(dict.fromkeys(r["point"] for r in rows))
+    seeds = sorted({r["seed"] for r in rows})
+    out.mkdir(parents=True, exist_ok=True)
+    figure(rows, out / "horizon_study.png")
+    text = ["# Offload policies at every point, against the lower bound", "",
+            f"{len(rows)} runs over {len(points)} points x seeds {seeds} in {wall:.0f} s wall under {launcher}; "
+            "throughput tokens/s, mean ± std over seeds.", "", point_table(rows, systems), "",
+            "above_lower_bound per policy (every run, its own passes' bound)", "", bound_distribution(rows, systems), "",
+            *summary_lines(rows), "", "![study](horizon_study.png)", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(text))
+    return path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2,3,4")
-    ap.add_argument("--sets", default="sweep,regimes,replay")
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--sets", default=",".join(SETS))
+    ap.add_argument("--models", default=",".join(MODELS), help="the sweep set's models")
+    ap.add_argument("--batches", default=",".join(map(str, sorted(BATCHES, reverse=True))),
+                    help="the sweep and replay sets' batches")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--forecasts", default="transition", help="transition | stats | measured (oracle: upper bound)")
-    ap.add_argument("--match", default="", help="only the points whose label contains this text")
-    ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("--out", default="runs/bench/horizon_study")
+    ap.add_argument("--workers", type=int, default=2, help="parallel jobs (hydra.launcher.n_jobs)")
+    ap.add_argument("--out", default="runs/bench/horizon_study", help="the folder of the sets' multiruns (resumed)")
+    ap.add_argument("--fresh", action="store_true", help="rerun every job, even those complete in --out")
+    ap.add_argument("--set", action="append", default=[], help="extra engine.simulate override (repeatable)")
     args = ap.parse_args()
-    systems = tuple(args.systems.split(","))
-    points = study_points(tuple(args.sets.split(",")), tuple(args.models.split(",")),
-                          tuple(int(b) for b in args.batches.split(",")), args.forecasts)
-    points = [p for p in points if args.match in p.label]
-    seeds = [int(s) for s in args.seeds.split(",")]
-    wall0 = time.perf_counter()
-    rows = run_study(points, seeds, systems, args.jobs)
-    wall = time.perf_counter() - wall0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.jsonl", "w") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
-    figure(rows, out / "horizon_study.png")
-    text = [point_table(rows, systems), "", bound_distribution(rows, systems), "", *summary_lines(rows),
-            f"{len(rows)} runs over {len(points)} points x seeds {seeds}, wall {wall:.0f} s ({args.jobs} job(s))"]
-    (out / "report.md").write_text("\n".join(text) + "\n\n![study](horizon_study.png)\n")
-    print("\n".join(text))
+    from engine.bench.bench_simulate_sweep import multirun
+    from engine.report import build
+
+    out = Path(args.out).resolve()
+    common = [f"seed={args.seeds}", f"study.systems=[{args.systems}]", f"study.forecasts={args.forecasts}", *args.set]
+    per_set = {"sweep": [f"model={args.models}", f"batch_size={args.batches}"],
+               "regimes": [], "replay": [f"batch_size={args.batches}"]}
+    wall = 0.0
+    for name in args.sets.split(","):
+        if name not in EXPERIMENTS:
+            raise SystemExit(f"--sets: {name!r} is no set of this study; known: {', '.join(SETS)}")
+        wall += multirun(EXPERIMENTS[name], out / name, args.workers, [*common, *per_set[name]], args.fresh)
+    path = build(out)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(path.read_text())
+    print(f"wall {wall:.1f} s with {args.workers} joblib worker(s) (Hydra starts included); 1-min load average at "
+          f"the end {load:.2f}; report in {out}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
-"""Benchmark: in which regime MoEless beats EPLB (and Megatron-LM), one knob at a time.
+"""Study: in which regime MoEless beats EPLB (and Megatron-LM), one knob at a time.
+
+The study is the multirun `python -m engine.serve -m +experiment=serverless_regimes` (one engine.serve simulation
+per regime and seed; any Hydra launcher, resumable); its report `python -m engine.report <folder>`. This script runs
+it under joblib into `--out` (a rerun resumes; `--fresh` starts over), times it and prints the report:
 
     python engine/bench/bench_serverless_regimes.py [--axes skew,variation,memory,hit_rate,copy_speed,distance,copy_speed_varied]
         [--model mixtral_8x7b] [--seeds 0] [--duration-s 20] [--workers 2] [--out runs/bench/serverless_regimes]
 
-Every point is an in-process `engine.serve` simulation (Megatron-LM, EPLB and MoEless; the serve defaults
-otherwise) with one knob moved from the default:
+Every regime is an `engine.serve` simulation (Megatron-LM, EPLB and MoEless; the serve defaults otherwise) with
+one knob moved from the default (`study.regime=<axis>_<value>`, e.g. `skew_0.6`; `default` moves none):
 
 - `skew`: the synthetic routing's shared expert-popularity spread (`popularity_sigma` of every layer
   group; 0.2 is the default fitted to Mixtral-8x7B, larger is more skewed load);
@@ -15,22 +19,21 @@ otherwise) with one knob moved from the default:
 - `hit_rate`: the oracle forecasts' hit rate at d = 1 (an UPPER BOUND: the replayed routing degraded to an
   assumed accuracy, not a trained predictor);
 - `copy_speed`: peer and host copy bandwidth x f (`hardware.interconnect.pair_gbps`,
-  `hardware.host_link.peak_gbps`): the cost of a weight copy in layer times, which decides whether
-  re-placing replicas every iteration can pay; `copy_speed_varied` the same at `domain_sigma` 2;
+  `hardware.host_link.peak_gbps` of the job's machine): the cost of a weight copy in layer times, which decides
+  whether re-placing replicas every iteration can pay; `copy_speed_varied` the same at `domain_sigma` 2;
 - `distance`: MoEless's prediction distance d (its copies start d layers ahead; the oracle's hit rate
   decays x0.95 per extra layer).
 
-Writes regimes.md (one row per point: MoEless's latency with and without copy waits against EPLB and
-Megatron-LM; one expert's peer copy in MoE-layer times and in layer-block times, the block being the
-attention part T_misc plus the MoE part, Megatron-LM's means), rows.jsonl and regimes.png into `--out`.
+The report (report.md, points.json, regimes.png): one row per point, MoEless's latency with and without copy
+waits against EPLB and Megatron-LM; one expert's peer copy in MoE-layer times and in layer-block times, the block
+being the attention part T_misc plus the MoE part, Megatron-LM's means.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,66 +41,78 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from conf import compose  # noqa: E402
-from models.loading import resolve_model_config  # noqa: E402
-from schedulers.hardware import load_hardware  # noqa: E402
-from engine.bench.bench_serverless_seeds import mean_std, pct, serve_overrides, study_args, study_rows, study_wall  # noqa: E402
+from engine.bench.bench_serverless_seeds import mean_std, pct  # noqa: E402
 
-SYSTEMS = "systems=[static_ep,eplb,moeless]"
 GROUPS = ("input", "middle", "output")  # the synthetic routing's layer groups (engine/synthetic_routing.py)
-SERVED_ON = load_hardware("a6000")  # engine.serve's default hardware (conf/serve.yaml), whose copy links the axis scales
 
-
-def routing_knob(name: str, value: float) -> list[str]:
-    return [f"routing.synthetic.{g}.{name}={value:g}" for g in GROUPS]
-
-
-def copy_speed(f: float) -> list[str]:
-    return [f"hardware.interconnect.pair_gbps={SERVED_ON.interconnect.pair_gbps * f:g}",
-            f"hardware.host_link.peak_gbps={SERVED_ON.host_link.peak_gbps * f:g}"]
-
-
-def memory(slots: int, model: str) -> list[str]:
-    """MoEless and EPLB both holding `slots` replicas per device of `model` on engine.serve's default devices."""
-    experts = resolve_model_config(compose("serve", [f"model={model}"]).model).num_experts
-    return [f"serverless.policies.moeless.capacity_slots={slots}",
-            f"serverless.policies.eplb.num_redundant={slots * SERVED_ON.num_devices - experts}"]
-
-
-# axis -> (what the value is, [(value, overrides)]); the first value of each axis but `copy_speed_varied` is
-# the default configuration
-AXES: dict[str, tuple[str, list[tuple[float, list[str]]]]] = {
-    "skew": ("popularity_sigma", [(v, routing_knob("popularity_sigma", v)) for v in (0.2, 0.6, 1.2)]),
-    "variation": ("domain_sigma", [(v, routing_knob("domain_sigma", v)) for v in (1.0, 0.0, 2.0)]),
-    "memory": ("slots per device (MoEless = EPLB)", [(s, []) for s in (2, 3, 4)]),  # overrides: `memory`, per model
-    "hit_rate": ("oracle hit rate at d = 1 (UPPER BOUND)", [(h, [f"predictor.oracle.hit_rate={h:g}"])
-                                                            for h in (0.9, 0.5, 0.7, 1.0)]),
-    "copy_speed": ("copy bandwidth x", [(f, copy_speed(f)) for f in (1, 10, 30, 50, 70, 100, 1000)]),
-    "copy_speed_varied": ("copy bandwidth x (domain_sigma 2)",
-                          [(f, copy_speed(f) + routing_knob("domain_sigma", 2.0)) for f in (1, 30, 50, 70, 100, 1000)]),
-    "distance": ("prediction distance d", [(d, [f"predictor.distance={d}"]) for d in (1, 2, 4)]),
+# axis -> (what the value is, its values); the first value of each axis but `copy_speed_varied` is the default
+# configuration (the `default` regime, run once per seed and shared out to every axis by `with_defaults`)
+AXES: dict[str, tuple[str, tuple[float, ...]]] = {
+    "skew": ("popularity_sigma", (0.2, 0.6, 1.2)),
+    "variation": ("domain_sigma", (1.0, 0.0, 2.0)),
+    "memory": ("slots per device (MoEless = EPLB)", (2, 3, 4)),
+    "hit_rate": ("oracle hit rate at d = 1 (UPPER BOUND)", (0.9, 0.5, 0.7, 1.0)),
+    "copy_speed": ("copy bandwidth x", (1, 10, 30, 50, 70, 100, 1000)),
+    "copy_speed_varied": ("copy bandwidth x (domain_sigma 2)", (1, 30, 50, 70, 100, 1000)),
+    "distance": ("prediction distance d", (1, 2, 4)),
 }
 NOT_DEFAULT_FIRST = ("copy_speed_varied",)
+DEFAULT = "default"
 
 
-def regime_jobs(axes: list[str], model: str, seeds: list[int], duration_s: float, out: Optional[Path],
-                extra_all: tuple[str, ...] = ()) -> list[tuple[list[str], Optional[str], dict[str, Any]]]:
-    """One job per (point, seed); the default configuration (every axis's first value but
-    `copy_speed_varied`'s) once per seed, tagged axis "default" (`with_defaults` shares it out)."""
-    jobs = []
-    for seed in seeds:
-        folder = str(out / "runs" / f"default_seed{seed}") if out else None
-        jobs.append((serve_overrides(model, seed, duration_s, [SYSTEMS, *extra_all]), folder,
-                     {"axis": "default", "value": 0.0, "seed": seed}))
-    for axis in axes:
+def regimes(axes: Optional[list[str]] = None) -> dict[str, tuple[str, float]]:
+    """Every regime's name (`study.regime`) -> (axis, value), in the study's order: `default` first, then each
+    axis's points but the default one."""
+    out: dict[str, tuple[str, float]] = {DEFAULT: (DEFAULT, 0.0)}
+    for axis in axes or list(AXES):
+        if axis not in AXES:
+            raise ValueError(f"--axes: {axis!r} is no serverless regime axis; known: {', '.join(AXES)}")
         values = AXES[axis][1] if axis in NOT_DEFAULT_FIRST else AXES[axis][1][1:]
-        for value, extra in values:
-            extra = memory(int(value), model) if axis == "memory" else extra
-            for seed in seeds:
-                tags = {"axis": axis, "value": value, "seed": seed}
-                folder = str(out / "runs" / f"{axis}_{value:g}_seed{seed}") if out else None
-                jobs.append((serve_overrides(model, seed, duration_s, [SYSTEMS, *extra_all, *extra]), folder, tags))
-    return jobs
+        out.update({f"{axis}_{v:g}": (axis, float(v)) for v in values})
+    return out
+
+
+def regime_named(name: str) -> tuple[str, float]:
+    """(axis, value) of a regime's name (one line naming the known ones when it is none of them)."""
+    known = regimes()
+    if name not in known:
+        raise ValueError(f"study.regime: {name!r} is not a serverless regime; known: {', '.join(known)}")
+    return known[name]
+
+
+def regime_settings(name: str, node: Any) -> dict[str, Any]:
+    """The `engine.serve` keys a regime sets (dotted key -> value) on the composed config `node`: the copy links
+    scale the job's own machine's, the memory axis sizes EPLB from the job's model and devices."""
+    axis, value = regime_named(name)
+
+    def routing(knob: str, v: float) -> dict[str, Any]:
+        return {f"routing.synthetic.{g}.{knob}": float(v) for g in GROUPS}
+
+    def copies(f: float) -> dict[str, Any]:
+        hw = node.hardware
+        return {"hardware.interconnect.pair_gbps": float(hw.interconnect.pair_gbps) * f,
+                "hardware.host_link.peak_gbps": float(hw.host_link.peak_gbps) * f}
+
+    if axis == "skew":
+        return routing("popularity_sigma", value)
+    if axis == "variation":
+        return routing("domain_sigma", value)
+    if axis == "memory":
+        from models.loading import resolve_model_config  # why lazy: only this axis needs the model's experts
+
+        experts = resolve_model_config(node.model).num_experts
+        devices = int(node.serverless.num_devices or node.hardware.num_devices)
+        return {"serverless.policies.moeless.capacity_slots": int(value),
+                "serverless.policies.eplb.num_redundant": int(value) * devices - experts}
+    if axis == "hit_rate":
+        return {"predictor.oracle.hit_rate": value}
+    if axis == "copy_speed":
+        return copies(value)
+    if axis == "copy_speed_varied":
+        return {**copies(value), **routing("domain_sigma", 2.0)}
+    if axis == "distance":
+        return {"predictor.distance": int(value)}
+    return {}  # the default configuration
 
 
 def with_defaults(rows: list[dict[str, Any]], axes: list[str]) -> list[dict[str, Any]]:
@@ -106,7 +121,7 @@ def with_defaults(rows: list[dict[str, Any]], axes: list[str]) -> list[dict[str,
     out = []
     for axis in axes:
         if axis not in NOT_DEFAULT_FIRST:
-            out += [{**r, "axis": axis, "value": AXES[axis][1][0][0]} for r in defaults]
+            out += [{**r, "axis": axis, "value": float(AXES[axis][1][0])} for r in defaults]
         out += [r for r in rows if r["axis"] == axis]
     return out
 
@@ -188,29 +203,53 @@ def figure(pts: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+def report(out: Path, rows: list[dict[str, Any]], wall: float, launcher: str) -> Path:
+    """report.md (the points table), points.json and regimes.png of a multirun's rows (engine.report's
+    `serve_row`s of the study's jobs, tagged with their regime's axis and value) into `out`."""
+    import json
+
+    order = list(regimes())
+    rows = sorted(rows, key=lambda r: (order.index(r["regime"]) if r.get("regime") in order else len(order), r["seed"]))
+    axes = [a for a in AXES if any(r["axis"] == a for r in rows)]
+    pts = points(with_defaults(rows, axes))
+    out.mkdir(parents=True, exist_ok=True)
+    text = ["# MoEless vs EPLB and Megatron-LM, one knob at a time", "",
+            f"{len(rows)} engine.serve runs (seeds {sorted({r['seed'] for r in rows})}) in {wall:.0f} s wall under "
+            f"{launcher}; relative changes MoEless / other - 1 per seed, then mean ± std.", "", markdown(pts), "",
+            "![regimes](regimes.png)", ""]
+    (out / "points.json").write_text(json.dumps({"wall_s": wall, "points": pts}, indent=1))
+    figure(pts, out / "regimes.png")
+    path = out / "report.md"
+    path.write_text("\n".join(text))
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--axes", default=",".join(AXES))
     ap.add_argument("--model", default="mixtral_8x7b")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--duration-s", type=float, default=20.0)
-    study_args(ap, "runs/bench/serverless_regimes")
+    ap.add_argument("--workers", type=int, default=2, help="parallel jobs (hydra.launcher.n_jobs)")
+    ap.add_argument("--out", default="runs/bench/serverless_regimes", help="the multirun folder (a rerun resumes it)")
+    ap.add_argument("--fresh", action="store_true", help="rerun every job, even those complete in --out")
+    ap.add_argument("--set", action="append", default=[], help="extra engine.serve override (repeatable)")
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    rows = study_rows(args, lambda: regime_jobs(args.axes.split(","), args.model, [int(s) for s in args.seeds.split(",")],
-                                                args.duration_s, out, tuple(args.set)))
-    axes = [a for a in args.axes.split(",") if any(r["axis"] == a for r in rows)]  # the ones that were run
-    pts = points(with_defaults(rows, axes))
-    wall = study_wall(args, t0, "points.json")
-    text = markdown(pts)
-    (out / "regimes.md").write_text(text + f"\n\nwall time {wall:.0f} s ({args.workers} workers)\n")
-    (out / "points.json").write_text(json.dumps({"args": vars(args), "wall_s": wall, "points": pts}, indent=1))
-    figure(pts, out / "regimes.png")
-    print(text)
-    print(f"wall time {wall:.0f} s -> {out}")
-    return pts
+    from engine.bench.bench_simulate_sweep import multirun  # why lazy: the simulator's configs, for the timer only
+
+    names = ",".join(regimes(args.axes.split(",")))
+    out = Path(args.out).resolve()
+    wall = multirun("serverless_regimes", out, args.workers, [f"study.regime={names}", f"seed={args.seeds}",
+                                                             f"model={args.model}",
+                                                             f"workload.azure.duration_s={args.duration_s:g}",
+                                                             *args.set], args.fresh, entry="engine.serve")
+    from engine.report import build  # the study's report, by engine.report
+
+    path = build(out)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(path.read_text())
+    print(f"wall {wall:.1f} s with {args.workers} joblib worker(s) (Hydra start included); 1-min load average at the "
+          f"end {load:.2f}; report in {out}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ The same study as a Hydra multirun (any launcher, resumable, one wandb group), t
     python -m engine.serve -m +experiment=serverless_seeds && python -m engine.report runs/serve/multirun/<folder>
 
     python engine/bench/bench_serverless_seeds.py [--seeds 0,1,2,3,4] [--models mixtral_8x7b,phi35_moe,llama4_scout]
-        [--duration-s 30] [--workers 2] [--out runs/bench/serverless_seeds] [--set key=value ...]
+        [--duration-s 30] [--workers 2] [--out runs/bench/serverless_seeds] [--fresh] [--set key=value ...]
+
+(the multirun under joblib into `--out`, timed, then its report; a rerun resumes).
 
 Each (model, seed) is one in-process `engine.serve` simulation (`mode=simulate`, the serve defaults: 8x A6000,
 synthetic `domains` routing, the oracle forecasts as an upper bound at hit rate 0.9) of the Azure conversation
@@ -14,19 +16,17 @@ oracle forecasts' errors) and `routing.model_seed=s` (the synthetic model: which
 layer and domain), so seeds differ in both. Per model and system it writes the mean ± sample std (ddof = 1)
 over seeds of the mean MoE-layer latency with and without copy waits, the cost (memory held x time, and
 pay-per-use), the weight copies and the warm-start rate, and MoEless's relative change against every other
-system (computed per seed, then mean ± std) into `--out`/seeds.md (+ rows.jsonl, one line per run, and
+system (computed per seed, then mean ± std): `python -m engine.report <folder>` writes it into report.md (and
 summary.json). The cores are shared: wall times are those of this machine under its load at the time.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
@@ -71,45 +71,20 @@ def simulate(overrides: list[str], run_dir: Optional[Path] = None) -> dict[str, 
 
     t0 = time.perf_counter()
     results = run(compose("serve", overrides), run_dir=run_dir)
-    wall = time.perf_counter() - t0
+    return {"overrides": overrides, "wall_s": time.perf_counter() - t0, **run_summary(results)}
+
+
+def run_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """What the serverless studies read of one `engine.serve` simulation's results.json: per system kind its
+    metrics, the copy cost model and EPLB's rearrangements per layer."""
     systems = results["experiments"]["compare"]["systems"]
     layers = len(next(iter(results["experiments"]["compare"]["balancedness_per_layer"].values())))
-    return {"overrides": overrides, "model": results["model"], "wall_s": wall, "iterations": results["iterations"],
+    return {"model": results["model"], "iterations": results["iterations"],
             "steps_simulated": results["steps_simulated"], "routing_statistics": results["routing_statistics"],
             "layers": layers, "cost_model": results["cost_model"],
             "eplb_rearrangements_per_layer": sum(s["eplb_rebalances"] for s in systems.values()
                                                  if s["kind"] == "eplb") / layers,
             "systems": {s["kind"]: system_metrics(s) for s in systems.values()}}
-
-
-def _run_job(job: tuple[list[str], Optional[str], dict[str, Any]]) -> dict[str, Any]:
-    overrides, run_dir, tags = job
-    row = simulate(overrides, Path(run_dir) if run_dir else None)
-    row.update(tags)
-    return row
-
-
-def run_jobs(jobs: list[tuple[list[str], Optional[str], dict[str, Any]]], workers: int, rows_path: Optional[Path] = None
-             ) -> list[dict[str, Any]]:
-    """Every job (overrides, run folder, tags added to its row), `workers` processes at a time; rows appended
-    to `rows_path` as they finish (a long study keeps what it got). The seeds study itself is the multirun
-    `python -m engine.serve -m +experiment=serverless_seeds` (any Hydra launcher, resumable); this pool is left
-    for the one-knob-at-a-time axes of bench_serverless_regimes, which are no Cartesian sweep."""
-    if workers <= 1:
-        return collect(map(_run_job, jobs), rows_path)
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        return collect(pool.map(_run_job, jobs), rows_path)
-
-
-def collect(done: Iterable[dict[str, Any]], rows_path: Optional[Path]) -> list[dict[str, Any]]:
-    rows = []
-    for row in done:
-        rows.append(row)
-        print(f"done {' '.join(row['overrides'])} in {row['wall_s']:.0f} s", flush=True)
-        if rows_path is not None:
-            with rows_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-    return rows
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -177,50 +152,26 @@ def seed_jobs(models: list[str], seeds: list[int], duration_s: float, extra: lis
              {"seed": s}) for m in models for s in seeds]
 
 
-def study_args(ap: argparse.ArgumentParser, out: str) -> None:
-    """The arguments every serverless study takes: workers, output folder, extra overrides, re-tabling."""
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--out", default=out)
-    ap.add_argument("--set", action="append", default=[], help="extra engine.serve override (repeatable)")
-    ap.add_argument("--tables-only", action="store_true", help="re-table `--out`/rows.jsonl without simulating")
-
-
-def study_rows(args: argparse.Namespace, jobs: Callable[[], list]) -> list[dict[str, Any]]:
-    """The study's rows: `args.out`/rows.jsonl as saved (`--tables-only`), else `jobs()` run now."""
-    out = Path(args.out)
-    if args.tables_only:
-        return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
-    return run_jobs(jobs(), args.workers, out / "rows.jsonl")
-
-
-def study_wall(args: argparse.Namespace, started: float, saved: str) -> float:
-    """Seconds the study took: since `started`, or as `saved` (a JSON file in `args.out`) recorded it when
-    re-tabling."""
-    if args.tables_only:
-        return float(json.loads((Path(args.out) / saved).read_text())["wall_s"])
-    return time.perf_counter() - started
-
-
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--duration-s", type=float, default=30.0, help="seconds of the Azure peak replayed")
-    study_args(ap, "runs/bench/serverless_seeds")
+    ap.add_argument("--workers", type=int, default=2, help="parallel jobs (hydra.launcher.n_jobs)")
+    ap.add_argument("--out", default="runs/bench/serverless_seeds", help="the multirun folder (a rerun resumes it)")
+    ap.add_argument("--fresh", action="store_true", help="rerun every job, even those complete in --out")
+    ap.add_argument("--set", action="append", default=[], help="extra engine.serve override (repeatable)")
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    rows = study_rows(args, lambda: seed_jobs(args.models.split(","), [int(s) for s in args.seeds.split(",")],
-                                              args.duration_s, args.set, out))
-    summary = aggregate(rows)
-    wall = study_wall(args, t0, "summary.json")
-    text = markdown(summary)
-    (out / "seeds.md").write_text(text + f"\nwall time {wall:.0f} s ({args.workers} workers)\n")
-    (out / "summary.json").write_text(json.dumps({"args": vars(args), "wall_s": wall, "models": summary}, indent=1))
-    print(text)
-    print(f"wall time {wall:.0f} s -> {out}")
-    return summary
+    from engine.bench.bench_simulate_sweep import multirun  # why lazy: the timer's helper only
+    from engine.report import build
+
+    out = Path(args.out).resolve()
+    wall = multirun("serverless_seeds", out, args.workers, [f"model={args.models}", f"seed={args.seeds}",
+                                                           f"workload.azure.duration_s={args.duration_s:g}", *args.set],
+                    args.fresh, entry="engine.serve")
+    path = build(out)
+    print(path.read_text())
+    print(f"wall {wall:.1f} s with {args.workers} joblib worker(s) (Hydra start included) -> {out}")
 
 
 if __name__ == "__main__":

@@ -171,14 +171,14 @@ def hit_rows(base: RunSpec, points: Sequence[str], machines: Sequence[str], rout
     return rows
 
 
-def multirun(experiment: str, out: Path, workers: int, overrides: Sequence[str], fresh: bool) -> float:
-    """`python -m engine.simulate -m +experiment=<experiment>` into `out` under joblib with `workers` jobs (wandb
-    off: a timed bench); the wall seconds it took. Jobs already complete in `out` are skipped (resume) unless
-    `fresh`."""
+def multirun(experiment: str, out: Path, workers: int, overrides: Sequence[str], fresh: bool,
+             entry: str = "engine.simulate") -> float:
+    """`python -m <entry> -m +experiment=<experiment>` into `out` under joblib with `workers` jobs (wandb off: a
+    timed bench); the wall seconds it took. Jobs already complete in `out` are skipped (resume) unless `fresh`."""
     if fresh and out.is_dir():
         for job in out.glob("*/job_complete.json"):
             job.unlink()
-    cmd = [sys.executable, "-m", "engine.simulate", "-m", f"+experiment={experiment}", f"hydra.sweep.dir={out}",
+    cmd = [sys.executable, "-m", entry, "-m", f"+experiment={experiment}", f"hydra.sweep.dir={out}",
            "hydra/launcher=joblib", f"hydra.launcher.n_jobs={workers}", "wandb.mode=disabled", *overrides]
     wall0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL)

@@ -23,7 +23,6 @@ device received, counted on the device after the dispatch (the loads the replica
 
 from __future__ import annotations
 
-import enum
 import functools
 from dataclasses import dataclass
 
@@ -33,25 +32,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from engine.serverless.dispatch import Dispatch, resolve_dispatch  # noqa: F401  (resolve_dispatch: importers of ep_layer use it)
 from models.moe import Routing, experts_grouped, experts_native, native_reads
 from schedulers.ep_placement import Placement, assign_tokens
 
 EP_AXIS = "ep"
-
-
-class Dispatch(enum.Enum):
-    auto = "auto"  # ragged where the backend has it, padded otherwise
-    padded = "padded"  # all_to_all of [G, capacity, H] buffers
-    ragged = "ragged"  # ragged_all_to_all (GPU/TPU; XLA:CPU leaves it unimplemented)
-
-
-def resolve_dispatch(mode: Dispatch, platform: str) -> Dispatch:
-    if mode is Dispatch.auto:
-        return Dispatch.padded if platform == "cpu" else Dispatch.ragged
-    if mode is Dispatch.ragged and platform == "cpu":
-        raise ValueError("serverless.dispatch=ragged: ragged_all_to_all is not implemented on XLA:CPU; "
-                         "use padded or auto")
-    return mode
 
 
 @jax.tree_util.register_dataclass
