@@ -157,6 +157,15 @@ def test_config_schemas_pickle_by_reference_for_launchers_that_ship_them_to_work
     assert pickle.loads(cloudpickle.dumps(schema)) is schema and pickle.loads(pickle.dumps(schema)) is schema
 
 
+def test_a_study_job_process_starts_without_jax() -> None:
+    """Each joblib / submitit worker is a fresh process: the simulate and serve entry points (and the study jobs'
+    code) must not import jax or flax at start-up, or every worker pays seconds a simulation never uses."""
+    code = ("import sys, engine.simulate, engine.serve, engine.studies, engine.report; "
+            "print(sorted(m for m in ('jax', 'flax', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_a_serverless_regime_moves_its_one_knob_of_the_composed_serve_config() -> None:
     """`study.regime` of an engine.serve job names one knob of bench_serverless_regimes, applied to the composed
     config before the job runs: the copy links of the job's machine scaled, EPLB sized to MoEless's memory from

@@ -14,11 +14,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.moe import DEFAULT_EXECUTOR
 
 
 def deferred_pairs(experts: np.ndarray, weights: np.ndarray, cpu: Sequence[int], per_token: int) -> np.ndarray:
@@ -61,15 +59,19 @@ class DeferringExperts:
     `engine.bench.bench_deferral` measures. `per_token` 0, or `enabled` False (a prefill), is the exact model."""
 
     def __init__(self, cfg: ModelConfig, per_token: int, cpu_of: Optional[Callable[[int], Sequence[int]]] = None,
-                 base: Any = DEFAULT_EXECUTOR):
+                 base: Any = None):
+        from models.moe import DEFAULT_EXECUTOR  # jax: the simulator imports this module's mechanism without it
+
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
         self.last = len(cfg.moe_layers) - 1
         self.every = list(range(cfg.num_experts))
-        self.per_token, self.cpu_of, self.base = per_token, cpu_of, base
+        self.per_token, self.cpu_of, self.base = per_token, cpu_of, DEFAULT_EXECUTOR if base is None else base
         self.enabled = True
         self.pending: Optional[Any] = None  # the last MoE layer's deferred output [T, H]
 
     def __call__(self, layer: int, x: Any, routing: Any, experts: Any) -> Any:
+        import jax.numpy as jnp
+
         m = self.moe_index[layer]
         cpu = self.every if self.cpu_of is None else list(self.cpu_of(m))
         per_token = self.per_token if self.enabled and m < self.last else 0
