@@ -61,7 +61,7 @@ def reference(model, cfg, prompts, new: int, forced: np.ndarray, speculated) -> 
     executor's plan of that pass did (`speculated`: (pass, MoE layer, experts))."""
     from engine.offload.executor import padded_shapes
     from models.generation import left_pad, pad_id
-    from models.transformer import forward, init_cache
+    from models.transformer import forward, forward_jit, init_cache
 
     table = {(p, m): s for p, m, s in speculated}
     B, P, capacity = padded_shapes(prompts, new)
@@ -70,8 +70,9 @@ def reference(model, cfg, prompts, new: int, forced: np.ndarray, speculated) -> 
     kv = init_cache(model, B, capacity, model.embed[...].dtype)
     step = [0]
     ex = SpeculatingExperts(model, sets=lambda m: table.get((step[0], m)))
-    logits, kv, _ = forward(model, jnp.asarray(tokens), kv, jnp.asarray(positions), jnp.asarray(valid), executor=ex,
-                            last_only=True)
+    # the prefill never speculates: the compiled model (an eager prefill would compile each op for its shapes)
+    logits, kv, _ = forward_jit(model, jnp.asarray(tokens), kv, jnp.asarray(positions), jnp.asarray(valid),
+                                last_only=True)
     out = [np.asarray(logits)]
     nxt, pos = forced[:, 0], positions[:, -1] + 1
     for step[0] in range(1, new):
@@ -82,15 +83,15 @@ def reference(model, cfg, prompts, new: int, forced: np.ndarray, speculated) -> 
     return out
 
 
-@pytest.mark.slow
-def test_executor_computes_the_speculated_experts_as_the_reference_model(tiny_mixtral) -> None:
-    """Two cache slots per layer, Fate's forecast prefetches (the gate predictor): decode layers whose routed experts are
-    missing execute the experts at hand; the logits equal the in-memory model run with the same speculation."""
+@pytest.mark.parametrize("new", [2, pytest.param(5, marks=pytest.mark.slow)])
+def test_executor_computes_the_speculated_experts_as_the_reference_model(tiny_mixtral, new: int) -> None:
+    """Two cache slots per layer, Fate's forecast prefetches (the gate predictor): decode layers whose routed experts
+    are missing execute the experts at hand; the logits equal the in-memory model run with the same speculation
+    (default: the prefill and one decode step; slow: four)."""
     from tests.test_offload_executor import _run
 
     cfg, model, store, prompts, predictors = tiny_mixtral
-    L, new = len(cfg.moe_layers), 3
-    out = _run(cfg, model, store, "speculative", 2 * L, predictors, prompts, new)
+    out = _run(cfg, model, store, "speculative", 2 * len(cfg.moe_layers), predictors, prompts, new)
     assert out.speculated and all(p > 0 for p, _, _ in out.speculated), "no decode layer speculated (or a prefill did)"
     ref = reference(model, cfg, prompts, new, out.tokens, out.speculated)
     for step in range(new):
@@ -107,6 +108,6 @@ def tiny_mixtral():
 
     cfg, model, _ = load_model(compose("generate", ["model=mixtral_tiny"]).model)
     rs = np.random.RandomState(1)
-    prompts = [rs.randint(3, cfg.vocab_size, n).tolist() for n in (7, 12)]
+    prompts = [rs.randint(3, cfg.vocab_size, n).tolist() for n in (4, 7)]
     # the paper's speculation: the next layer's router on the current hidden state (what Fate prefetches by here)
     return cfg, model, ExpertStore.from_model(model), prompts, {1: GatePredictor.from_model(model, 1)}

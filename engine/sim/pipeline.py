@@ -115,6 +115,7 @@ class PipelineSim:
         self.deferred_due = 0.0  # deferred outputs of the last MoE layer are done here: the next one ends no earlier
         # speculative execution: (pass, MoE layer) -> int64 [E] tokens per expert computed where they differ from routed
         self.executed_loads: dict[tuple[int, int], np.ndarray] = {}
+        self.missed_pairs = 0  # (token, slot) pairs computed by another expert than the routed one (or dropped)
         self.accounting = LayerAccounting(self.L, self.cost.expert_bytes)
         # decoder layers between MoE layers: dense[i] dense layers run before MoE layer i, dense[L] after the last
         dense = [0] * (self.L + 1)
@@ -417,7 +418,9 @@ class PipelineSim:
             return tokens, plan
         if self.micro_batches > 1:
             raise ValueError(f"{self.scheduler.name}: speculative execution with micro-batches is not modelled")
-        executed = speculated_routing(self.trace.experts[layer, fp.rows], plan.speculate)
+        routed = self.trace.experts[layer, fp.rows]
+        executed = speculated_routing(routed, plan.speculate)
+        self.missed_pairs += int(np.sum((executed != routed) & (routed >= 0)))
         counts = pair_counts(executed, self.E)
         self.executed_loads[(fp.index, layer)] = counts
         return counts, working_plan(plan, executed, self.E)
