@@ -83,14 +83,28 @@ def reference(model, cfg, prompts, new: int, forced: np.ndarray, speculated) -> 
     return out
 
 
-@pytest.mark.parametrize("new", [2, pytest.param(5, marks=pytest.mark.slow)])
-def test_executor_computes_the_speculated_experts_as_the_reference_model(tiny_mixtral, new: int) -> None:
-    """Two cache slots per layer, Fate's forecast prefetches (the gate predictor): decode layers whose routed experts
-    are missing execute the experts at hand; the logits equal the in-memory model run with the same speculation
-    (default: the prefill and one decode step; slow: four)."""
+def test_executor_speculates_in_decode_only(tiny_mixtral) -> None:
+    """Two cache slots per layer, Fate's forecast prefetches (the gate predictor): the prefill's logits are Fate's (exact),
+    the first decode step (the same input token in both runs) speculates and moves them. The reference check is slow."""
     from tests.test_offload_executor import _run
 
     cfg, model, store, prompts, predictors = tiny_mixtral
+    spec = _run(cfg, model, store, "speculative", 2 * len(cfg.moe_layers), predictors, prompts, 2)
+    fate = _run(cfg, model, store, "fate", 2 * len(cfg.moe_layers), predictors, prompts, 2)
+    assert spec.speculated and all(p > 0 for p, _, _ in spec.speculated), "no decode layer speculated (or a prefill did)"
+    assert not fate.speculated
+    np.testing.assert_allclose(spec.all_logits[0], fate.all_logits[0], atol=1e-5)
+    assert float(np.abs(spec.all_logits[1] - fate.all_logits[1]).max()) > 1e-2, "speculation changed nothing"
+
+
+@pytest.mark.slow
+def test_executor_computes_the_speculated_experts_as_the_reference_model(tiny_mixtral) -> None:
+    """As above, four decode steps: the executor's logits equal the in-memory model run with the executor's own
+    speculation (`SpeculatingExperts`, eager: slow), pass by pass."""
+    from tests.test_offload_executor import _run
+
+    cfg, model, store, prompts, predictors = tiny_mixtral
+    new = 5
     out = _run(cfg, model, store, "speculative", 2 * len(cfg.moe_layers), predictors, prompts, new)
     assert out.speculated and all(p > 0 for p, _, _ in out.speculated), "no decode layer speculated (or a prefill did)"
     ref = reference(model, cfg, prompts, new, out.tokens, out.speculated)
