@@ -151,6 +151,10 @@ class LayerPlan:
     # on the CPU (never its highest-weight one) land one MoE layer late, added to the residual with the next MoE layer's
     # output, so the CPU computes them while the GPU runs on. It changes the model's output: 0 in every exact policy
     defer: int = 0
+    # Speculative expert execution (arXiv 2603.19289): the experts of this layer, most likely first, the layer computes
+    # in place of the router's choice (`engine.offload.speculation`: a routed pair whose expert is not here is computed
+    # by one that is). `cpu` + `gpu` then list exactly these. It changes the model's output: None in every exact policy
+    speculate: Optional[tuple[int, ...]] = None
 
     def held_here(self, layer: int) -> set[int]:
         """Experts of `layer` whose held prefetch brings them."""
@@ -171,8 +175,13 @@ class LayerPlan:
             raise ValueError(f"{where}: an expert is listed twice in cpu or gpu")
         if cpu & gpu:
             raise ValueError(f"{where}: experts {sorted(cpu & gpu)} on both CPU and GPU")
-        if cpu | gpu != active:
-            raise ValueError(f"{where}: plan covers {sorted(cpu | gpu)} but active experts are {sorted(active)}")
+        want = active if self.speculate is None else set(self.speculate)
+        if self.speculate is not None and (len(want) != len(self.speculate) or not want):
+            raise ValueError(f"{where}: speculate={self.speculate} must list distinct experts, at least one")
+        if cpu | gpu != want:
+            raise ValueError(f"{where}: plan covers {sorted(cpu | gpu)} but "
+                             + (f"active experts are {sorted(active)}" if self.speculate is None
+                                else f"it speculates {sorted(want)}"))
         avail = state.available(state.layer)
         loads = set(self.ondemand)
         if len(loads) != len(self.ondemand) or not loads <= gpu:
@@ -180,6 +189,8 @@ class LayerPlan:
         if any(avail[e] for e in loads):
             raise ValueError(f"{where}: on-demand load of an expert already resident or landing")
         self._validate_hold(state, loads)
+        if self.defer and self.speculate is not None:
+            raise ValueError(f"{where}: a plan may not both defer and speculate")
         if self.defer < 0 or (self.defer and (state.layer == state.num_layers - 1 or not self.cpu)):
             raise ValueError(f"{where}: defer={self.defer} needs a CPU expert and a later MoE layer to land in")
         held = self.held_here(state.layer)

@@ -77,6 +77,7 @@ def _run(cfg, model, store, kind: str, slots: int, predictors: dict, prompts, ne
         out = ex.generate(prompts, new, eos_token_id=eos, keep_logits=True)
         budget_bytes = ex.cache.device_bytes
         out.expert_tokens = ex.expert_tokens.copy()
+        out.speculated = list(ex.speculated)  # speculative execution's plans: (pass, MoE layer, experts)
     assert budget_bytes == (slots + 2) * store.expert_bytes  # preallocated once, never grown
     assert sched.plans > 0 or out.metrics.n_fused_decode == len(out.step_s)  # planned, or nothing to plan
     out.checked = sched

@@ -85,8 +85,10 @@ def throughput(points: Sequence[str], systems: Sequence[str], seed: int = 0) -> 
             except ValueError as err:
                 rows.append({"point": p, "system": system, "error": str(err)})
                 continue
+            routed = sum(int(fp.loads.sum()) for fp in routings[spec.sequences].passes if not fp.prefill)
             rows.append({"point": p, "system": system, "tok_s": out.summary["throughput_tok_s"],
-                         "latency_s": out.summary["decode_latency_s"]})
+                         "latency_s": out.summary["decode_latency_s"],
+                         "pairs_hit": 1.0 - getattr(out.sim, "missed_pairs", 0) / max(routed, 1)})  # speculation's
             print(f"{p} {system}: {rows[-1]['tok_s']:.2f} tok/s, decode step {rows[-1]['latency_s']:.3f} s", flush=True)
     return rows
 

@@ -37,6 +37,7 @@ from engine.offload.deferral import deferred_pairs, split_routing
 from engine.offload.forecasts import LazyForecasts, LiveForecastBook
 from engine.offload.kernels import LayerKernels
 from engine.offload.link import Job, TransferLink
+from engine.offload.speculation import speculated_routing, working_plan
 from engine.offload.metrics import RunMetrics
 from engine.offload.settings import OffloadSettings
 from engine.offload.stages import LayerLaps, StageTimes
@@ -166,6 +167,7 @@ class OffloadExecutor:
         self.seq_offset = 0  # sequence id of the next batch's first row (row_lookup into a reference trace)
         self._t0 = time.perf_counter()
         self._moe_wall = 0.0  # wall time of the current pass's MoE layers (the rest is the pass's overhead)
+        self.speculated: list[tuple[int, int, tuple[int, ...]]] = []  # (pass, MoE layer, plan.speculate)
         self._deferred: Optional[Future] = None  # Expert Deferral: the last MoE layer's late CPU output, on the worker
         self._preload(np.asarray(scheduler.initial_residency(), bool))
 
@@ -232,6 +234,7 @@ class OffloadExecutor:
         if phase is Phase.decode:  # prefill's attention is far from its model; decode is what the overhead serves
             self.timer.layer_overhead(time.perf_counter() - begin - state.t_attn_next_s)
         self.accounting.open_layer(state)
+        plan = self._speculate(run, plan, early)
         self._start_cpu(run, plan)
         laps.lap("bookkeeping")
         self._compute_ready(run, plan, early, laps)
@@ -322,6 +325,24 @@ class OffloadExecutor:
         """A link job of the plan's queue, its cache slot reserved (a staged load takes a buffer when it starts)."""
         slot = self.cache.reserve(item.layer, item.expert, staging=False) if item.retain else -1
         return Job(item.layer, item.expert, slot, retain=item.retain, prefetch=item.prefetch)
+
+    def _speculate(self, run: LayerRun, plan: LayerPlan, early: list[int]) -> LayerPlan:
+        """Speculative execution (`engine.offload.speculation`): the layer computes the speculated routing from here
+        on, with the plan less the speculated experts no pair uses. The experts started early (resident) computed
+        their routed pairs, all hits (every resident expert is speculated); the pairs substituted onto them are one
+        more device call over those pairs only."""
+        if plan.speculate is None:
+            return plan
+        executed = speculated_routing(run.experts, plan.speculate)
+        moved = np.where(executed != run.experts, executed, -1)
+        onto_early = np.where(np.isin(moved, early), moved, -1)
+        if (onto_early >= 0).any():
+            out, slots = self._device_experts(run.hidden, onto_early, run.weights, early, run.layer)
+            run.parts.append(out)
+            run.pinned += slots
+        run.experts = executed
+        self.speculated.append((self.accounting.pass_index, run.layer, plan.speculate))
+        return working_plan(plan, executed, self.E)
 
     def _start_cpu(self, run: LayerRun, plan: LayerPlan) -> None:
         """The CPU side: the torch worker starts now, unless no on-demand load is to be waited for: then the main

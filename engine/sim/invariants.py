@@ -7,7 +7,7 @@
    pipeline itself at every layer;
 4. every (token, expert) pair is computed exactly once: per pass and layer, the experts computed
    on CPU and GPU are disjoint, equal the active ones, and carry exactly their routed tokens (under Expert
-   Deferral a CPU expert's on-time and deferred pairs together);
+   Deferral a CPU expert's on-time and deferred pairs together; under speculative execution the executed pairs);
 5. the CPU lane never runs two experts at once (deferred work of one layer and the next layer's CPU experts
    included).
 """
@@ -15,7 +15,10 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Mapping
+from typing import Optional, Sequence
+
+import numpy as np
 
 from engine.offload.accounting import Event
 from engine.sim.pipeline import InvariantError
@@ -24,7 +27,8 @@ from engine.sim.workload import ForwardPass
 EPS = 1e-12
 
 
-def check_events(events: Sequence[Event], passes: Sequence[ForwardPass], staging_slots: int) -> None:
+def check_events(events: Sequence[Event], passes: Sequence[ForwardPass], staging_slots: int,
+                 executed: Optional[Mapping[tuple[int, int], np.ndarray]] = None) -> None:
     """Raise `InvariantError` naming the first broken invariant."""
     link = sorted((e for e in events if e.lane == "link"), key=lambda e: e.start)
     for a, b in zip(link, link[1:]):
@@ -59,7 +63,8 @@ def check_events(events: Sequence[Event], passes: Sequence[ForwardPass], staging
         slot[ev.expert] = slot.get(ev.expert, 0) + ev.tokens
     for fp in passes:
         for layer in range(fp.loads.shape[0]):
-            want = {int(e): int(m) for e, m in enumerate(fp.loads[layer]) if m > 0}
+            loads = (executed or {}).get((fp.index, layer), fp.loads[layer])  # speculative execution's own pairs
+            want = {int(e): int(m) for e, m in enumerate(loads) if m > 0}
             got = computed.get((fp.index, layer), {})
             if got != want:
                 raise InvariantError(f"pass {fp.index} layer {layer}: computed {got}, routed {want}")

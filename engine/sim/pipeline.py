@@ -24,6 +24,7 @@ from engine.offload.accounting import Event, LayerAccounting, QueuedTransfer, Re
 from engine.offload.deferral import deferred_pairs, pair_counts
 from engine.offload.forecasts import ForecastBook, LazyForecasts
 from engine.offload.metrics import RunMetrics
+from engine.offload.speculation import speculated_routing, working_plan
 from engine.sim.workload import ForwardPass, microbatch_loads
 from core.trace import RoutingTrace
 from models.config import ModelConfig
@@ -112,6 +113,9 @@ class PipelineSim:
         self.now = 0.0
         self.cpu_free = 0.0  # the CPU lane is free from here (later than a layer's end only under Expert Deferral)
         self.deferred_due = 0.0  # deferred outputs of the last MoE layer are done here: the next one ends no earlier
+        # speculative execution: (pass, MoE layer) -> int64 [E] tokens per expert computed where they differ from routed
+        self.executed_loads: dict[tuple[int, int], np.ndarray] = {}
+        self.missed_pairs = 0  # (token, slot) pairs computed by another expert than the routed one (or dropped)
         self.accounting = LayerAccounting(self.L, self.cost.expert_bytes)
         # decoder layers between MoE layers: dense[i] dense layers run before MoE layer i, dense[L] after the last
         dense = [0] * (self.L + 1)
@@ -217,13 +221,14 @@ class PipelineSim:
         mb_layer = None if mb is None else mb[:, layer]
         held, queue = queue[:len(plan.hold)], queue[len(plan.hold):]
         self._prefetch(clock, held)  # they keep the head of the link: this layer's GPU experts among them land first
-        self._compute_available(clock, layer, plan, state.tokens, mb_layer)
-        self._load(clock, layer, [item for item in queue if not item.prefetch], state.tokens,
+        tokens, plan = self._speculate(fp, layer, plan, state.tokens)
+        self._compute_available(clock, layer, plan, tokens, mb_layer)
+        self._load(clock, layer, [item for item in queue if not item.prefetch], tokens,
                    self._issue_times(layer, plan, gates, mb), mb_layer)
         self._prefetch(clock, [item for item in queue if item.prefetch])
         self._queue(clock.jobs)
         due = self.deferred_due  # the last MoE layer's deferred outputs are added with this layer's
-        cpu_free = self._compute_cpu(layer, plan, self._cpu_tokens(fp, layer, plan, state.tokens), gate_last)
+        cpu_free = self._compute_cpu(layer, plan, self._cpu_tokens(fp, layer, plan, tokens), gate_last)
         end = max(clock.gpu_free, cpu_free, due)
         if self.options.check_invariants:
             self._check_capacity(layer)
@@ -403,6 +408,22 @@ class PipelineSim:
         mask = deferred_pairs(experts, self.trace.weights[layer, fp.rows], plan.cpu, plan.defer)
         later = pair_counts(np.where(mask, experts, -1), self.E)
         return tokens - later, later
+
+    def _speculate(self, fp: ForwardPass, layer: int, plan: LayerPlan,
+                   tokens: np.ndarray) -> tuple[np.ndarray, LayerPlan]:
+        """(int64 [E] tokens per expert the layer computes, the plan it runs): the routed ones and the plan, or under
+        speculative execution those of `engine.offload.speculation.speculated_routing` and the plan without the
+        speculated experts no pair uses (recorded in `executed_loads` for the invariant checks)."""
+        if plan.speculate is None:
+            return tokens, plan
+        if self.micro_batches > 1:
+            raise ValueError(f"{self.scheduler.name}: speculative execution with micro-batches is not modelled")
+        routed = self.trace.experts[layer, fp.rows]
+        executed = speculated_routing(routed, plan.speculate)
+        self.missed_pairs += int(np.sum((executed != routed) & (routed >= 0)))
+        counts = pair_counts(executed, self.E)
+        self.executed_loads[(fp.index, layer)] = counts
+        return counts, working_plan(plan, executed, self.E)
 
     def _cpu_lane(self, layer: int, experts: tuple[int, ...], counts: np.ndarray, start: float, kind: str) -> float:
         """`experts` with `counts` tokens one after another on the CPU lane from `start`, one hand-over; returns the
