@@ -15,12 +15,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
-import jax.numpy as jnp
 import numpy as np
 
 from engine.offload.deferral import pair_counts
 from models.config import ModelConfig
-from models.moe import DEFAULT_EXECUTOR
 from schedulers.base import LayerPlan
 
 Speculation = Union[Sequence[int], np.ndarray]  # int [m] (one set for every token) or int [T, m] (one per token)
@@ -76,9 +74,11 @@ class SpeculatingExperts:
     one speculation per MoE layer index for every token (`sets(moe_index)` -> ordered experts, or None: exact), the
     reference of a plan's `speculate`. `enabled` False (a prefill) computes exactly. Records the hit share per layer."""
 
-    def __init__(self, model: Any, slots: int = 0, sets: Optional[Any] = None, base: Any = DEFAULT_EXECUTOR):
+    def __init__(self, model: Any, slots: int = 0, sets: Optional[Any] = None, base: Any = None):
+        from models.moe import DEFAULT_EXECUTOR  # jax: the simulator imports this module's rule without it
+
         cfg: ModelConfig = model.cfg
-        self.model, self.base, self.sets = model, base, sets
+        self.model, self.base, self.sets = model, DEFAULT_EXECUTOR if base is None else base, sets
         self.moe_layers = list(cfg.moe_layers)
         self.slots = slots or cfg.num_experts_per_tok
         self.enabled = True
@@ -102,6 +102,8 @@ class SpeculatingExperts:
         self.pending = np.argsort(-logits, axis=1, kind="stable")[:, :self.slots]
 
     def __call__(self, layer: int, x: Any, routing: Any, experts: Any) -> Any:
+        import jax.numpy as jnp
+
         m = self.moe_layers.index(layer)
         routed = np.asarray(routing.experts).astype(np.int64)
         spec = self._speculation(m, routed.shape[0])
