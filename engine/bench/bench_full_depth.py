@@ -132,6 +132,7 @@ def serve_generate(gguf_path: str, batches: list[int], prompt: int, new: int, re
     dtype = model_dtype("auto", opened)
     cfg, model, _ = load_model(spec, dtype=dtype, opened=opened)
     load_s = time.perf_counter() - t
+    print(f"moescope generate: loaded in {load_s:.1f} s", flush=True)  # in the log even if a timeout cuts the run
     gen = Generator(model)
     result: dict[str, Any] = {"system": "moescope generate", "load_s": load_s, "dtype": np.dtype(dtype).name,
                               "batches": {}}
