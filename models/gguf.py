@@ -534,6 +534,7 @@ def block_experts(ck: OpenCheckpoint) -> dict[int, tuple[list[tuple[QuantArray, 
     reader = ck.reader
     if not isinstance(reader, GGUFTensors):
         raise TypeError(f"{ck.folder}: not a GGUF checkpoint")
+    _warn_unaliasable(ck)
     out: dict[int, tuple[list[tuple[QuantArray, QuantArray]], list[QuantArray]]] = {}
     for src in ck.sources:
         if src.expert is None:
@@ -549,6 +550,29 @@ def block_experts(ck: OpenCheckpoint) -> dict[int, tuple[list[tuple[QuantArray, 
         else:
             lists[1].append(reader.quant(src.pieces[0]))
     return out
+
+
+XLA_ALIAS_ALIGNMENT = 64  # XLA:CPU aliases a host buffer (device_put may_alias) only at a 64-byte-aligned address
+
+
+def unaliasable_expert_bytes(f: GGUFFile) -> int:
+    """Bytes of routed-expert tensors whose data does not start 64-byte aligned in the mapping: on the CPU backend
+    `install` cannot alias them and copies them into memory. GGUF aligns tensor data to `general.alignment` (32
+    by default), so in a file whose data section starts 32 bytes off every such tensor is copied."""
+    return sum(int(t.n_bytes) for name, t in f.tensors.items()
+               if "_exps." in name and (np.asarray(t.data).ctypes.data % XLA_ALIAS_ALIGNMENT))
+
+
+def _warn_unaliasable(ck: OpenCheckpoint) -> None:
+    import logging
+
+    f = ck.reader.file
+    copied = unaliasable_expert_bytes(f)
+    if copied:
+        logging.getLogger(__name__).warning(
+            "%s: %.2f GB of expert tensors start off a 64-byte boundary (general.alignment = %s) and will be copied "
+            "into memory instead of mapped; rewrite the file with 64-byte alignment to map them", f.path,
+            copied / 1e9, f.get("general.alignment", 32))
 
 
 def has_block_experts(ck: OpenCheckpoint) -> bool:

@@ -195,6 +195,9 @@ def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool =
             if scan:
                 ck.check_finite()
             install(model, quantized_layers(cfg, fmt, checkpoint_source(ck)))
+    from models.memory import release_free_heap
+
+    release_free_heap()  # the dequantizing / converting temporaries' freed heap pages
     return cfg, model, ck.folder
 
 

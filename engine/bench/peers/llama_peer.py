@@ -36,7 +36,7 @@ from engine.bench.peers.common import MemWatch, finish, prompt_ids, time_batch
 
 
 class LlamaCpp:
-    def __init__(self, path: str, threads: int, mmap: bool = True, quiet: bool = True):
+    def __init__(self, path: str, threads: int, mmap: bool = True, quiet: bool = True, repack: bool = True):
         import llama_cpp as lc
 
         self.lc = lc
@@ -47,6 +47,10 @@ class LlamaCpp:
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.use_mmap = mmap
+        if not repack:  # keep the weights in the mapped file (no copy into ggml-cpu's repacked, anonymous buffers)
+            if not hasattr(mp, "use_extra_bufts"):
+                raise RuntimeError("--no-repack: this llama-cpp-python has no llama_model_params.use_extra_bufts")
+            mp.use_extra_bufts = False
         mp.n_gpu_layers = 0
         self.model = lc.llama_model_load_from_file(path.encode(), mp)
         if not self.model:
@@ -131,6 +135,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-mmap", action="store_true", help="read the weights into anonymous memory")
+    ap.add_argument("--no-repack", action="store_true",
+                    help="serve Q4_0 / Q4_K / IQ4_NL weights from the mapped file instead of copying them into "
+                         "ggml-cpu's repacked (interleaved-row) buffers, which are anonymous memory the size of "
+                         "those tensors")
     ap.add_argument("--logits", help="JSON list of token ids: write the logits of every position instead")
     ap.add_argument("--logits-out")
     ap.add_argument("--repeats", type=int, default=3,
@@ -141,7 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     watch = MemWatch().start()
     t = time.perf_counter()
-    llm = LlamaCpp(a.gguf, a.threads, mmap=not a.no_mmap, quiet=not a.verbose)
+    llm = LlamaCpp(a.gguf, a.threads, mmap=not a.no_mmap, quiet=not a.verbose, repack=not a.no_repack)
     if a.logits:
         ids = json.loads(Path(a.logits).read_text())
         llm.context(1, max(256, len(ids) + 8), len(ids))
@@ -151,7 +159,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     llm.context(max(a.batch), a.prompt + a.new + 16, max(a.batch) * a.prompt)
     load_s = time.perf_counter() - t
     result = {"system": "llama.cpp", "gguf": a.gguf, "gguf_bytes": os.path.getsize(a.gguf), "load_s": load_s,
-              "threads": a.threads, "mmap": not a.no_mmap, "prompt_len": a.prompt, "new_tokens": a.new,
+              "threads": a.threads, "mmap": not a.no_mmap, "repack": not a.no_repack, "prompt_len": a.prompt, "new_tokens": a.new,
               "repeats": a.repeats, "batches": {}}
     for B in a.batch:
         llm.context(B, a.prompt + a.new + 16, B * a.prompt)

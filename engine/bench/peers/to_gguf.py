@@ -464,7 +464,9 @@ def _ffn(plan: Plan, ck: Checkpoint, c: dict, family: str, i: int, E: int) -> No
 
 def build_plan(ck: Checkpoint, w: gguf.GGUFWriter, mla: str = "split", dense: "gguf.GGMLQuantizationType" = BF16,
                experts: Optional["gguf.GGMLQuantizationType"] = None,
-               matrices: Optional["gguf.GGMLQuantizationType"] = None) -> Plan:
+               matrices: Optional["gguf.GGMLQuantizationType"] = None, file_type: Optional[int] = None) -> Plan:
+    """The metadata of `ck` written to `w`, and the plan of its tensors; `file_type` (llama_ftype) defaults to
+    the type of the routed experts."""
     c = ck.config
     family = c["model_type"]
     if family not in ARCH:
@@ -474,7 +476,7 @@ def build_plan(ck: Checkpoint, w: gguf.GGUFWriter, mla: str = "split", dense: "g
     nkv = int(c.get("num_key_value_heads") or nh)
     mla_model = family.startswith("deepseek")
     absorbed = mla_model and mla == "split"
-    _common(w, c, 1 if absorbed else nkv, FILE_TYPES[plan.experts])
+    _common(w, c, 1 if absorbed else nkv, FILE_TYPES[plan.experts] if file_type is None else file_type)
     plan.copy("token_embd.weight", "model.embed_tokens.weight")
     E = _family_keys(plan, w, c, family, absorbed)
     for i in range(L):
@@ -506,6 +508,29 @@ def _stored(qtype: "gguf.GGMLQuantizationType", shape: tuple[int, ...]) -> tuple
     return np.dtype(np.uint8), byte_shape, int(np.prod(byte_shape))
 
 
+def write_plan(w: gguf.GGUFWriter, plan: Plan, verbose: bool = False,
+               on_bytes: Optional[Callable[[object, int], None]] = None) -> None:
+    """Write the tensor infos and then each tensor of `plan` (made one at a time) to `w`, and close it;
+    `on_bytes(file, n)` is called after each tensor's `n` bytes are written."""
+    for name, shape, qtype, _ in plan.items:
+        dtype, byte_shape, nbytes = _stored(qtype, shape)
+        w.add_tensor_info(name, byte_shape, dtype, nbytes, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shape, qtype, make in plan.items:
+        arr = np.ascontiguousarray(make())
+        dtype, byte_shape, _ = _stored(qtype, shape)
+        if arr.dtype != dtype or tuple(arr.shape) != tuple(byte_shape):
+            raise AssertionError(f"{name}: made {arr.dtype}{arr.shape}, planned {dtype}{byte_shape}")
+        w.write_tensor_data(arr)
+        if on_bytes is not None:
+            on_bytes(w.fout[0], arr.nbytes)
+        if verbose:
+            print(f"  {name} {shape} {qtype.name}", flush=True)
+    w.close()
+
+
 def convert(src: str | Path, dst: str | Path, mla: str = "split", verbose: bool = False, dense: str = "bf16",
             experts: Optional[str] = None, matrices: Optional[str] = None) -> dict:
     """Write `dst` from the checkpoint folder `src`; returns {"bytes", "seconds", "tensors"}.
@@ -522,21 +547,7 @@ def convert(src: str | Path, dst: str | Path, mla: str = "split", verbose: bool 
     plan = build_plan(ck, w, mla=mla, dense=TYPES[dense], experts=None if experts is None else TYPES[experts],
                       matrices=None if matrices is None else TYPES[matrices])
     _tokens(w, ck)
-    for name, shape, qtype, _ in plan.items:
-        dtype, byte_shape, nbytes = _stored(qtype, shape)
-        w.add_tensor_info(name, byte_shape, dtype, nbytes, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for name, shape, qtype, make in plan.items:
-        arr = np.ascontiguousarray(make())
-        dtype, byte_shape, _ = _stored(qtype, shape)
-        if arr.dtype != dtype or tuple(arr.shape) != tuple(byte_shape):
-            raise AssertionError(f"{name}: made {arr.dtype}{arr.shape}, planned {dtype}{byte_shape}")
-        w.write_tensor_data(arr)
-        if verbose:
-            print(f"  {name} {shape} {qtype.name}", flush=True)
-    w.close()
+    write_plan(w, plan, verbose)
     tmp.replace(dst)
     used = {n for n in ck.names() if not n.endswith("rotary_emb.inv_freq")}
     return {"bytes": dst.stat().st_size, "seconds": time.perf_counter() - t0, "tensors": len(plan.items),
