@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -105,27 +105,42 @@ def throughput_table(rows: list[dict[str, Any]], systems: Sequence[str]) -> str:
     return "\n".join(out)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def study_arguments(ap: argparse.ArgumentParser, systems: Sequence[str]) -> None:
+    """The arguments an accuracy-and-throughput study of an output-changing mechanism takes (this one, speculation's)."""
     ap.add_argument("--models", default="mixtral-tiny,deepseek-tiny")
-    ap.add_argument("--deferred", default="1")
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--points", default=POINTS)
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(systems))
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
-    args = ap.parse_args(argv)
+
+
+def run_study(args: argparse.Namespace, knob: list[int], accuracy_rows: Callable[..., list[dict]],
+              accuracy_table: Callable[[list[dict]], str],
+              after_throughput: Optional[Callable[[list[dict]], None]] = None) -> None:
+    """Print the accuracy table (`accuracy_rows(models, knob, windows, length)`) and the simulator's throughput table."""
     start = time.perf_counter()
     if not args.skip_accuracy:
-        rows = accuracy(args.models.split(","), [int(d) for d in args.deferred.split(",")], args.windows, args.length)
+        rows = accuracy_rows(args.models.split(","), knob, args.windows, args.length)
         print(f"held-out text: {args.windows} windows of {args.length} tokens per model, teacher-forced")
         print(accuracy_table(rows), flush=True)
     if not args.skip_throughput:
         systems = args.systems.split(",")
         print("simulator, seed 0, tok/s (decode step)")
-        print(throughput_table(throughput(args.points.split(","), systems), systems))
+        rows = throughput(args.points.split(","), systems)
+        print(throughput_table(rows, systems))
+        if after_throughput is not None:
+            after_throughput(rows)
     print(f"wall {time.perf_counter() - start:.0f} s")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--deferred", default="1")
+    study_arguments(ap, SYSTEMS)
+    args = ap.parse_args(argv)
+    run_study(args, [int(d) for d in args.deferred.split(",")], accuracy, accuracy_table)
 
 
 if __name__ == "__main__":

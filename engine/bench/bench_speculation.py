@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
-from engine.bench.bench_deferral import POINTS, throughput, throughput_table  # noqa: E402
+from engine.bench.bench_deferral import run_study, study_arguments  # noqa: E402
 
 SYSTEMS = ("fate", "speculative", "horizon", "presched", "klotski")
 
@@ -79,32 +79,20 @@ def accuracy_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def hit_lines(rows: list[dict]) -> None:
+    """What the speed costs: the decode (token, slot) pairs computed by their routed expert."""
+    for r in rows:
+        if r["system"] == "speculative" and "error" not in r:
+            print(f"{r['point']}: speculative execution computed {100 * r['pairs_hit']:.1f} % of the decode pairs "
+                  "by their routed expert")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="mixtral-tiny,deepseek-tiny")
     ap.add_argument("--slots", default="0", help="speculated experts per token (0: top-k, the paper's)")
-    ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--length", type=int, default=128)
-    ap.add_argument("--points", default=POINTS)
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--skip-accuracy", action="store_true")
-    ap.add_argument("--skip-throughput", action="store_true")
+    study_arguments(ap, SYSTEMS)
     args = ap.parse_args(argv)
-    start = time.perf_counter()
-    if not args.skip_accuracy:
-        rows = accuracy(args.models.split(","), [int(s) for s in args.slots.split(",")], args.windows, args.length)
-        print(f"held-out text: {args.windows} windows of {args.length} tokens per model, teacher-forced")
-        print(accuracy_table(rows), flush=True)
-    if not args.skip_throughput:
-        systems = args.systems.split(",")
-        print("simulator, seed 0, tok/s (decode step)")
-        rows = throughput(args.points.split(","), systems)
-        print(throughput_table(rows, systems))
-        for r in rows:  # what the speed costs: decode (token, slot) pairs computed by their routed expert
-            if r["system"] == "speculative" and "error" not in r:
-                print(f"{r['point']}: speculative execution computed {100 * r['pairs_hit']:.1f} % of the decode pairs "
-                      "by their routed expert")
-    print(f"wall {time.perf_counter() - start:.0f} s")
+    run_study(args, [int(s) for s in args.slots.split(",")], accuracy, accuracy_table, hit_lines)
 
 
 if __name__ == "__main__":
