@@ -1211,7 +1211,8 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // Q4_0 8, Q4_K 0, Q6_K 32), converted to f32, times (weight scale * activation scale), plus Q4_K's
 // -dmin * m_j * d_x * sum_k q_k; those f32 terms are summed per lane, then the lanes in a fixed order.
 // So each output equals "dequantize the blocks, dequantize the quantized activation, f32 matmul" up to f32
-// summation error. Paths: AVX512-VNNI (VPDPBUSD), AVX2 (16-bit madd), portable scalar, and AMX-INT8 tiles for
+// summation error. On the AVX-512 path an output does not depend on the other rows of the call: row m of an M-row
+// call is the 1-row call on that row, bit for bit (qgemm_range_512); the AMX path (>= 16 rows) sums in its own order. Paths: AVX512-VNNI (VPDPBUSD), AVX2 (16-bit madd), portable scalar, and AMX-INT8 tiles for
 // calls of 16 rows or more (the same integer sums per scale group, so the same terms up to the summation order).
 // ------------------------------------------------------------------------------------------------
 
@@ -1854,6 +1855,7 @@ void qmk512_mr(int mr, const uint8_t* const* wr, const QAct& a, int64_t m0, int6
 
 // Weight streams (rows per micro-kernel call) for mr activation rows: R x mr accumulators in registers.
 constexpr int kQRBig = MS_QR_SMALL_M;  // mr 1..2
+// (2 instead of 4 at 3-4 rows: the K-quants no faster, 1-thread A/B 0.94-1.01x: compute-, not register-bound)
 inline int qstreams(int mr) { return mr <= 2 ? kQRBig : mr <= 4 ? 4 : 2; }
 
 template <int QT>
@@ -1962,14 +1964,18 @@ void qgemm_range_vec(int isa, int qt, const QAct& a, int64_t M, int64_t K, const
 }
 
 // ---- AMX (tiles of 16 rows x 64 bytes; TDPBSSD int8 / TDPBF16PS bf16) --------------------------------------
-// Calls of at least kAmxMinRows activation rows. Output rows are taken 32 at a time (two B tiles) and
-// activation rows 32 at a time (two A tiles): 4 accumulator tiles. The weights of the 32 output rows are
-// first rewritten into a panel in the tiles' pair/quad-interleaved layout (B[k / 4][n][k % 4] for int8,
-// B[k / 2][n][k % 2] for bf16) by a 16 x 16 transpose of 32-bit words, then every activation-row pair uses it.
-// int8: one TDPBSSD per weight-scale group (32 weights; Q6_K 16) over signed codes (u - o), the int32 tile
-// then scaled into f32 sums (weight scale x activation scale, plus Q4_K's min term): the same exact integer
-// sums per group as the vector paths, summed in another order. bf16: the tiles accumulate in f32 over K
-// (products exact, f32 sums; VDPBF16PS-like).
+// Calls of at least kAmxMinRows activation rows. The weights are the A tiles (16 output rows x 64 bytes of k),
+// the activations the B tiles (k-pair / k-quad interleaved: B[k / 2][m][k % 2] bf16, B[k / 4][m][k % 4] int8, built
+// once per call by a 16 x 16 transpose of 32-bit words), so C tiles are [n][m] and are transposed into y. bf16
+// weights are tile-loaded where they are (rows ldw apart) and each tile serves up to 64 activation rows: the
+// weights are read once per 64 rows, with no rewrite. Block weights are unpacked to signed codes (u - o) per 16
+// rows into a staging block (rows Kp + 64 bytes apart: a 4 KiB stride put all 16 rows in one L1 set) with their
+// per-group scales; one TDPBSSD per weight-scale group (32 weights; Q6_K 16), 4 groups in flight, the int32 tiles
+// then scaled into f32 sums (weight scale x activation scale, plus Q4_K's min term): the same exact integer sums
+// per group as the vector paths, summed in group order. bf16: the tiles accumulate in f32 over K (products exact,
+// f32 sums; VDPBF16PS-like). Single-core A/B against the earlier panel kernels (bench_qlinear_ab --isa amx, one
+// [14336, 4096] matrix, under load): bf16 1.45x at m = 16, 1.38x at m = 64; Q8_0 1.60x / 1.39x; Q4_K 1.77x /
+// 1.48x; Q6_K 1.77x / 1.26x.
 
 #if MS_X86
 #pragma GCC push_options
