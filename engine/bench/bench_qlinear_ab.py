@@ -57,9 +57,9 @@ def best_time(lib: ctypes.CDLL, x: np.ndarray, w, y: np.ndarray, threads: int = 
     """Seconds of one call: thread CPU time on one thread, wall time with more (the helpers' time is elsewhere)."""
     clock = time.thread_time if threads == 1 else time.perf_counter
     t = clock()
-    if isinstance(w, np.ndarray):  # bf16 weights: x rounded to bf16 (ms_linear's bf16 activation)
-        rc = lib.ms_linear(x.astype(BF16).ctypes.data, x.shape[0], x.shape[1], w.ctypes.data, w.shape[0],
-                           y.ctypes.data, 0, threads)
+    if isinstance(w, np.ndarray):  # bf16 weights: x given as bf16 (ms_linear's bf16 activation)
+        assert x.dtype == BF16, "bf16 weights take bf16 activations"
+        rc = lib.ms_linear(x.ctypes.data, x.shape[0], x.shape[1], w.ctypes.data, w.shape[0], y.ctypes.data, 0, threads)
     else:
         rc = lib.ms_qlinear(x.ctypes.data, 0, x.shape[0], x.shape[1], w.data.ctypes.data, native.QTYPE_IDS[w.qtype],
                             w.shape[0], y.ctypes.data, threads)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         if read:
             print(f"{qt}: 1-thread streaming read {read:.1f} GB/s (thread CPU time, {a.mib:.0f} MiB)", flush=True)
         for m in (int(v) for v in a.m.split(",")):
-            x = rng.standard_normal((m, a.cols)).astype(np.float32)
+            x = rng.standard_normal((m, a.cols)).astype(BF16 if qt == "bf16" else np.float32)
             ys = {n: np.empty((m, a.rows), np.float32) for n in libs}
             times: dict[str, list[float]] = {n: [] for n in libs}
             calls = 0  # every call takes the next matrix: with --mib, the least recently read one
