@@ -64,6 +64,28 @@ def test_qlinear_host_bf16_x_and_threads_identical(isa):
         assert np.all(np.abs(y1 - ref) <= bound(x.astype(np.float32), w)), qtype
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_qlinear_rows_independent_of_call_size(qtype):
+    """AVX-512 path, K over several 2048-weight chunks: row m of an M-row call is the 1-row call on that row, bit for
+    bit, for M = 2..8 (one pass, every weight block applied to all rows) and M = 9..13 (K in chunks, partial sums
+    carried as vectors), and both match the reference (a chunk's sums dropped or added twice would not)."""
+    if native.best_isa() not in ("amx", "avx512bf16"):
+        pytest.skip(f"no AVX512-VNNI path: best {native.best_isa()}")
+    rng = np.random.default_rng(11 + QTYPES.index(qtype))
+    K = 32 * 143 if qtype in ("q8_0", "q4_0") else 256 * 19  # 4576 / 4864: 3 chunks, a half group for Q8_0 / Q4_0
+    w = native.random_blocks(rng, qtype, 37, K)
+    x = rng.standard_normal((13, K)).astype(np.float32)
+    native.set_isa("avx512bf16")
+    try:
+        single = np.concatenate([native.linear_host(x[m:m + 1], w, threads=1) for m in range(13)])
+        for M in (2, 3, 5, 8, 9, 13):
+            np.testing.assert_array_equal(native.linear_host(x[:M], w, threads=2), single[:M], err_msg=f"M={M}")
+    finally:
+        native.set_isa(None)
+    ref = native.qlinear_reference(x, w)
+    assert np.all(np.abs(single - ref) <= bound(x, w)), np.abs(single - ref).max()
+
+
 def test_activation_quantization_as_the_kernels():
     """The numpy activation rounding is the one the kernels use, bit for bit (ties, zeros, a repeated max)."""
     rng = np.random.default_rng(3)
@@ -187,7 +209,7 @@ def test_bf16_amx_matches_avx512():
         pytest.skip(f"this CPU (or kernel) has no AMX: best path {native.best_isa()}")
     rng = np.random.default_rng(2)
     try:
-        for M, K, N in ((16, 100, 37), (17, 1000, 65), (40, 64, 33)):
+        for M, K, N in ((16, 100, 37), (17, 1000, 65), (40, 64, 33), (33, 2048, 80)):
             x = rng.standard_normal((M, K)).astype(BF16)
             w = (rng.standard_normal((N, K)) * 0.05).astype(BF16)
             native.set_isa("avx512bf16")

@@ -893,15 +893,22 @@ Act prepare(int isa, int wt, const SRC* src, size_t ld, const int32_t* rows, int
   constexpr int64_t kE = 64 / int64_t(sizeof(SRC));
   const int64_t Kp = (K + kE - 1) / kE * kE;
   if (std::is_same<SRC, uint16_t>::value && amx_bf16_rows(isa, wt, M)) {
-    // AMX: plain rows of Kp elements, zero padded, rows padded with zeros to a multiple of 32
-    // (row stride Kp + 32: rows a multiple of 4 KiB apart would share L1 sets under the tile loads)
-    const int64_t Mp = (M + 31) / 32 * 32, ld = Kp + 32;
-    SRC* d = static_cast<SRC*>(grow_bytes(buf, size_t(Mp * ld) * sizeof(SRC) + 64));
-    d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64 / sizeof(SRC);
-    std::memset(d, 0, size_t(Mp * ld) * sizeof(SRC));
-    for (int64_t m = 0; m < M; ++m) std::memcpy(d + m * ld, row(m), size_t(K) * sizeof(SRC));
+    // AMX: the activations are the B tiles, built here once for every part of the call: rows padded with zeros
+    // to a multiple of 32, K to a multiple of 32; tile (t, kb) = rows 16t .. 16t + 15, k 32kb .. 32kb + 31 as 16
+    // k-pairs x 16 rows x 2 (1 KiB); tiles [Mp / 16][KB]. a.ld: KB.
+    const int64_t Mp = (M + 31) / 32 * 32, KB = (K + 31) / 32, words = 16 * KB;
+    uint32_t* d = static_cast<uint32_t*>(grow_bytes(buf, size_t(Mp * words) * 4 + 64));
+    d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64 / 4;
+    std::memset(d, 0, size_t(Mp * words) * 4);
+    std::vector<uint32_t> tmp(static_cast<size_t>(words));
+    for (int64_t m = 0; m < M; ++m) {
+      std::fill(tmp.begin(), tmp.end(), 0u);
+      std::memcpy(tmp.data(), row(m), size_t(K) * sizeof(SRC));
+      uint32_t* t = d + (m / 16) * KB * 256 + m % 16;
+      for (int64_t i = 0; i < words; ++i) t[(i / 16) * 256 + (i % 16) * 16] = tmp[size_t(i)];
+    }
     a.x = d;
-    a.ld = size_t(ld);
+    a.ld = size_t(KB);
     return a;
   }
   if (M == 1) {
@@ -1204,11 +1211,20 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // Q4_0 8, Q4_K 0, Q6_K 32), converted to f32, times (weight scale * activation scale), plus Q4_K's
 // -dmin * m_j * d_x * sum_k q_k; those f32 terms are summed per lane, then the lanes in a fixed order.
 // So each output equals "dequantize the blocks, dequantize the quantized activation, f32 matmul" up to f32
-// summation error. Paths: AVX512-VNNI (VPDPBUSD), AVX2 (16-bit madd), portable scalar, and AMX-INT8 tiles for
-// calls of 16 rows or more (the same integer sums per scale group, so the same terms up to the summation order).
+// summation error. On the AVX-512 path an output does not depend on the other rows of the call: row m of an M-row
+// call is the 1-row call on that row, bit for bit (qgemm_range_512); the AMX path (>= 16 rows) sums in its own order.
+// Paths: AVX512-VNNI (VPDPBUSD; the K-quants with integer sub-block scales), AVX2 (16-bit madd; the K-quants likewise,
+// qmk_avx2_k), portable scalar, and AMX-INT8 tiles for calls of 16 rows or more (the same integer sums per scale
+// group, so the same terms up to the summation order).
 // ------------------------------------------------------------------------------------------------
 
 #define MS_INLINE inline __attribute__((always_inline))
+#ifndef MS_QPREFETCH
+#define MS_QPREFETCH 2048  // bytes ahead each weight stream is prefetched (AVX-512 block kernels)
+#endif
+#ifndef MS_QR_SMALL_M
+#define MS_QR_SMALL_M 4  // weight streams at 1-2 activation rows (AVX-512 block kernels)
+#endif
 
 enum QType { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 
@@ -1542,7 +1558,89 @@ void qmk_scalar(QMK_ARGS) {
 
 // AVX2: codes widened to 16 bits, pairs multiplied and added (VPMADDWD), pairs of pairs added and put back
 // in order: one 32-bit lane per 4 weights, as on the other paths.
+// K-quants on AVX2, as on AVX-512 (qmk512k_rm) and llama.cpp's q4_K / q6_K x q8_K: per 32 weights VPMADDUBSW
+// (unsigned codes x signed activations into 16-bit pair sums) and VPMADDWD by the integer sub-block scale into
+// 8 int32 lanes, summed exactly over the super-block; the float scales applied once per 256 weights (Q4_K's mins
+// and Q6_K's offset of 32 through the activations' 16-sums). Same integer sums, so the same reference tolerance.
+// Single-core A/B against the earlier per-64-weight float scheme (bench_qlinear_ab --isa avx2, [14336, 4096], under
+// load): Q4_K 3.5x / 3.3x / 3.1x at m = 1 / 4 / 8, Q6_K 2.7x / 2.9x / 2.6x (Q8_0, unchanged, 1.00-1.16x).
+template <int QT>
+MS_INLINE __m256i kdot_avx2(const uint8_t* sb, const int8_t* q, const int16_t* bs16, __m256i& t) {
+  const __m256i m4 = _mm256_set1_epi8(15);
+  __m256i v = _mm256_setzero_si256();
+  if constexpr (QT == kQ4_K) {
+    uint32_t a, b, c;
+    std::memcpy(&a, sb + 4, 4);
+    std::memcpy(&b, sb + 8, 4);
+    std::memcpy(&c, sb + 12, 4);
+    const uint64_t sc = uint64_t(a & 0x3f3f3f3fu) | uint64_t((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+    const uint64_t mn = uint64_t(b & 0x3f3f3f3fu) | uint64_t(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+    for (int g = 0; g < 4; ++g) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * g));
+      const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32));
+      const __m256i s0 = _mm256_set1_epi16(short((sc >> (16 * g)) & 0xff)), s1 = _mm256_set1_epi16(short((sc >> (16 * g + 8)) & 0xff));
+      v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0));
+      v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1));
+    }
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn)));
+    const __m256i per16 = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+    t = _mm256_madd_epi16(per16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16)));
+  } else {
+    const int8_t* scs = reinterpret_cast<const int8_t*>(sb + 192);
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * h));
+      for (int part = 0; part < 2; ++part) {  // ql bytes 64h + 32 part .. + 31
+        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h + 32 * part));
+        const __m256i hb = part ? _mm256_srli_epi16(qh, 2) : qh;
+        for (int p = 0; p < 2; ++p) {  // low / high nibbles: groups 2h (p 0) and 2h + 1 (p 1)
+          const int g = 2 * h + p, sub = 4 * g + 2 * part;  // first 16-weight scale index of these 32 weights
+          const __m256i u = _mm256_or_si256(
+              _mm256_and_si256(p ? _mm256_srli_epi16(ql, 4) : ql, m4),
+              _mm256_slli_epi16(_mm256_and_si256(p ? _mm256_srli_epi16(hb, 4) : hb, m3), 4));
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32 * part));
+          const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(short(scs[sub + 1])), _mm_set1_epi16(short(scs[sub])));
+          v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), sv));
+        }
+      }
+    }
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scs)));
+    t = _mm256_madd_epi16(s16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16)));
+  }
+  return v;
+}
+
+template <int QT>
+void qmk_avx2_k(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1, float* y,
+                size_t ldy, const int* nc, bool acc) {
+  constexpr int bytes = QT == kQ4_K ? 144 : 210;
+  __m256 accv[kQR][kQMR];
+  for (int j = 0; j < kQR; ++j)
+    for (int i = 0; i < kQMR; ++i) accv[j][i] = _mm256_setzero_ps();
+  for (int64_t s = g0 / 4; s < (g1 + 3) / 4; ++s)
+    for (int j = 0; j < r; ++j) {
+      const uint8_t* sb = wr[j] + s * bytes;
+      const float d = f16_at(QT == kQ4_K ? sb : sb + 208), dmin = QT == kQ4_K ? f16_at(sb + 2) : 0.0f;
+      for (int i = 0; i < mr; ++i) {
+        const QRow x = a.row(m0 + i);
+        __m256i t;
+        __m256i v = kdot_avx2<QT>(sb, x.q + 256 * s, x.bs + 16 * s, t);
+        const float dx = x.dl[64 * s];
+        if constexpr (QT == kQ6_K) v = _mm256_sub_epi32(v, _mm256_slli_epi32(t, 5));
+        accv[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(d * dx), accv[j][i]);
+        if constexpr (QT == kQ4_K)
+          accv[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(-(dmin * dx)), accv[j][i]);
+      }
+    }
+  for (int j = 0; j < r; ++j)
+    for (int i = 0; i < mr; ++i) put(y + (m0 + i) * ldy + nc[j], hsum256(accv[j][i]), acc);
+}
+
 void qmk_avx2(QMK_ARGS) {
+  if (qt == kQ4_K) return qmk_avx2_k<kQ4_K>(r, wr, a, m0, mr, g0, g1, y, ldy, nc, acc);
+  if (qt == kQ6_K) return qmk_avx2_k<kQ6_K>(r, wr, a, m0, mr, g0, g1, y, ldy, nc, acc);
   __m256 accv[kQR][kQMR];
   for (int j = 0; j < kQR; ++j)
     for (int i = 0; i < kQMR; ++i) accv[j][i] = _mm256_setzero_ps();
@@ -1650,39 +1748,62 @@ MS_INLINE void scales512(const uint8_t* row, int64_t g, int n, __m512& s, __m512
   }
 }
 
-// R weight rows x MR activation rows, both compile-time: the accumulators stay in registers.
-template <int QT, int R, int MR>
-void qmk512_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K, float* y,
-               size_t ldy, const int* nc, bool acc) {
-  __m512 accv[R][MR];
+// R weight rows x MR activation rows, both compile-time: the accumulators stay in registers. Each weight row's
+// group is unpacked once and applied to all MR activation rows (Q8_0 / Q4_0: up to 4, the R rows' codes and
+// scales in registers, then each activation row's vectors once for all of them). PF: prefetch every stream
+// kQPrefetch bytes ahead into L2 (the weights come from memory): with MR rows' work per line the out-of-order
+// window alone no longer keeps enough lines in flight.
+constexpr int kQPrefetch = MS_QPREFETCH;
+thread_local std::vector<float> t_qvacc;  // vector partial sums between K chunks (qgemm_range_512)
+
+// Accumulators of a micro-kernel call over one K chunk: zero on the first chunk, else the previous chunk's
+// vectors (vacc: R x MR vectors); kept as vectors between chunks and reduced once after the last, so a sum
+// is the same however K is chunked and however many rows share the call (row m of an M-row call equals a
+// 1-row call on that row, bit for bit, on this path).
+template <int R, int MR>
+MS_INLINE void load_acc(__m512 (&accv)[R][MR], const float* vacc, bool first) {
   for (int j = 0; j < R; ++j)
-    for (int i = 0; i < MR; ++i) accv[j][i] = _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) accv[j][i] = first ? _mm512_setzero_ps() : _mm512_load_ps(vacc + (j * MR + i) * 16);
+}
+
+template <int R, int MR>
+MS_INLINE void store_acc(const __m512 (&accv)[R][MR], float* vacc, bool last, float* y, size_t ldy, const int* nc) {
+  for (int j = 0; j < R; ++j)
+    for (int i = 0; i < MR; ++i) {
+      if (last) y[i * ldy + nc[j]] = hsum512(accv[j][i]);
+      else _mm512_store_ps(vacc + (j * MR + i) * 16, accv[j][i]);
+    }
+}
+
+template <int QT, int R, int MR, bool PF>
+void qmk512_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K, float* y,
+               size_t ldy, const int* nc, float* vacc, bool first, bool last) {
+  static_assert(QT == kQ8_0 || QT == kQ4_0, "the K-quants take qmk512k_rm");
+  constexpr int gbytes = QT == kQ8_0 ? 68 : 36;  // bytes of one 64-weight group (two blocks)
+  __m512 accv[R][MR];
+  load_acc<R, MR>(accv, vacc, first);
   QRow xr[MR];
   for (int i = 0; i < MR; ++i) xr[i] = a.row(m0 + i);
-  // the R rows' codes and scales first, then each activation row's vectors loaded once for all of them
   for (int64_t g = g0; g < g1; ++g) {
     const int n = int(std::min<int64_t>(64, K - 64 * g));
-    __m512i u[R];
-    __m512 sv[R], cv[R];
-    for (int j = 0; j < R; ++j) {
-      u[j] = codes512<QT>(wr[j], g, n);
-      scales512<QT>(wr[j], g, n, sv[j], cv[j]);
-    }
     const int64_t lane = 16 * g;
-    for (int i = 0; i < MR; ++i) {
+    __m512i u[R];
+    __m512 sv[R];
+    for (int j = 0; j < R; ++j) {
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + g * gbytes) + kQPrefetch, _MM_HINT_T1);
+      u[j] = codes512<QT>(wr[j], g, n);
+      __m512 cv;
+      scales512<QT>(wr[j], g, n, sv[j], cv);
+    }
+    for (int i = 0; i < MR; ++i) {  // each activation row's vectors loaded once for the R weight rows
       const __m512i nxo = _mm512_load_si512(xr[i].nxo + lane), q = _mm512_load_si512(xr[i].q + 64 * g);
       const __m512 dl = _mm512_load_ps(xr[i].dl + lane);
-      __m512 xs = _mm512_setzero_ps();
-      if constexpr (QT == kQ4_K) xs = _mm512_load_ps(xr[i].xs + lane);
-      for (int j = 0; j < R; ++j) {
-        const __m512i v = _mm512_dpbusd_epi32(nxo, u[j], q);
-        accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(sv[j], dl), accv[j][i]);
-        if constexpr (QT == kQ4_K) accv[j][i] = _mm512_fmadd_ps(cv[j], xs, accv[j][i]);
-      }
+      for (int j = 0; j < R; ++j)
+        accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(nxo, u[j], q)), _mm512_mul_ps(sv[j], dl),
+                                     accv[j][i]);
     }
   }
-  for (int j = 0; j < R; ++j)
-    for (int i = 0; i < MR; ++i) put(y + (m0 + i) * ldy + nc[j], hsum512(accv[j][i]), acc);
+  store_acc<R, MR>(accv, vacc, last, y + m0 * ldy, ldy, nc);
 }
 
 // K-quants (Q4_K, Q6_K), as llama.cpp's q4_K / q6_K x q8_K dot products do it: inside a 256-weight super-block
@@ -1749,80 +1870,146 @@ MS_INLINE void kcodes(const uint8_t* sb, __m512i* u) {
   }
 }
 
-template <int QT, int R, int MR>
+template <int QT, int R, int MR, bool PF>
 void qmk512k_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, float* y, size_t ldy,
-                const int* nc, bool acc) {
+                const int* nc, float* vacc, bool first, bool last) {
   constexpr int bytes = QT == kQ4_K ? 144 : 210;
   __m512 accv[R][MR];
-  for (int j = 0; j < R; ++j)
-    for (int i = 0; i < MR; ++i) accv[j][i] = _mm512_setzero_ps();
+  load_acc<R, MR>(accv, vacc, first);
   QRow xr[MR];
   for (int i = 0; i < MR; ++i) xr[i] = a.row(m0 + i);
   for (int64_t s = g0 / 4; s < (g1 + 3) / 4; ++s) {
-    float dx[MR];
-    __m256i bs[MR];
-    for (int i = 0; i < MR; ++i) {
-      dx[i] = xr[i].dl[64 * s];
-      bs[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[i].bs + 16 * s));
-    }
     for (int j = 0; j < R; ++j) {
+      const uint8_t* sb = wr[j] + s * bytes;
+      if constexpr (PF)
+        for (int off = 0; off < bytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(sb) + kQPrefetch + off, _MM_HINT_T1);
       __m512i scg[4], u[4];
       __m256i per16;
       float d, dmin;
-      kscales<QT>(wr[j] + s * bytes, scg, per16, d, dmin);
-      kcodes<QT>(wr[j] + s * bytes, u);
+      kscales<QT>(sb, scg, per16, d, dmin);
+      kcodes<QT>(sb, u);
       for (int i = 0; i < MR; ++i) {
         const int8_t* q = xr[i].q + 256 * s;
         __m512i v = _mm512_setzero_si512();
         for (int g = 0; g < 4; ++g)
           v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(u[g], _mm512_load_si512(q + 64 * g)), scg[g]);
-        const __m256i t = _mm256_madd_epi16(per16, bs[i]);
+        const __m256i t = _mm256_madd_epi16(per16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[i].bs + 16 * s)));
+        const float dx = xr[i].dl[64 * s];
         if constexpr (QT == kQ6_K) v = _mm512_sub_epi32(v, _mm512_zextsi256_si512(_mm256_slli_epi32(t, 5)));
-        accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d * dx[i]), accv[j][i]);
+        accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d * dx), accv[j][i]);
         if constexpr (QT == kQ4_K)
-          accv[j][i] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(t)), _mm512_set1_ps(-(dmin * dx[i])),
+          accv[j][i] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(t)), _mm512_set1_ps(-(dmin * dx)),
                                        accv[j][i]);
       }
     }
   }
-  for (int j = 0; j < R; ++j)
-    for (int i = 0; i < MR; ++i) put(y + (m0 + i) * ldy + nc[j], hsum512(accv[j][i]), acc);
+  store_acc<R, MR>(accv, vacc, last, y + m0 * ldy, ldy, nc);
 }
 
-template <int QT, int R>
-void qmk512_r(const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1, int64_t K, float* y,
-              size_t ldy, const int* nc, bool acc) {
-  if constexpr (QT == kQ4_K || QT == kQ6_K) {
-    (void)K;
+template <int QT, int R, int MR, bool PF>
+MS_INLINE void qmk512_call(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K,
+                           float* y, size_t ldy, const int* nc, float* vacc, bool first, bool last) {
+  if constexpr (QT == kQ4_K || QT == kQ6_K) qmk512k_rm<QT, R, MR, PF>(wr, a, m0, g0, g1, y, ldy, nc, vacc, first, last);
+  else qmk512_rm<QT, R, MR, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+}
+
+template <int QT, int R, bool PF>
+void qmk512_mr(int mr, const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K, float* y,
+               size_t ldy, const int* nc, float* vacc, bool first, bool last) {
+  if constexpr (QT == kQ8_0 || QT == kQ4_0) {  // at most 4 rows a call (kQGroup)
     switch (mr) {
-      case 1: return qmk512k_rm<QT, R, 1>(wr, a, m0, g0, g1, y, ldy, nc, acc);
-      case 2: return qmk512k_rm<QT, R, 2>(wr, a, m0, g0, g1, y, ldy, nc, acc);
-      case 3: return qmk512k_rm<QT, R, 3>(wr, a, m0, g0, g1, y, ldy, nc, acc);
-      default: return qmk512k_rm<QT, R, 4>(wr, a, m0, g0, g1, y, ldy, nc, acc);
+      case 1: return qmk512_call<QT, R, 1, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+      case 2: return qmk512_call<QT, R, 2, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+      case 3: return qmk512_call<QT, R, 3, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+      default: return qmk512_call<QT, R, 4, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
     }
-  } else {
-    switch (mr) {
-      case 1: return qmk512_rm<QT, R, 1>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-      case 2: return qmk512_rm<QT, R, 2>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-      case 3: return qmk512_rm<QT, R, 3>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-      default: return qmk512_rm<QT, R, 4>(wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-    }
+  }
+  switch (mr) {
+    case 1: return qmk512_call<QT, R, 1, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+    case 2: return qmk512_call<QT, R, 2, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+    case 3: return qmk512_call<QT, R, 3, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+    case 4: return qmk512_call<QT, R, 4, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+    case 5: return qmk512_call<QT, R, 5, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+    case 6: return qmk512_call<QT, R, 6, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+    case 7: return qmk512_call<QT, R, 7, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+    default: return qmk512_call<QT, R, 8, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
   }
 }
 
+// Weight streams (rows per micro-kernel call) for mr activation rows: R x mr accumulators in registers.
+constexpr int kQRBig = MS_QR_SMALL_M;  // mr 1..2
+// (2 instead of 4 at 3-4 rows: the K-quants no faster, 1-thread A/B 0.94-1.01x: compute-, not register-bound)
+inline int qstreams(int mr) { return mr <= 2 ? kQRBig : mr <= 4 ? 4 : 2; }
+
 template <int QT>
-void qmk512_t(QMK_ARGS) {
-  (void)qt;
-  if (r == kQR) return qmk512_r<QT, kQR>(wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
-  return qmk512_r<QT, 1>(wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
+void qmk512_any(bool pf, int r, int mr, const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1,
+                int64_t K, float* y, size_t ldy, const int* nc, float* vacc, bool first, bool last) {
+#define MS_QMK_R(RR)                                                                                 \
+  case RR:                                                                                           \
+    if (pf) return qmk512_mr<QT, RR, true>(mr, wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last); \
+    return qmk512_mr<QT, RR, false>(mr, wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+  switch (r) {
+    MS_QMK_R(kQRBig)
+#if MS_QR_SMALL_M != 4
+    MS_QMK_R(4)
+#endif
+    MS_QMK_R(2)
+    default: return qmk512_mr<QT, 1, false>(mr, wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+  }
+#undef MS_QMK_R
 }
 
-void qmk_avx512(QMK_ARGS) {
+// y[m, n] for n in [n0, n1), all M rows, on the AVX-512 path. Up to kQOnePass rows: one pass over the weights,
+// every weight row unpacked once for all rows, prefetched. More rows: blocks of R weight rows x kQKC groups (in
+// L1) taken by every group of kQGroup rows in turn, prefetched by the first. The K-quants' integer sums leave
+// registers for 8 rows x 2 weight rows; Q8_0 / Q4_0 measured faster in 4-row groups x 4 weight rows (their
+// per-row float work is larger: 1-thread A/B at 14336 x 4096, m = 8, weights from memory: 8 x 2 0.82x of 4 x 4).
+template <int QT>
+constexpr int kQOnePass = QT == kQ4_K || QT == kQ6_K ? 8 : 4;
+template <int QT>
+constexpr int kQGroup = QT == kQ4_K || QT == kQ6_K ? 8 : 4;
+
+template <int QT>
+void qgemm_range_512(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
+                     float* y, size_t ldy, int64_t kc, int64_t kmb) {
+  const int64_t G = (K + 63) / 64;
+  float* vacc = static_cast<float*>(grow_bytes(t_qvacc, size_t((kmb + 3) / 4 * 8 * 8 * 16 * 4) + 64));
+  vacc += (16 - reinterpret_cast<uintptr_t>(vacc) / 4 % 16) % 16;
+  constexpr int MG = kQGroup<QT>;
+  auto pass = [&](int R, int64_t mb, int64_t me, int64_t chunk, int mg, auto&& for_rows) {
+    for_rows([&](int r, const int* nc) {
+      const uint8_t* wr[8];
+      for (int j = 0; j < r; ++j) wr[j] = w + size_t(nc[j]) * row_bytes;
+      for (int64_t g0 = 0; g0 < G; g0 += chunk) {
+        const int64_t g1 = std::min(G, g0 + chunk);
+        for (int64_t m = mb; m < me; m += mg)
+          qmk512_any<QT>(m == mb && r == R, r, int(std::min<int64_t>(mg, me - m)), wr, a, m, g0, g1, K, y, ldy, nc,
+                         vacc + (m - mb) / mg * (8 * 8 * 16), g0 == 0, g1 == G);
+      }
+    });
+  };
+  if (M <= kQOnePass<QT>) {
+    const int R = qstreams(int(M));
+    auto rows = [&](auto&& block) {
+      if (R == kQRBig) for_blocks<kQRBig>(n0, n1, block);
+      else if (R == 4) for_blocks<4>(n0, n1, block);
+      else for_blocks<2>(n0, n1, block);
+    };
+    return pass(R, 0, M, G, int(M), rows);
+  }
+  constexpr int R = MG == 8 ? 2 : 4;
+  for (int64_t mb = 0; mb < M; mb += kmb)
+    pass(R, mb, std::min(M, mb + kmb), kc, MG, [&](auto&& block) { for_blocks<R>(n0, n1, block); });
+}
+
+void qgemm_range_avx512(int qt, const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0,
+                        int64_t n1, float* y, size_t ldy, int64_t kc, int64_t kmb) {
   switch (qt) {
-    case kQ8_0: return qmk512_t<kQ8_0>(qt, r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
-    case kQ4_0: return qmk512_t<kQ4_0>(qt, r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
-    case kQ4_K: return qmk512_t<kQ4_K>(qt, r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
-    default: return qmk512_t<kQ6_K>(qt, r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
+    case kQ8_0: return qgemm_range_512<kQ8_0>(a, M, K, w, row_bytes, n0, n1, y, ldy, kc, kmb);
+    case kQ4_0: return qgemm_range_512<kQ4_0>(a, M, K, w, row_bytes, n0, n1, y, ldy, kc, kmb);
+    case kQ4_K: return qgemm_range_512<kQ4_K>(a, M, K, w, row_bytes, n0, n1, y, ldy, kc, kmb);
+    default: return qgemm_range_512<kQ6_K>(a, M, K, w, row_bytes, n0, n1, y, ldy, kc, kmb);
   }
 }
 
@@ -1836,9 +2023,11 @@ void qgemm_range_vec(int isa, int qt, const QAct& a, int64_t M, int64_t K, const
                      int64_t n0, int64_t n1, float* y, size_t ldy) {
   const int64_t G = (K + 63) / 64;
   const int64_t kc = M > kQMR ? kQKC : G;
+#if MS_X86
+  if (isa >= kAvx512Bf16) return qgemm_range_avx512(qt, a, M, K, w, row_bytes, n0, n1, y, ldy, kQKC, kMB);
+#endif
   auto mk = [&](int r, const uint8_t* const* wr, int64_t m0, int mr, int64_t g0, int64_t g1, const int* nc, bool acc) {
 #if MS_X86
-    if (isa >= kAvx512Bf16) return qmk_avx512(qt, r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
     if (isa == kAvx2) return qmk_avx2(qt, r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
 #endif
     (void)isa;
@@ -1859,14 +2048,18 @@ void qgemm_range_vec(int isa, int qt, const QAct& a, int64_t M, int64_t K, const
 }
 
 // ---- AMX (tiles of 16 rows x 64 bytes; TDPBSSD int8 / TDPBF16PS bf16) --------------------------------------
-// Calls of at least kAmxMinRows activation rows. Output rows are taken 32 at a time (two B tiles) and
-// activation rows 32 at a time (two A tiles): 4 accumulator tiles. The weights of the 32 output rows are
-// first rewritten into a panel in the tiles' pair/quad-interleaved layout (B[k / 4][n][k % 4] for int8,
-// B[k / 2][n][k % 2] for bf16) by a 16 x 16 transpose of 32-bit words, then every activation-row pair uses it.
-// int8: one TDPBSSD per weight-scale group (32 weights; Q6_K 16) over signed codes (u - o), the int32 tile
-// then scaled into f32 sums (weight scale x activation scale, plus Q4_K's min term): the same exact integer
-// sums per group as the vector paths, summed in another order. bf16: the tiles accumulate in f32 over K
-// (products exact, f32 sums; VDPBF16PS-like).
+// Calls of at least kAmxMinRows activation rows. The weights are the A tiles (16 output rows x 64 bytes of k),
+// the activations the B tiles (k-pair / k-quad interleaved: B[k / 2][m][k % 2] bf16, B[k / 4][m][k % 4] int8, built
+// once per call by a 16 x 16 transpose of 32-bit words), so C tiles are [n][m] and are transposed into y. bf16
+// weights are tile-loaded where they are (rows ldw apart) and each tile serves up to 64 activation rows: the
+// weights are read once per 64 rows, with no rewrite. Block weights are unpacked to signed codes (u - o) per 16
+// rows into a staging block (rows Kp + 64 bytes apart: a 4 KiB stride put all 16 rows in one L1 set) with their
+// per-group scales; one TDPBSSD per weight-scale group (32 weights; Q6_K 16), 4 groups in flight, the int32 tiles
+// then scaled into f32 sums (weight scale x activation scale, plus Q4_K's min term): the same exact integer sums
+// per group as the vector paths, summed in group order. bf16: the tiles accumulate in f32 over K (products exact,
+// f32 sums; VDPBF16PS-like). Single-core A/B against the earlier panel kernels (bench_qlinear_ab --isa amx, one
+// [14336, 4096] matrix, under load): bf16 1.45x at m = 16, 1.38x at m = 64; Q8_0 1.60x / 1.39x; Q4_K 1.77x /
+// 1.48x; Q6_K 1.77x / 1.26x.
 
 #if MS_X86
 #pragma GCC push_options
@@ -1931,105 +2124,154 @@ inline __m512i signed_codes(const uint8_t* row, int64_t g, int n) {
 }
 
 struct AmxScratch {
-  std::vector<float> panel, sw, cw, dxg, xsg, cb, acc;
+  std::vector<float> panel, bpanel, sw, cw, dxg, xsg, cb, acc;
 };
 thread_local AmxScratch t_amx;
 
+// The scale of each of a row's GS weight-scale groups (w = s * (u - o) + c): s into sw[g * ld], c (Q4_K's
+// -dmin * m_j; else 0) into cw[g * ld] -- group_scales' values, a group at a time instead of 16 lanes per 64.
+template <int QT>
+MS_INLINE void row_group_scales(const uint8_t* row, int64_t GS, float* sw, float* cw, int ld) {
+  if constexpr (QT == kQ8_0 || QT == kQ4_0) {
+    constexpr int bytes = QT == kQ8_0 ? 34 : 18;
+    for (int64_t g = 0; g < GS; ++g) {
+      sw[g * ld] = f16_at(row + g * bytes);
+      cw[g * ld] = 0.0f;
+    }
+  } else if constexpr (QT == kQ4_K) {
+    for (int64_t b = 0; b < GS / 8; ++b) {
+      const uint8_t* sb = row + b * 144;
+      const float d = f16_at(sb), dmin = f16_at(sb + 2);
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, m;
+        scale_min_k4(j, sb + 4, sc, m);
+        sw[(8 * b + j) * ld] = d * float(sc);
+        cw[(8 * b + j) * ld] = -(dmin * float(m));
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < GS / 16; ++b) {
+      const uint8_t* sb = row + b * 210;
+      const float d = f16_at(sb + 208);
+      for (int j = 0; j < 16; ++j) {
+        sw[(16 * b + j) * ld] = d * float(reinterpret_cast<const int8_t*>(sb + 192)[j]);
+        cw[(16 * b + j) * ld] = 0.0f;
+      }
+    }
+  }
+}
+
+// Block weights on AMX-INT8: the weights are the A tiles (one weight-scale group of S codes x 16 output rows,
+// unpacked to signed codes u - o once per 16 rows into a staging block), the activations the B tiles (their int8
+// codes in the quad layout, built once per call part); per group one TDPBSSD gives the exact integer sums of a
+// 16 x 16 tile, which are scaled (weight scale x activation scale, plus Q4_K's min term) into 16 f32 accumulator
+// vectors kept in registers over all groups, then transposed into y. Per output: the same integer group sums as
+// the vector paths, summed in group order.
 template <int QT>
 void qgemm_amx_t(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
                  float* y, size_t ldy) {
   constexpr int S = QT == kQ6_K ? 16 : 32;  // weights per scale group: one TDPBSSD step
   const int64_t Kp = a.Kp, G64 = (K + 63) / 64, GS = K / S;
-  const int64_t Mp = (M + 31) / 32 * 32;  // quantize_rows pads the rows to a multiple of 32 with zeros
+  const int64_t Mp = (M + 31) / 32 * 32, MT = (M + 15) / 16;  // quantize_rows pads the rows with zeros to Mp
   AmxScratch& s = t_amx;
-  int8_t* panel = reinterpret_cast<int8_t*>(grow_bytes(s.panel, size_t(32 * Kp) + 64));
-  panel += (64 - reinterpret_cast<uintptr_t>(panel) % 64) % 64;
-  float* sw = grow(s.sw, size_t(GS * 32));
-  float* cw = grow(s.cw, size_t(GS * 32));
-  float* dxg = grow(s.dxg, size_t(Mp * GS));
-  float* xsg = grow(s.xsg, size_t(Mp * GS));
-  int32_t* cb = reinterpret_cast<int32_t*>(grow(s.cb, 4 * 256 + 16));
-  float* acc = grow(s.acc, size_t(32 * 32));
+  auto align64 = [](void* p) { return reinterpret_cast<uint8_t*>(p) + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64; };
+  int8_t* bp = reinterpret_cast<int8_t*>(align64(grow_bytes(s.bpanel, size_t(MT * G64 * 1024) + 64)));
+  int8_t* stage = reinterpret_cast<int8_t*>(align64(grow_bytes(s.panel, size_t(2 * 16 * (Kp + 64)) + 64)));
+  float* sw = grow(s.sw, size_t(2 * GS * 16));
+  float* cw = grow(s.cw, size_t(2 * GS * 16));
+  float* dxT = reinterpret_cast<float*>(align64(grow(s.dxg, size_t(GS * Mp) + 16)));
+  float* xsT = reinterpret_cast<float*>(align64(grow(s.xsg, size_t(GS * Mp) + 16)));
+  int32_t* cb = reinterpret_cast<int32_t*>(align64(grow(s.cb, 4 * 256 + 16)));
+  for (int64_t t = 0; t < MT; ++t)  // B panel: tile (t, g) = 16 k-quads x 16 rows x 4 codes
+    for (int64_t g = 0; g < G64; ++g) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(a.row(16 * t + i).q + 64 * g);
+      transpose16x16(r);
+      for (int c = 0; c < 16; ++c) _mm512_store_si512(bp + ((t * G64 + g) * 16 + c) * 64, r[c]);
+    }
   for (int64_t m = 0; m < Mp; ++m) {
     const QRow x = a.row(m);
     for (int64_t g = 0; g < GS; ++g) {
-      dxg[m * GS + g] = x.dl[g * S / 4];
+      dxT[g * Mp + m] = x.dl[g * S / 4];
       float t = 0.0f;
       if (QT == kQ4_K)
         for (int l = 0; l < S / 4; ++l) t += x.xs[g * S / 4 + l];
-      xsg[m * GS + g] = t;
+      xsT[g * Mp + m] = t;
     }
   }
   amx_config(S);
-  alignas(64) float ls[16], lc[16];
   for (int64_t nb = n0; nb < n1; nb += 32) {
-    const int nr = int(std::min<int64_t>(32, n1 - nb));
-    // panel: tile t (rows nb + 16 t ..), K / 4 rows of 64 bytes each
-    for (int t = 0; t < 2; ++t) {
-      int8_t* pt = panel + size_t(t) * size_t(16 * Kp);
-      for (int64_t g = 0; g < G64; ++g) {
-        const int n = int(std::min<int64_t>(64, K - 64 * g));
-        __m512i r[16];
-        for (int i = 0; i < 16; ++i) {
-          const int64_t row = 16 * t + i;
-          if (row < nr) {
-            const uint8_t* wr = w + size_t(nb + row) * row_bytes;
-            r[i] = signed_codes<QT>(wr, g, n);
-            group_scales(QT, wr, g, n, ls, lc);
-            for (int h = 0; h < 64 / S && 64 * g + S * h < K; ++h) {
-              sw[(64 * g / S + h) * 32 + row] = ls[h * S / 4];
-              cw[(64 * g / S + h) * 32 + row] = lc[h * S / 4];
-            }
-          } else {
-            r[i] = _mm512_setzero_si512();
-            for (int h = 0; h < 64 / S && 64 * g + S * h < K; ++h) sw[(64 * g / S + h) * 32 + row] = cw[(64 * g / S + h) * 32 + row] = 0.0f;
-          }
+    int nr[2];
+    for (int h = 0; h < 2; ++h) {  // stage the codes and scales of rows nb + 16h ..
+      nr[h] = int(std::max<int64_t>(0, std::min<int64_t>(16, n1 - nb - 16 * h)));
+      int8_t* sh = stage + size_t(h) * size_t(16 * (Kp + 64));
+      for (int i = 0; i < 16; ++i) {
+        float* swr = sw + size_t(h * GS * 16 + i);
+        float* cwr = cw + size_t(h * GS * 16 + i);
+        if (i >= nr[h]) {
+          for (int64_t g = 0; g < GS; ++g) swr[g * 16] = cwr[g * 16] = 0.0f;
+          continue;
         }
-        transpose16x16(r);
-        for (int c = 0; c < 16; ++c) _mm512_store_si512(pt + (16 * g + c) * 64, r[c]);
+        const uint8_t* wr = w + size_t(nb + 16 * h + i) * row_bytes;
+        for (int64_t g = 0; g < G64; ++g)
+          _mm512_store_si512(sh + i * (Kp + 64) + 64 * g, signed_codes<QT>(wr, g, int(std::min<int64_t>(64, K - 64 * g))));
+        row_group_scales<QT>(wr, GS, swr, cwr, 16);
       }
     }
-    for (int64_t mb = 0; mb < M; mb += 32) {
-      std::memset(acc, 0, 32 * 32 * sizeof(float));
-      const int8_t* a0 = a.row(mb).q;
-      const int8_t* a1 = a.row(mb + 16).q;
-      const size_t lda = size_t(a.stride);
-      for (int64_t g = 0; g < GS; ++g) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        _tile_loadd(4, a0 + g * S, lda);
-        _tile_loadd(5, a1 + g * S, lda);
-        _tile_loadd(6, panel + g * S / 4 * 64, 64);
-        _tile_loadd(7, panel + size_t(16 * Kp) + g * S / 4 * 64, 64);
-        _tile_dpbssd(0, 4, 6);
-        _tile_dpbssd(1, 4, 7);
-        _tile_dpbssd(2, 5, 6);
-        _tile_dpbssd(3, 5, 7);
-        _tile_stored(0, cb, 64);
-        _tile_stored(1, cb + 256, 64);
-        _tile_stored(2, cb + 512, 64);
-        _tile_stored(3, cb + 768, 64);
-        const __m512 s0 = _mm512_loadu_ps(sw + g * 32), s1 = _mm512_loadu_ps(sw + g * 32 + 16);
-        const __m512 c0 = _mm512_loadu_ps(cw + g * 32), c1 = _mm512_loadu_ps(cw + g * 32 + 16);
-        for (int mi = 0; mi < 32; ++mi) {
-          const int32_t* crow = cb + (mi / 16) * 512 + (mi % 16) * 16;
-          const __m512 dx = _mm512_set1_ps(dxg[(mb + mi) * GS + g]);
-          float* ar = acc + mi * 32;
-          __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(crow)), _mm512_mul_ps(s0, dx), _mm512_loadu_ps(ar));
-          __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(crow + 256)), _mm512_mul_ps(s1, dx), _mm512_loadu_ps(ar + 16));
-          if constexpr (QT == kQ4_K) {
-            const __m512 xs = _mm512_set1_ps(xsg[(mb + mi) * GS + g]);
-            v0 = _mm512_fmadd_ps(c0, xs, v0);
-            v1 = _mm512_fmadd_ps(c1, xs, v1);
+    for (int h = 0; h < 2; ++h) {
+      if (nr[h] == 0) continue;
+      const int8_t* sh = stage + size_t(h) * size_t(16 * (Kp + 64));
+      for (int64_t t = 0; t < MT; ++t) {
+        __m512 accv[16];
+        for (int i = 0; i < 16; ++i) accv[i] = _mm512_setzero_ps();
+        // 4 groups at a time: 4 independent TDPBSSD into C tiles 0-3, stored, then scaled into the accumulators
+        // (one group at a time would wait on each tile's multiply and store)
+        for (int64_t g0 = 0; g0 < GS; g0 += 4) {
+          const int ng = int(std::min<int64_t>(4, GS - g0));
+          for (int q = 0; q < ng; ++q) {
+            const int64_t g = g0 + q;
+            switch (q) {  // tile numbers are immediates
+              case 0: _tile_zero(0); break;
+              case 1: _tile_zero(1); break;
+              case 2: _tile_zero(2); break;
+              default: _tile_zero(3); break;
+            }
+            if (q % 2 == 0) {
+              _tile_loadd(4, sh + g * S, size_t(Kp + 64));
+              _tile_loadd(6, bp + ((t * G64 + g * S / 64) * 16 + (g * S % 64) / 4) * 64, 64);
+              if (q == 0) _tile_dpbssd(0, 4, 6); else _tile_dpbssd(2, 4, 6);
+            } else {
+              _tile_loadd(5, sh + g * S, size_t(Kp + 64));
+              _tile_loadd(7, bp + ((t * G64 + g * S / 64) * 16 + (g * S % 64) / 4) * 64, 64);
+              if (q == 1) _tile_dpbssd(1, 5, 7); else _tile_dpbssd(3, 5, 7);
+            }
           }
-          _mm512_storeu_ps(ar, v0);
-          _mm512_storeu_ps(ar + 16, v1);
+          _tile_stored(0, cb, 64);
+          if (ng > 1) _tile_stored(1, cb + 256, 64);
+          if (ng > 2) _tile_stored(2, cb + 512, 64);
+          if (ng > 3) _tile_stored(3, cb + 768, 64);
+          for (int q = 0; q < ng; ++q) {
+            const int64_t g = g0 + q;
+            const int32_t* c = cb + 256 * q;
+            const __m512 dx = _mm512_load_ps(dxT + g * Mp + 16 * t);
+            const float* swg = sw + size_t((h * GS + g) * 16);
+            for (int i = 0; i < 16; ++i)
+              accv[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * i)),
+                                        _mm512_mul_ps(_mm512_set1_ps(swg[i]), dx), accv[i]);
+            if constexpr (QT == kQ4_K) {
+              const __m512 xs = _mm512_load_ps(xsT + g * Mp + 16 * t);
+              const float* cwg = cw + size_t((h * GS + g) * 16);
+              for (int i = 0; i < 16; ++i) accv[i] = _mm512_fmadd_ps(_mm512_set1_ps(cwg[i]), xs, accv[i]);
+            }
+          }
         }
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(accv[i]);
+        transpose16x16(r);
+        const __mmask16 mask = __mmask16((1u << nr[h]) - 1);
+        for (int i = 0; i < 16 && 16 * t + i < M; ++i)
+          _mm512_mask_storeu_ps(y + size_t(16 * t + i) * ldy + nb + 16 * h, mask, _mm512_castsi512_ps(r[i]));
       }
-      for (int mi = 0; mi < 32 && mb + mi < M; ++mi)
-        std::memcpy(y + (mb + mi) * ldy + nb, acc + mi * 32, size_t(nr) * sizeof(float));
     }
   }
   _tile_release();
@@ -2052,58 +2294,69 @@ void qgemm_range_amx(int qt, const QAct& a, int64_t M, int64_t K, const uint8_t*
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-int8,amx-bf16")
 
-// bf16 weights on AMX: x plain bf16 rows a.ld elements apart (K zero padded to a multiple of 32; rows padded with
-// zeros to a multiple of 32), weights [N, K] bf16 rows of ldw elements.
+// bf16 weights on AMX: the weights are the A tiles, read where they are (16 rows x 32 k, the rows ldw apart), the
+// activations the B tiles of prepare()'s panel: each 16-row weight tile is loaded once per 32-k step for up to 64
+// activation rows (C tiles 0-3: one per 16 rows), so the weights are read once per 64 rows. C[n][m] is transposed
+// into y. A 16-row block short of 16 rows (the last of [n0, n1)) or a K short of a multiple of 32 is staged zero
+// padded first. Each output is one f32 sum over the 32-k steps in order (the tiles' own order inside a step).
 void gemm_range_amx_bf16(const Act& a, int64_t M, int64_t K, const uint16_t* w, size_t ldw, int64_t n0, int64_t n1,
                          float* y, size_t ldy) {
-  const int64_t ld = int64_t(a.ld), Kp = (K + 31) / 32 * 32, KB = Kp / 32;
+  const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16;
+  const uint16_t* panel = static_cast<const uint16_t*>(a.x);
   AmxScratch& s = t_amx;
-  uint16_t* panel = reinterpret_cast<uint16_t*>(grow_bytes(s.panel, size_t(64 * Kp) + 64));
-  panel += (64 - reinterpret_cast<uintptr_t>(panel) % 64) % 64 / 2;
+  uint16_t* stage = reinterpret_cast<uint16_t*>(grow_bytes(s.panel, size_t(16 * KB * 64) + 64));
+  stage += (64 - reinterpret_cast<uintptr_t>(stage) % 64) % 64 / 2;
   float* cb = grow(s.cb, 4 * 256 + 16);
+  cb += (16 - reinterpret_cast<uintptr_t>(cb) / 4 % 16) % 16;
   amx_config(64);
-  const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  for (int64_t nb = n0; nb < n1; nb += 32) {
-    const int nr = int(std::min<int64_t>(32, n1 - nb));
-    for (int t = 0; t < 2; ++t) {
-      uint16_t* pt = panel + size_t(t) * size_t(16 * Kp);  // Kp / 2 rows of 32 elements
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        const int n = int(std::min<int64_t>(32, K - 32 * kb));
-        const __mmask32 mask = n >= 32 ? ~__mmask32(0) : __mmask32((uint64_t(1) << n) - 1);
-        __m512i r[16];
-        for (int i = 0; i < 16; ++i) {
-          const int64_t row = 16 * t + i;
-          r[i] = row < nr ? _mm512_maskz_loadu_epi16(mask, w + size_t(nb + row) * ldw + 32 * kb) : _mm512_setzero_si512();
-        }
-        transpose16x16(r);
-        for (int c = 0; c < 16; ++c) _mm512_store_si512(pt + (16 * kb + c) * 32, r[c]);
-      }
+  for (int64_t nb = n0; nb < n1; nb += 16) {
+    const int nr = int(std::min<int64_t>(16, n1 - nb));
+    const uint16_t* A = w + size_t(nb) * ldw;
+    size_t lda = ldw * 2;
+    if (nr < 16 || K % 32 != 0) {
+      std::memset(stage, 0, size_t(16 * KB * 64));
+      for (int i = 0; i < nr; ++i) std::memcpy(stage + size_t(i) * size_t(KB * 32), w + size_t(nb + i) * ldw, size_t(K) * 2);
+      A = stage;
+      lda = size_t(KB * 64);
     }
-    for (int64_t mb = 0; mb < M; mb += 32) {
+    for (int64_t t0 = 0; t0 < MT; t0 += 4) {
+      const int nt = int(std::min<int64_t>(4, MT - t0));
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      const uint16_t* a0 = x + mb * ld;
-      const uint16_t* a1 = x + (mb + 16) * ld;
+      const uint16_t* b = panel + t0 * KB * 512;
       for (int64_t kb = 0; kb < KB; ++kb) {
-        _tile_loadd(4, a0 + 32 * kb, size_t(2 * ld));
-        _tile_loadd(5, a1 + 32 * kb, size_t(2 * ld));
-        _tile_loadd(6, panel + kb * 16 * 32, 64);
-        _tile_loadd(7, panel + size_t(16 * Kp) + kb * 16 * 32, 64);
+        if (t0 == 0 && kb + 8 < KB)  // the weights' next lines into L2 (16 rows a multiple of 4 KiB apart share an L1 set)
+          for (int i = 0; i < 16; ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(A) + i * lda + (kb + 8) * 64, _MM_HINT_T1);
+        _tile_loadd(4, A + 32 * kb, lda);
+        _tile_loadd(6, b + kb * 512, 64);
         _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        if (nt > 1) {
+          _tile_loadd(7, b + (KB + kb) * 512, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (nt > 2) {
+          _tile_loadd(6, b + (2 * KB + kb) * 512, 64);
+          _tile_dpbf16ps(2, 4, 6);
+        }
+        if (nt > 3) {
+          _tile_loadd(7, b + (3 * KB + kb) * 512, 64);
+          _tile_dpbf16ps(3, 4, 7);
+        }
       }
       _tile_stored(0, cb, 64);
       _tile_stored(1, cb + 256, 64);
       _tile_stored(2, cb + 512, 64);
       _tile_stored(3, cb + 768, 64);
-      for (int mi = 0; mi < 32 && mb + mi < M; ++mi) {
-        const float* c = cb + (mi / 16) * 512 + (mi % 16) * 16;
-        float* dst = y + (mb + mi) * ldy + nb;
-        for (int j = 0; j < nr; ++j) dst[j] = j < 16 ? c[j] : c[256 + j - 16];
+      const __mmask16 mask = __mmask16((1u << nr) - 1);
+      for (int t = 0; t < nt; ++t) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(_mm512_load_ps(cb + 256 * t + 16 * i));
+        transpose16x16(r);
+        for (int i = 0; i < 16 && 16 * (t0 + t) + i < M; ++i)
+          _mm512_mask_storeu_ps(y + size_t(16 * (t0 + t) + i) * ldy + nb, mask, _mm512_castsi512_ps(r[i]));
       }
     }
   }
