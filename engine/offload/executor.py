@@ -9,7 +9,10 @@ experts on the torch worker, the GPU experts on the device as their weights are 
 when both sides are done (OnCpuGpuDone). Where the scheduler always keeps resident experts on the
 device (`resident_on_device`), those start right after the gate, overlapping the planning; a
 layer without on-demand loads computes its CPU side on the main thread once the device work is
-dispatched (no hand-over to the worker: nothing on the link needs watching). The Timer feeds
+dispatched (no hand-over to the worker: nothing on the link needs watching). A layer whose active experts
+are all resident (with such a scheduler) is planned only once the next device call, its residual and the next
+layer's attention and gate, is dispatched (`plan_behind_device`): its plan then decides only later layers'
+transfers, and runs behind the device instead of in front of it. The Timer feeds
 measured costs back into the cost model. What the plan does to the cache, the link queue and the
 metrics is `engine.offload.accounting`, the same bookkeeping the simulator's layers go through.
 Dense layers, attention, routers, shared experts and the LM head always run on the device.
