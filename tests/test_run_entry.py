@@ -32,6 +32,9 @@ def test_main_job_serves_offloaded_with_the_in_memory_tokens(tmp_path: Path) -> 
     plan = r["planning_ms"]["decode"]
     assert plan["layers"] == 5 * 8  # 5 decode passes x 8 MoE layers of the one measured batch
     assert 0 < plan["median_ms"] <= plan["p99_ms"] < 50 and r["plan_median_ms_decode"] == plan["median_ms"]
+    # of it, what stood on the critical path (device idle at the plan's end), and the layers planned behind the device
+    assert 0 <= r["plan_exposed_mean_ms_decode"] == plan["exposed_mean_ms"] <= plan["mean_ms"]
+    assert 0 <= plan["behind_device_share"] <= 1
     parts = r["decode_layer_breakdown"]
     assert abs(sum(parts["per_layer_ms"].values()) - parts["layer_ms"]) < 1e-6 * parts["layer_ms"] + 1e-9
     assert 0 < parts["per_layer_ms"]["plan"] <= parts["executor_own_ms"] < parts["layer_ms"]

@@ -139,7 +139,10 @@ class LayerAccounting:
 
     def plan(self, scheduler: OffloadScheduler, state: LayerState, validate: bool) -> LayerPlan:
         """The scheduler's plan; checked in full when `validate`, else only that it covers the active experts."""
-        plan = scheduler.plan(state)
+        return self.check(scheduler, state, scheduler.plan(state), validate)
+
+    def check(self, scheduler: OffloadScheduler, state: LayerState, plan: LayerPlan, validate: bool) -> LayerPlan:
+        """`plan` (the scheduler's for `state`) checked as `plan` checks it: the executor times the call apart."""
         if not isinstance(plan, LayerPlan):
             raise TypeError(f"{scheduler.name}.plan returned {type(plan).__name__}, expected LayerPlan")
         if validate or len(plan.cpu) + len(plan.gpu) != len(state.active):

@@ -9,7 +9,10 @@ experts on the torch worker, the GPU experts on the device as their weights are 
 when both sides are done (OnCpuGpuDone). Where the scheduler always keeps resident experts on the
 device (`resident_on_device`), those start right after the gate, overlapping the planning; a
 layer without on-demand loads computes its CPU side on the main thread once the device work is
-dispatched (no hand-over to the worker: nothing on the link needs watching). The Timer feeds
+dispatched (no hand-over to the worker: nothing on the link needs watching). A layer whose active experts
+are all resident (with such a scheduler) is planned only once the next device call, its residual and the next
+layer's attention and gate, is dispatched (`plan_behind_device`): its plan then decides only later layers'
+transfers, and runs behind the device instead of in front of it. The Timer feeds
 measured costs back into the cost model. What the plan does to the cache, the link queue and the
 metrics is `engine.offload.accounting`, the same bookkeeping the simulator's layers go through.
 Dense layers, attention, routers, shared experts and the LM head always run on the device.
@@ -91,6 +94,10 @@ class LayerRun:
     deferred_routing: Optional[np.ndarray] = None  # Expert Deferral: the CPU pairs landing one MoE layer late
 
 
+# one float32 add of two partial outputs (a jax or host array each): the layer's parts summed in order
+_add = jax.jit(jnp.add)
+
+
 def link_view(active: Optional[Job], resident: np.ndarray, t_io: float, now: float
               ) -> tuple[tuple[Transfer, ...], float]:
     """The transfer on the link as a plan must see it, and alpha (eq. 3: link time still owed).
@@ -147,7 +154,7 @@ class OffloadExecutor:
                                                                                        settings.staging_slots):
             raise ValueError(f"cache of {self.cache.cache_slots} + {len(self.cache.slots) - self.cache.cache_slots} "
                              f"slots given to an executor of {settings.cache_slots} + {settings.staging_slots}")
-        self.timer = Timer(cost, store.expert_bytes)
+        self.timer = Timer(cost, store.expert_bytes, update_cost=settings.timer_updates_cost)
         self.accounting = LayerAccounting(self.L, store.expert_bytes)
         self.link = TransferLink(store, self.cache, settings.chunks, synchronous=not settings.async_io,
                                  retries=settings.retries, on_done=self._on_io_done, fault=fault)
@@ -217,9 +224,10 @@ class OffloadExecutor:
     # ---- one MoE layer ---------------------------------------------------------------------------------
     def _moe_layer(self, block: int, hidden: jax.Array, experts_d: jax.Array, weights_d: jax.Array, phase: Phase,
                    valid_flat: np.ndarray, seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray, context_len: int,
-                   begin: float) -> tuple[list[jax.Array], list[int]]:
+                   begin: float) -> tuple[list[jax.Array], list[int], Optional[Callable[[jax.Array], None]]]:
         """Plan the MoE layer of decoder layer `block` (its gate has run) and compute its experts: (partial
-        outputs, pinned slots).
+        outputs, pinned slots, the layer's plan to make once the call consuming its output is dispatched, or None
+        when it was planned already: `_plan_later`).
 
         `begin`: when the layer's attention call was dispatched; the wall time from there to the issued
         plan, minus the modelled attention, is the layer's fixed host overhead (the Timer's sample)."""
@@ -230,6 +238,9 @@ class OffloadExecutor:
         laps.lap("route")
         early = self._start_resident(run)
         laps.lap("dispatch")
+        if self._plan_behind(run, early):
+            later = self._plan_later(run, early, context_len, laps, begin)
+            return self._combine(run), run.pinned, later
         state, plan = self._plan(run, early, context_len, laps)
         if phase is Phase.decode:  # prefill's attention is far from its model; decode is what the overhead serves
             self.timer.layer_overhead(time.perf_counter() - begin - state.t_attn_next_s)
@@ -246,23 +257,30 @@ class OffloadExecutor:
         self._close_layer(run, plan, gpu_busy, cpu_busy)
         laps.lap("bookkeeping")
         laps.close(plan)
-        return parts, run.pinned
+        return parts, run.pinned, None
 
     def _route(self, layer: int, phase: Phase, hidden: jax.Array, experts_d: jax.Array, weights_d: jax.Array,
                valid: np.ndarray, seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray) -> LayerRun:
         """The layer's routing on the host (its sync point): the forecasts made for it are scored, the Counter
         counts it, and the forecasts made here get their context."""
         start = time.perf_counter()
-        experts = np.asarray(experts_d).astype(np.int64)  # the sync point of the layer
-        weights = np.asarray(weights_d).astype(np.float32)
-        experts = np.where(valid[:, None], experts, -1)  # padding rows route nowhere
-        self.book.settle_live(layer, experts[valid])
-        np.add.at(self.expert_tokens[layer], experts[valid].reshape(-1), 1)
-        host = np.asarray(hidden).reshape(-1, self.cfg.hidden_size)
-        rows = self.row_lookup(seqs[valid], pos[valid]) if self.row_lookup is not None else None
-        context = LayerContext(layer=layer, step=self.accounting.pass_index, experts=experts[valid],
-                               weights=weights[valid], hidden=host[valid].astype(np.float32), tokens=tokens[valid],
-                               seq=seqs[valid], pos=pos[valid], rows=rows)
+        # the sync point of the layer: the three arrays fetched in one call (their copies overlap)
+        experts_h, weights_h, host = jax.device_get((experts_d, weights_d, hidden))
+        experts = np.where(valid[:, None], experts_h, -1).astype(np.int64)  # padding rows route nowhere
+        weights = np.asarray(weights_h).astype(np.float32)
+        host = host.reshape(-1, self.cfg.hidden_size)
+        if valid.all():  # a decode pass: every row a real token, no selection to copy
+            live_experts, live_weights, live_host = experts, weights, host
+            live_seqs, live_pos, live_tokens = seqs, pos, tokens
+        else:
+            live_experts, live_weights, live_host = experts[valid], weights[valid], host[valid]
+            live_seqs, live_pos, live_tokens = seqs[valid], pos[valid], tokens[valid]
+        self.book.settle_live(layer, live_experts)
+        self.expert_tokens[layer] += np.bincount(live_experts.reshape(-1), minlength=self.E)
+        rows = self.row_lookup(live_seqs, live_pos) if self.row_lookup is not None else None
+        context = LayerContext(layer=layer, step=self.accounting.pass_index, experts=live_experts,
+                               weights=live_weights, hidden=live_host.astype(np.float32), tokens=live_tokens,
+                               seq=live_seqs, pos=live_pos, rows=rows)
         self.book.begin_layer(context)
         return LayerRun(layer, phase, hidden, host, experts, weights, valid, context, start)
 
@@ -281,18 +299,82 @@ class OffloadExecutor:
               ) -> tuple[LayerState, LayerPlan]:
         """The plan point, the link held (its queue stays as the scheduler sees it): state, plan, issue."""
         with self.link.hold():
-            queued = self.link.queued()
-            state = self._state(run, queued, context_len)
-            self.accounting.settle_prefetches(queued)  # what is still queued is dropped by this plan
-            laps.lap("state")
-            plan = self.accounting.plan(self.scheduler, state, validate=self.settings.validate_plans)
-            laps.lap("plan")
-            if not set(early) <= set(plan.gpu):
-                raise RuntimeError(f"{self.scheduler.name}: resident_on_device, but the plan of MoE layer {run.layer} "
-                                   f"moves resident experts {sorted(set(early) - set(plan.gpu))} off the device")
+            state = self._snapshot(run, context_len, laps)
+            plan = self._decide(run, state, early, run.parts, laps)
             self._issue(run.layer, plan)
         laps.lap("issue")
         return state, plan
+
+    def _snapshot(self, run: LayerRun, context_len: int, laps: LayerLaps) -> LayerState:
+        """The state the plan is made from (the link held); what is still queued is dropped by this plan."""
+        queued = self.link.queued()
+        state = self._state(run, queued, context_len)
+        self.accounting.settle_prefetches(queued)
+        laps.lap("state")
+        return state
+
+    def _decide(self, run: LayerRun, state: LayerState, early: list[int], device: Sequence[jax.Array],
+                laps: LayerLaps) -> LayerPlan:
+        """The scheduler's plan (the `plan` lap: its call alone; exposed unless work in `device` still runs), checked."""
+        plan = self.scheduler.plan(state)
+        laps.plan_done(device_busy=not all(a.is_ready() for a in device))
+        plan = self.accounting.check(self.scheduler, state, plan, validate=self.settings.validate_plans)
+        if not set(early) <= set(plan.gpu):
+            raise RuntimeError(f"{self.scheduler.name}: resident_on_device, but the plan of MoE layer {run.layer} "
+                               f"moves resident experts {sorted(set(early) - set(plan.gpu))} off the device")
+        laps.lap("bookkeeping")
+        return plan
+
+    def _plan_behind(self, run: LayerRun, early: list[int]) -> bool:
+        """Whether the layer's plan may wait until its output is on its way (`OffloadSettings.plan_behind_device`):
+        every active expert resident and started on the device (a scheduler that keeps them there has one plan for
+        this layer's experts, all on the device; it decides only later layers' transfers), no deferred output to
+        join (Expert Deferral)."""
+        if not (self.settings.plan_behind_device and self.scheduler.resident_on_device and self._deferred is None):
+            return False
+        active = np.unique(run.experts[run.live])
+        return len(early) == int((active >= 0).sum())
+
+    def _plan_later(self, run: LayerRun, early: list[int], context_len: int, laps: LayerLaps, begin: float
+                    ) -> Callable[[jax.Array], None]:
+        """A layer planned behind the device: its state is taken now (the link held until the plan is issued, so
+        the queue stays as the scheduler sees it), the plan made once `after`, the call that consumes the layer's
+        output (the next layer's attention and gate), is dispatched. The plan must be the layer's experts all on
+        the device (`_plan_behind`); its evictions and transfers are issued as any plan's."""
+        hold = self.link.hold()
+        hold.__enter__()
+        try:
+            state = self._snapshot(run, context_len, laps)
+        except BaseException:
+            hold.__exit__(None, None, None)
+            raise
+        handover = time.perf_counter()
+
+        def finish(after: jax.Array) -> None:
+            laps.skip()  # the dispatch of `after` is the next layer's
+            laps.behind = True
+            try:
+                plan = self._decide(run, state, early, (after,), laps)
+                if plan.cpu or plan.ondemand or plan.defer or plan.speculate is not None or \
+                        set(plan.gpu) != set(early):
+                    raise RuntimeError(f"{self.scheduler.name}: MoE layer {run.layer} has every active expert resident "
+                                       f"{sorted(early)} and keeps resident experts on the device, but its plan is "
+                                       f"cpu={plan.cpu} gpu={plan.gpu} ondemand={plan.ondemand} defer={plan.defer} "
+                                       f"speculate={plan.speculate}")
+                self._issue(run.layer, plan)
+            finally:
+                hold.__exit__(None, None, None)
+            laps.lap("issue")
+            self.link.flush()  # no AsyncIO: the plan's transfers move before the next layer's plan point
+            laps.lap("transfer_wait")
+            if run.phase is Phase.decode:
+                self.timer.layer_overhead(handover - begin - state.t_attn_next_s)
+            self.accounting.open_layer(state)
+            self._close_layer(run, plan, handover - run.gpu_start, 0.0, handover - run.start)
+            laps.lap("bookkeeping")
+            laps.close(plan)
+
+        return finish
 
     def _state(self, run: LayerRun, queued: list[Job], context_len: int) -> LayerState:
         experts, weights = run.experts[run.live], run.weights[run.live]
@@ -434,7 +516,7 @@ class OffloadExecutor:
             cpu_busy = time.perf_counter() - run.cpu_start
             laps.lap("cpu_experts")
         if cpu_out is not None:
-            run.parts.append(jnp.asarray(cpu_out))
+            run.parts.append(cpu_out)  # a host array: `_combine` adds it in one device call
             self._time_cpu(cpu_busy, gpu_busy)
             laps.lap("bookkeeping")
         self._defer(run, plan, laps)
@@ -445,7 +527,7 @@ class OffloadExecutor:
         this layer's experts), and this layer's deferred pairs start on the CPU worker, which computes them while
         the device runs on (the next layer's attention and device experts)."""
         if self._deferred is not None:
-            run.parts.append(jnp.asarray(self._deferred.result()))
+            run.parts.append(self._deferred.result())
             self._deferred = None
             laps.lap("cpu_experts")
         if run.deferred_routing is not None:
@@ -464,14 +546,18 @@ class OffloadExecutor:
         would otherwise change with the plan's call count)."""
         parts = run.parts
         if not parts:
-            parts.append(jnp.zeros((run.host.shape[0], self.cfg.hidden_size), jnp.float32))
-        while len(parts) > 1:
-            parts[:2] = [parts[0] + parts[1]]
+            parts.append(np.zeros((run.host.shape[0], self.cfg.hidden_size), np.float32))
+        while len(parts) > 1:  # left to right, as the in-memory sum; a jitted add is ~5x cheaper to call than jnp's
+            parts[:2] = [_add(parts[0], parts[1])]
+        if isinstance(parts[0], np.ndarray):  # the residual call takes device arrays (one compiled signature)
+            parts[0] = jnp.asarray(parts[0])
         return parts
 
-    def _close_layer(self, run: LayerRun, plan: LayerPlan, gpu_busy: float, cpu_busy: float) -> None:
-        """The layer's metrics and, in recorded passes, its device and CPU busy intervals."""
-        seconds = time.perf_counter() - run.start
+    def _close_layer(self, run: LayerRun, plan: LayerPlan, gpu_busy: float, cpu_busy: float,
+                     seconds: Optional[float] = None) -> None:
+        """The layer's metrics (`seconds`: its duration, by default until now) and, in recorded passes, its device
+        and CPU busy intervals."""
+        seconds = time.perf_counter() - run.start if seconds is None else seconds
         self.accounting.close_layer(run.phase is Phase.prefill, run.layer, plan, seconds, gpu_busy, cpu_busy)
         origin = self._t0
         if gpu_busy:
@@ -539,7 +625,7 @@ class OffloadExecutor:
         x = self.kernels.embed_tokens(jnp.asarray(tokens))
         flat = (valid.reshape(-1), np.repeat(seqs, S), positions.reshape(-1), tokens.reshape(-1))
         layers = list(kv.layers)
-        pending: Optional[tuple[int, jax.Array, list, list]] = None  # MoE layer awaiting its residual
+        pending: Optional[tuple] = None  # MoE layer awaiting its residual: (layer, g, parts, pinned, plan later)
         for i, layer in enumerate(self.model.layers):
             t = time.perf_counter()
             if not layer.is_moe:
@@ -557,9 +643,9 @@ class OffloadExecutor:
             if self.accounting.recording:
                 experts.block_until_ready()
                 self.accounting.record("gpu", t - self._t0, self._now(), self.moe_index[i], kind="attn")
-            parts, pinned = self._moe_layer(i, g, experts, weights, phase, *flat, context_len, t)
+            parts, pinned, later = self._moe_layer(i, g, experts, weights, phase, *flat, context_len, t)
             self._moe_wall += time.perf_counter() - t
-            pending = (i, g, parts, pinned)
+            pending = (i, g, parts, pinned, later)
         if pending is not None:
             x = self.kernels.back(pending[0], x, pending[1], pending[2])
             self._release(pending, x)
@@ -577,7 +663,10 @@ class OffloadExecutor:
         return dense + self.cost.t_head(rows)
 
     def _release(self, pending: tuple, result: jax.Array) -> None:
-        """Unpin a finished layer's slots once `result` (computed from its expert outputs) is ready."""
+        """Make a layer's plan if it waited for the device (`_plan_later`), then unpin its slots once `result`
+        (computed from its expert outputs, dispatched) is ready."""
+        if pending[4] is not None:
+            pending[4](result)
         result.block_until_ready()
         self.cache.unpin(pending[3])
         return None

@@ -28,6 +28,14 @@ class OffloadSettings:
     # a pass with every routed expert resident, nothing on the link and a scheduler that would plan device
     # work only runs as one device call (no gate to stop at: there is nothing to decide); False: layer by layer
     fuse_resident: bool = True
+    # a layer whose active experts are all resident (and a scheduler that keeps resident experts on the device) is
+    # planned after the next device call (its residual, the next layer's attention and gate) is dispatched: the plan
+    # then decides only later layers' transfers, and runs behind the device instead of before it. False: every
+    # plan before its layer's output (the same plans, earlier)
+    plan_behind_device: bool = True
+    # the Timer feeds measured costs back into the cost model (LayerScope §4.1); False: the plans see the cost model as
+    # calibrated, so that two runs on a synchronous link make the same plans (the plan-order comparisons)
+    timer_updates_cost: bool = True
 
     def slots(self) -> int:
         """`cache_slots`, which must have been sized by now."""

@@ -8,6 +8,12 @@ alone: what issue 29 asks to report per policy), `issue` (evictions and the new 
 computed or waited for), `device_compute` (waiting for the device's expert work), `bookkeeping` (metrics,
 accounting, pins). The laps of a layer sum to its wall time from the gate's dispatch to its output, so the
 executor's own cost is what is not device work, transfers or CPU experts.
+
+Beside the laps, each layer's *exposed* planning time: the `plan` lap when the device had nothing left to run at the
+plan's end (its queue empty: the plan was on the critical path), 0 when device work was still running then (the
+plan was hidden behind it, as behind a layer's resident experts, or the next layer's attention when the plan runs
+after it is dispatched: the executor's `plan_behind_device`). A plan during whose middle the device went idle counts
+whole, so the figure is an upper bound.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ class LayerLaps:
     def __init__(self, owner: "StageTimes", phase: Phase):
         self.owner, self.phase = owner, phase
         self.seconds: dict[str, float] = defaultdict(float)
+        self.exposed = 0.0  # the plan's seconds on the critical path (module docstring)
+        self.behind = False  # planned behind the next device call (`plan_behind_device`)
         self.last = time.perf_counter()
 
     def lap(self, stage: str) -> None:
@@ -38,8 +46,19 @@ class LayerLaps:
         self.seconds[stage] += now - self.last
         self.last = now
 
+    def plan_done(self, device_busy: bool) -> None:
+        """Lap the plan; `device_busy`: device work was still running at its end (the plan was hidden)."""
+        start = self.last
+        self.lap("plan")
+        if not device_busy:
+            self.exposed += self.last - start
+
+    def skip(self) -> None:
+        """Charge nothing for the time since the last lap (spent outside the layer: the next device call's dispatch)."""
+        self.last = time.perf_counter()
+
     def close(self, plan: LayerPlan) -> None:
-        self.owner.add(self.phase, self.seconds, plan)
+        self.owner.add(self.phase, self.seconds, plan, self.exposed, self.behind)
 
 
 class StageTimes:
@@ -49,30 +68,41 @@ class StageTimes:
         self.layers: dict[Phase, list[dict[str, float]]] = {Phase.prefill: [], Phase.decode: []}
         self.cpu_experts: list[int] = []  # decode layers: experts the plan put on the CPU
         self.loads: list[int] = []  # decode layers: on-demand loads
+        self.exposed: dict[Phase, list[float]] = {Phase.prefill: [], Phase.decode: []}  # plan seconds exposed
+        self.behind: dict[Phase, list[bool]] = {Phase.prefill: [], Phase.decode: []}  # planned behind the device
 
     def laps(self, phase: Phase) -> LayerLaps:
         return LayerLaps(self, phase)
 
-    def add(self, phase: Phase, seconds: dict[str, float], plan: LayerPlan) -> None:
+    def add(self, phase: Phase, seconds: dict[str, float], plan: LayerPlan, exposed: float = 0.0,
+            behind: bool = False) -> None:
         self.layers[phase].append(dict(seconds))
+        self.exposed[phase].append(exposed)
+        self.behind[phase].append(behind)
         if phase is Phase.decode:
             self.cpu_experts.append(len(plan.cpu))
             self.loads.append(len(plan.ondemand))
 
     def clear(self) -> None:
-        for rows in self.layers.values():
+        for rows in (*self.layers.values(), *self.exposed.values(), *self.behind.values()):
             rows.clear()
         self.cpu_experts.clear()
         self.loads.clear()
 
     def planning(self) -> dict[str, Any]:
-        """The policy's `plan` call per MoE layer, in ms: median, p99, mean and count, per phase."""
+        """The policy's `plan` call per MoE layer, in ms: median, p99, mean and count, per phase; of it the mean
+        exposed (on the critical path, an upper bound: module docstring) and the share of layers planned behind
+        the next device call."""
         out: dict[str, Any] = {}
         for phase, rows in self.layers.items():
             values = np.array([r.get("plan", 0.0) for r in rows]) * 1e3
             if len(values):
+                exposed = 1e3 * np.asarray(self.exposed[phase])
                 out[phase.value] = {"median_ms": float(np.median(values)), "p99_ms": float(np.percentile(values, 99)),
-                                    "mean_ms": float(values.mean()), "layers": int(len(values))}
+                                    "mean_ms": float(values.mean()), "layers": int(len(values)),
+                                    "exposed_mean_ms": float(exposed.mean()),
+                                    "exposed_share": float(exposed.sum() / values.sum()) if values.sum() else 0.0,
+                                    "behind_device_share": float(np.mean(self.behind[phase]))}
         return out
 
     def decode_breakdown(self) -> dict[str, Any]:
