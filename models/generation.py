@@ -155,7 +155,7 @@ class Generator:
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
         self.executor = executor
-        self.cache_dtype = cache_dtype or model.embed[...].dtype
+        self.cache_dtype = cache_dtype or model.run_dtype
         self.capture, self.capture_hidden = capture, capture_hidden
         self.prompt_bucket, self.cache_bucket = prompt_bucket, cache_bucket
         opts = dict(EXACT_ROUNDING if compiler_options is None else compiler_options)
