@@ -14,7 +14,7 @@ from flax import nnx
 from engine.bench.peers.to_gguf import convert
 from models import native
 from models.quant.blocks import QuantArray
-from models.quant.dense import QuantLinear, dense_blocks_of
+from models.quant.dense import EmbedBlocks, QuantLinear, dense_blocks_of
 from tests.test_native_quant import bound
 
 pytestmark = pytest.mark.skipif(not native.available_experts(), reason="native FFI kernels unavailable")
@@ -95,6 +95,9 @@ def test_gguf_dense_in_blocks(tiny_folders) -> None:
             np.testing.assert_array_equal(_weight(kept, ("layers", i, "attn", name)),
                                           _weight(plain, ("layers", i, "attn", name)))
     np.testing.assert_array_equal(_weight(kept, ("lm_head",)), _weight(plain, ("lm_head",)))
+    assert isinstance(kept.embed, EmbedBlocks) and kept.run_dtype == plain.embed[...].dtype  # rows looked up in blocks
+    np.testing.assert_array_equal(np.asarray(kept.embed_tokens(jnp.asarray([[0, 5], [96, 3]]))),
+                                  np.asarray(plain.embed[...])[np.array([[0, 5], [96, 3]])])
     h = np.random.default_rng(1).standard_normal((3, cfg.hidden_size)).astype(np.float32)
     head = kept.lm_head
     got = np.asarray(jax.jit(lambda h: head(h))(jnp.asarray(h)))
@@ -144,6 +147,7 @@ def _swiglu_weights(model, path) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(node.gate_up[...], np.float32), np.asarray(node.down[...], np.float32)
 
 
+@pytest.mark.slow
 def test_gguf_swiglu_mlps_in_blocks(tmp_path) -> None:
     """A DeepSeek-V2 file whose matrices are Q8_0: `blocks` keeps the dense layer's MLP and every layer's shared
     experts as `QuantSwiGLU` (gate and up as row parts of one projection, down another), each matrix the one
