@@ -32,7 +32,7 @@ not (its weight is absorbed into the attention, read as a matrix)."""
 SWIGLU_PARTS = ("gate_up", "down")
 SWIGLU_MODULES = (("mlp",), ("moe", "shared"))
 """Dense SwiGLU MLPs (`models.layers.SwiGLU`) that may be kept in blocks, by their path inside a decoder layer: a
-dense layer's MLP and DeepSeek's shared experts (DeepSeek-V2-Lite Q8_0: 1.0 GB of blocks, 1.9 GB dequantized)."""
+dense layer's MLP and DeepSeek's shared experts (DeepSeek-V2-Lite Q8_0: 0.55 GB of blocks, 1.03 GB in bf16)."""
 
 
 class DenseBlocks(nnx.Variable):
