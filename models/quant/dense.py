@@ -5,6 +5,9 @@ Q6_K v in some layers, Q6_K output). Dequantizing them to bf16 on load makes eve
 bytes; `QuantLinear` instead multiplies by the blocks through the native block kernel (`models.native.qlinear`: the
 activations rounded as llama.cpp rounds them -- Q8_0 per 32 for Q8_0 / Q4_0 weights, Q8_K per 256 for the K-quants
 -- integer dot products, f32 sums rounded once to the activation dtype), so a token reads what llama.cpp reads.
+The dense SwiGLU MLPs (a dense layer's, DeepSeek's shared experts) are kept the same way (`QuantSwiGLU`), and the
+token embedding as `EmbedBlocks`, whose lookup dequantizes only the rows it reads (`embed_lookup`): with them a
+GGUF model's anonymous memory is its norms, routers and MLA's kv_b, not a bf16 copy of the file's dense bytes.
 
 The block bytes of each row part are held as uint8 [rows, blocks, block_bytes]: the block size names the type
 (Q4_0 18, Q8_0 34, Q4_K 144, Q6_K 210 bytes), so the type is recovered from the array's shape at trace time and
@@ -193,7 +196,8 @@ def dense_kind(path: tuple) -> tuple:
 
 def install_dense(model: nnx.Module, dense: dict[tuple, Sequence[QuantArray]]) -> None:
     """Replace the `Linear` at each module path of `dense` (see `dense_path`) by a `QuantLinear` over its row parts
-    (host arrays go to the device: aliased, not copied, on the CPU backend); a bias stays the loaded one."""
+    (host arrays go to the device: aliased, not copied, on the CPU backend); a bias stays the loaded one. A SwiGLU's
+    two parameter paths become one `QuantSwiGLU`, the embedding an `EmbedBlocks`."""
     swiglus: dict[tuple, dict[str, QuantLinear]] = {}
     for path, parts in dense.items():
         placed = jax.device_put([blocks3(QuantArray(np.asarray(q.data), q.qtype, q.shape)) for q in parts],
