@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.memory import release_free_heap
 from models.moe import DEFAULT_EXECUTOR, ExpertExecutor
 from models.transformer import EXACT_ROUNDING, Captured, KVCache, MoETransformer, forward, init_cache
 
@@ -155,7 +156,7 @@ class Generator:
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
         self.executor = executor
-        self.cache_dtype = cache_dtype or model.embed[...].dtype
+        self.cache_dtype = cache_dtype or model.run_dtype
         self.capture, self.capture_hidden = capture, capture_hidden
         self.prompt_bucket, self.cache_bucket = prompt_bucket, cache_bucket
         opts = dict(EXACT_ROUNDING if compiler_options is None else compiler_options)
@@ -244,10 +245,20 @@ class Generator:
                                            jnp.int32(eos), jnp.int32(pad), key, params, n_buffer=n_buffer)
         out = np.asarray(jax.device_get(out))[:, :max_new_tokens]
         t2 = time.perf_counter()
+        self._trim_after_compile()
         return GenerationOutput(tokens=out, lengths=self._lengths(out, eos), prompt_lengths=np.array([len(p) for p in prompts]),
                                 padded_prompt_len=P, prefill_s=t1 - t0, decode_s=t2 - t1,
                                 prefill_capture=jax.device_get(pre_cap) if pre_cap is not None else None,
                                 decode_capture=_trim(jax.device_get(dec_cap), int(steps)) if dec_cap is not None else None)
+
+    def _trim_after_compile(self) -> None:
+        """After a call that compiled a new program, give XLA's freed compile-time heap back to the system: glibc keeps
+        it as anonymous memory otherwise (Qwen3-30B-A3B-shaped, 8 narrow layers: 0.39 GB of growth, 0.20 GB of it freed
+        heap; at full depth the programs' compile grew RssAnon by ~1.3 GB per batch size)."""
+        compiled = self._prefill._cache_size() + self._decode._cache_size()
+        if compiled != getattr(self, "_compiled", 0):
+            self._compiled = compiled
+            release_free_heap()
 
     def _check(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         if not prompts:

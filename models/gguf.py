@@ -590,12 +590,13 @@ def has_block_experts(ck: OpenCheckpoint) -> bool:
 
 def block_dense(ck: OpenCheckpoint) -> dict[tuple, list[QuantArray]]:
     """Module path (`models.quant.dense.dense_path`) -> row parts (`QuantArray`s, views of the mapped file) of each
-    dense projection a GGUF file stores in block types the native kernels read: the attention projections and the
-    LM head. A projection kind (e.g. every layer's qkv) is kept in blocks only when every layer's tensors for it are
-    (one module structure for all layers); Mixtral's q/k rows are put back into HF's rope order (a row permutation
+    dense projection a GGUF file stores in block types the native kernels read: the attention projections, the dense
+    SwiGLU MLPs (a dense layer's, DeepSeek's shared experts: both of their matrices or neither) and the LM head. A
+    projection kind (e.g. every layer's qkv) is kept in blocks only when every layer's tensors for it are (one module
+    structure for all layers); Mixtral's q/k rows are put back into HF's rope order (a row permutation
     of the blocks: a copy of those two matrices). Empty for other checkpoints."""
     from models.native import QTYPE_IDS
-    from models.quant.dense import dense_path
+    from models.quant.dense import dense_kind, dense_path
 
     reader = ck.reader
     if not isinstance(reader, GGUFTensors):
@@ -606,7 +607,7 @@ def block_dense(ck: OpenCheckpoint) -> dict[tuple, list[QuantArray]]:
         path = dense_path(src.path)
         if path is None or src.expert is not None:
             continue
-        kind = path[-1] if path[0] == "layers" else path
+        kind = dense_kind(path)
         parts = []
         for piece in src.pieces:
             gsrc = reader.source(piece.name)
@@ -620,4 +621,4 @@ def block_dense(ck: OpenCheckpoint) -> dict[tuple, list[QuantArray]]:
             parts.append(QuantArray(rows, qtype.name, reader.shape(piece.name)))
         else:
             found[path] = parts
-    return {p: q for p, q in found.items() if (p[-1] if p[0] == "layers" else p) not in refused}
+    return {p: q for p, q in found.items() if dense_kind(p) not in refused}

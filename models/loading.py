@@ -179,9 +179,10 @@ def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool =
                "checkpoint's mapped files")
     scan = not spec_node(spec).get("allow_nonfinite", False)  # each copy is scanned as it is written
     dense = dense_blocks(spec, ck)
+    from models.quant.dense import param_path
     _, model = load_hf(ck.folder, dtype=dtype, with_experts=with_experts and not quantized, opened=ck,
                        check_finite=scan, huge_pages=bool(spec_node(spec).get("huge_pages", False)),
-                       skip=frozenset(path + ("weight",) for path in dense))
+                       skip=frozenset(param_path(path) for path in dense))
     if dense:
         from models.quant.dense import install_dense
 

@@ -14,6 +14,7 @@ experts out of a stacked array copies them (notes-cpu-performance.md), which dom
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional, Protocol, Sequence
 
@@ -283,6 +284,18 @@ def experts_native(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array],
     return native.experts(x, tok, wts.astype(jnp.float32), offsets, list(gate_up), list(down))
 
 
+@functools.lru_cache(maxsize=1)
+def only_cpu() -> bool:
+    """Whether this process has no accelerator backend: every program is then lowered for the CPU alone."""
+    for platform in ("cuda", "rocm", "tpu", "gpu"):
+        try:
+            if jax.devices(platform):
+                return False
+        except RuntimeError:  # no such backend here
+            continue
+    return True
+
+
 def native_reads(x: jax.Array, gate_up: Any, down: Any) -> bool:
     """Whether `experts_native` computes experts of these weights on the CPU: bf16 / f32 weights of x's dtype, or
     block types the kernels read (Q5_0, a K-quant's fallback, is left to the dequantizing XLA path)."""
@@ -306,6 +319,10 @@ class InMemoryExperts:
     `models.quant.matmul.expert_swiglu` (its blocks dequantized inside the chosen branch).
     """
 
+    layer_free = True
+    """The output does not depend on the layer index: `models.transformer.forward` may trace one layer of each
+    structure and call it from every layer."""
+
     def __init__(self, slot_limit: int = 4, dense_limit: int = 8, chunk: Optional[int] = None):
         self.slot_limit, self.dense_limit, self.chunk = slot_limit, dense_limit, chunk
 
@@ -323,6 +340,8 @@ class InMemoryExperts:
             raise ValueError(f"layer {layer}: the model holds no expert weights; pass an expert executor")
         gate_up, down = experts.arrays()
         if native_reads(x, gate_up[0], down[0]):
+            if only_cpu():  # the other branch would be lowered away, but tracing it is most of a layer's trace
+                return experts_native(x, routing, gate_up, down)  # (E experts' XLA branches: ~1 min per layer kind)
             return jax.lax.platform_dependent(x, routing, gate_up, down, cpu=experts_native, default=self.by_count)
         return self.by_count(x, routing, gate_up, down)
 

@@ -80,7 +80,7 @@ def lm_loss(model: MoETransformer, tokens: jax.Array, cfg: LossConfig) -> tuple[
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     B, S = inputs.shape
     positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    logits, _, captured = forward(model, inputs, init_cache(model, B, S, model.embed[...].dtype), positions,
+    logits, _, captured = forward(model, inputs, init_cache(model, B, S, model.run_dtype), positions,
                                   executor=CapacityExperts(cfg.capacity_factor), capture=True, capture_logits=True)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     metrics = {"ce": ce}

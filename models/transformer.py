@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import AbstractRngs, Attention, AttentionInputs, Linear, SwiGLU, _init, linear, make_norm
-from models.native import take_rows
+from models.layers import AbstractRngs, Attention, AttentionInputs, Linear, SwiGLU, _init, make_norm
+from models.quant.dense import embed_lookup, tied_head
 from models.mla import MLAttention
 from models.moe import DEFAULT_EXECUTOR, ExpertExecutor, MoEBlock, Routing
 from models.rope import RopeTables, cos_sin, rope_tables
@@ -132,10 +132,23 @@ class MoETransformer(nnx.Module):
     def moe_layers(self) -> tuple[int, ...]:
         return self.cfg.moe_layers
 
+    @property
+    def run_dtype(self) -> Any:
+        """The dtype the model computes in (its final norm's: the embedding may be kept in uint8 blocks)."""
+        return self.norm.weight[...].dtype
+
+    def embedding(self) -> jax.Array:
+        """The whole embedding table [V, H] in the run dtype (dequantized when kept in blocks)."""
+        return self.embed_tokens(jnp.arange(self.cfg.vocab_size, dtype=jnp.int32))
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens int [...] -> embeddings [..., H] in the run dtype."""
+        return embed_lookup(self.embed[...], tokens, self.run_dtype)
+
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: x [..., H] -> float32 logits [..., V]."""
         h = self.norm(x)
-        out = linear(h, self.embed[...]) if self.lm_head is None else self.lm_head(h)
+        out = tied_head(h, self.embed[...]) if self.lm_head is None else self.lm_head(h)
         return out.astype(jnp.float32)
 
 
@@ -167,6 +180,52 @@ def attention_inputs(cfg: ModelConfig, cache: KVCache, positions: jax.Array, tok
     return ai, cache
 
 
+# ---- one trace per layer structure --------------------------------------------------------------------
+
+SHARED_LAYER_INDEX = -1
+"""The index a layer carries inside `shared_layer_call`'s trace (an executor that shares layers ignores it)."""
+
+
+def shares_layers(executor: ExpertExecutor, x: jax.Array) -> bool:
+    """Whether `forward` runs its layers through `shared_layer_call`: inside a trace (under a jit the nested calls
+    are inlined; eager callers keep one call per op) and with an executor whose output does not depend on the
+    layer index (`layer_free`)."""
+    return isinstance(x, jax.core.Tracer) and bool(getattr(executor, "layer_free", False))
+
+
+class SharedLayer(DecoderLayer):
+    """A decoder layer's modules (the same objects) under `SHARED_LAYER_INDEX`: layers of one structure (module tree,
+    parameter shapes and types) split into one graphdef, the key of one shared trace. A new object, so that nothing
+    of the model is mutated inside a trace (NNX refuses that from an inner trace such as a scan's body)."""
+
+    def __init__(self, layer: DecoderLayer):  # noqa: D107 - shares the modules; DecoderLayer.__init__ would build new ones
+        self.index = SHARED_LAYER_INDEX
+        self.input_norm, self.attn, self.post_norm = layer.input_norm, layer.attn, layer.post_norm
+        self.moe, self.mlp = layer.moe, layer.mlp
+
+
+def _layer_step(graphdef: Any, state: Any, x: jax.Array, ai: AttentionInputs, layer_cache: dict,
+                token_valid: jax.Array, cfg: ModelConfig, executor: ExpertExecutor
+                ) -> tuple[jax.Array, dict, Optional[Routing], jax.Array]:
+    layer = nnx.merge(graphdef, state)
+    return layer(x, ai, layer_cache, model_rope(cfg), executor, token_valid)
+
+
+_layer_step_jit = jax.jit(_layer_step, static_argnums=(0,), static_argnames=("cfg", "executor"))
+"""Why a nested jit: the model's program used to unroll every layer's Python (the MoE block traces every
+expert's branches), so its trace, lowering and compile grew with depth (a 48-layer Qwen3-30B-A3B took minutes
+before its first token). Called inside the model's jit, this is traced and lowered once per layer structure
+and called from each layer; XLA inlines the calls, so the numbers are the unrolled program's."""
+
+
+def shared_layer_call(layer: DecoderLayer, x: jax.Array, ai: AttentionInputs, layer_cache: dict,
+                      token_valid: jax.Array, executor: ExpertExecutor
+                      ) -> tuple[jax.Array, dict, Optional[Routing], jax.Array]:
+    """`layer(x, ai, layer_cache, rope, executor, token_valid)` through the trace its structure shares."""
+    graphdef, state = nnx.split(SharedLayer(layer))
+    return _layer_step_jit(graphdef, state, x, ai, layer_cache, token_valid, cfg=layer.attn.cfg, executor=executor)
+
+
 def forward(model: MoETransformer, tokens: jax.Array, cache: KVCache, positions: jax.Array,
             token_valid: Optional[jax.Array] = None, *, executor: ExpertExecutor = DEFAULT_EXECUTOR,
             capture: bool = False, capture_hidden: bool = False, capture_logits: bool = False,
@@ -183,10 +242,14 @@ def forward(model: MoETransformer, tokens: jax.Array, cache: KVCache, positions:
         token_valid = jnp.ones((B, S), bool)
     ai, cache = attention_inputs(cfg, cache, positions, token_valid)
     rope = model_rope(cfg)
-    x = take_rows(model.embed[...], tokens)
+    x = model.embed_tokens(tokens)
     new_layers, experts, weights, hidden, router_logits = [], [], [], [], []
+    shared = shares_layers(executor, x)
     for layer, layer_cache in zip(model.layers, cache.layers):
-        x, layer_cache, routing, gate_in = layer(x, ai, layer_cache, rope, executor, token_valid)
+        if shared:
+            x, layer_cache, routing, gate_in = shared_layer_call(layer, x, ai, layer_cache, token_valid, executor)
+        else:
+            x, layer_cache, routing, gate_in = layer(x, ai, layer_cache, rope, executor, token_valid)
         new_layers.append(layer_cache)
         if routing is not None and capture:
             k = routing.experts.shape[-1]
@@ -264,4 +327,4 @@ def rebuild(model: MoETransformer, dtype: jnp.dtype, with_experts: bool = True) 
 
 def without_experts(model: MoETransformer) -> MoETransformer:
     """`model` without its routed experts, sharing every other array (the offload executor's model)."""
-    return rebuild(model, model.embed[...].dtype, with_experts=False)
+    return rebuild(model, model.run_dtype, with_experts=False)

@@ -322,7 +322,7 @@ def run(cfg: PredictorsTrainConfig, tm: Telemetry) -> dict[str, Any]:
     if reads_hidden:  # the gate copies and the token embedding come from the model
         _, model, _ = load_model(cfg.model, seed=cfg.seed, with_experts=False)
         kernels, biases = gate_copies(model)
-        embedding = np.asarray(model.embed[...], np.float32)
+        embedding = np.asarray(model.embedding(), np.float32)
     data = TrainData(trace=trace, split=split, groups=groups, model_cfg=model_cfg, kernels=kernels, biases=biases,
                      embedding=embedding, progress=tm.progress, checkpoints=checkpoints)
     out_dir = resolve_path(cfg.out) if cfg.out else tm.run_dir / "predictors"

@@ -14,7 +14,7 @@ from flax import nnx
 from engine.bench.peers.to_gguf import convert
 from models import native
 from models.quant.blocks import QuantArray
-from models.quant.dense import QuantLinear, dense_blocks_of
+from models.quant.dense import EmbedBlocks, QuantLinear, dense_blocks_of
 from tests.test_native_quant import bound
 
 pytestmark = pytest.mark.skipif(not native.available_experts(), reason="native FFI kernels unavailable")
@@ -95,6 +95,9 @@ def test_gguf_dense_in_blocks(tiny_folders) -> None:
             np.testing.assert_array_equal(_weight(kept, ("layers", i, "attn", name)),
                                           _weight(plain, ("layers", i, "attn", name)))
     np.testing.assert_array_equal(_weight(kept, ("lm_head",)), _weight(plain, ("lm_head",)))
+    assert isinstance(kept.embed, EmbedBlocks) and kept.run_dtype == plain.embed[...].dtype  # rows looked up in blocks
+    np.testing.assert_array_equal(np.asarray(kept.embed_tokens(jnp.asarray([[0, 5], [96, 3]]))),
+                                  np.asarray(plain.embed[...])[np.array([[0, 5], [96, 3]])])
     h = np.random.default_rng(1).standard_normal((3, cfg.hidden_size)).astype(np.float32)
     head = kept.lm_head
     got = np.asarray(jax.jit(lambda h: head(h))(jnp.asarray(h)))
@@ -131,3 +134,52 @@ def test_dense_format_names_the_key() -> None:
     with pytest.raises(ValueError, match=r"model.dense_format='bf16' is not supported; supported: blocks, dequantize"):
         dense_blocks({"name": "x", "dense_format": "bf16"}, None)
     assert dense_blocks({"name": "x", "dense_format": "dequantize"}, None) == {}
+
+
+def _swiglu_weights(model, path) -> tuple[np.ndarray, np.ndarray]:
+    from models.quant.dense import QuantSwiGLU
+
+    node = model
+    for key in path:
+        node = node[key] if isinstance(key, int) else getattr(node, key)
+    if isinstance(node, QuantSwiGLU):
+        return tuple(np.concatenate([native.dequantize(q) for q in part.quant_parts]) for part in (node.gate_up, node.down))
+    return np.asarray(node.gate_up[...], np.float32), np.asarray(node.down[...], np.float32)
+
+
+@pytest.mark.slow
+def test_gguf_swiglu_mlps_in_blocks(tmp_path) -> None:
+    """A DeepSeek-V2 file whose matrices are Q8_0: `blocks` keeps the dense layer's MLP and every layer's shared
+    experts as `QuantSwiGLU` (gate and up as row parts of one projection, down another), each matrix the one
+    `dequantize` loads once dequantized; the offload executor's model shares them; the whole forward pass stays within
+    Q8 activation rounding of `dequantize`'s."""
+    from transformers import AutoModelForCausalLM
+
+    from models.loading import load_model
+    from models.quant.dense import EmbedBlocks, QuantSwiGLU
+    from models.transformer import forward_jit, init_cache, without_experts
+    from tests.hf_tiny import hf_config
+
+    hf = hf_config("deepseek_v2")  # widths of whole Q8_0 blocks: the dense MLP's 64, the shared experts' 2 x 16
+    hf.intermediate_size, hf.moe_intermediate_size = 64, 16
+    folder = tmp_path / "hf"
+    AutoModelForCausalLM.from_config(hf).save_pretrained(folder)
+    convert(folder, tmp_path / "q8.gguf", dense="f32", matrices="q8_0")
+    spec = {"name": "tiny", "checkpoint": str(tmp_path / "q8.gguf")}
+    cfg, kept, _ = load_model({**spec, "dense_format": "blocks"})
+    _, plain, _ = load_model({**spec, "dense_format": "dequantize"})
+    paths = [("layers", i, "mlp") for i in range(cfg.num_hidden_layers) if i not in cfg.moe_layers]
+    paths += [("layers", i, "moe", "shared") for i in cfg.moe_layers]
+    assert len(paths) == cfg.num_hidden_layers and cfg.n_shared_experts
+    for path in paths:
+        for got, want in zip(_swiglu_weights(kept, path), _swiglu_weights(plain, path)):
+            np.testing.assert_array_equal(got, want)
+    assert isinstance(kept.embed, EmbedBlocks)  # looked up row by row, each row the one `dequantize` stores
+    np.testing.assert_array_equal(np.asarray(kept.embedding()), np.asarray(plain.embed[...]))
+    lean = without_experts(kept)
+    assert isinstance(lean.layers[cfg.moe_layers[0]].moe.shared, QuantSwiGLU) and isinstance(lean.embed, EmbedBlocks)
+    assert lean.layers[0].mlp.down.parts[0][...] is kept.layers[0].mlp.down.parts[0][...]
+    tokens = jnp.asarray(np.arange(3, 13, dtype=np.int32).reshape(2, 5))
+    pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    out = [np.asarray(forward_jit(m, tokens, init_cache(m, 2, 8, jnp.float32), pos)[0]) for m in (kept, plain)]
+    assert 0 < np.abs(out[0] - out[1]).max() <= 0.05 * np.abs(out[1]).max()

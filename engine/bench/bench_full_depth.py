@@ -18,7 +18,9 @@ in its page cache, those say how much of a step was spent reading the disk:
   the Q4_K_M file, which a 24 GB machine shared with other processes cannot hold beside the page cache;
   `--llama-repack` measures it that way where memory allows;
 * `moescope generate`: `models.generate`'s loader and generator (`models.loading.load_model`, experts served from
-  the mapped file in their blocks, dense weights dequantized to bf16) in one process for both batch sizes
+  the mapped file in their blocks, and so are the embedding (rows dequantized as they are looked up), the attention
+  projections, the dense and shared-expert MLPs and the LM head where the file stores them in a type the native
+  kernels read; norms, routers and MLA's kv_b in bf16) in one process for both batch sizes
   (`serve-generate` below);
 * `moescope run`: `python -m engine.run` at its default budget (one process per batch size; the in-memory
   comparison off: it would hold a second model).
@@ -119,13 +121,18 @@ def meminfo() -> dict[str, int]:
 
 def serve_generate(gguf_path: str, batches: list[int], prompt: int, new: int, repeats: int, out: str) -> int:
     """Load `gguf_path` as `models.generate` does and time its generator at each batch size (one load)."""
+    import jax
     import numpy as np
 
     from conf import compose
     from engine.bench.peers.common import prompt_ids, time_batch
-    from models.generation import Generator
+    from models.generation import Generator, bucket
     from models.loading import load_model, model_dtype, open_model_checkpoint
+    from models.memory import anon_bytes
+    from models.quant.dense import dense_nbytes
+    from models.transformer import init_cache, param_bytes
 
+    anon_start = anon_bytes()  # the interpreter and its imports, before any weight
     t = time.perf_counter()
     spec = compose("generate", [f"model.checkpoint={gguf_path}", "model.arch=null", "model.name=full-depth"]).model
     opened = open_model_checkpoint(spec)
@@ -134,8 +141,12 @@ def serve_generate(gguf_path: str, batches: list[int], prompt: int, new: int, re
     load_s = time.perf_counter() - t
     print(f"moescope generate: loaded in {load_s:.1f} s", flush=True)  # in the log even if a timeout cuts the run
     gen = Generator(model)
+    # where the anonymous memory goes: the process before any weight, the parameters held as arrays of the run dtype
+    # (norms, routers, whatever is not kept in blocks), then per batch the KV cache and what the run added on top
     result: dict[str, Any] = {"system": "moescope generate", "load_s": load_s, "dtype": np.dtype(dtype).name,
-                              "batches": {}}
+                              "anon_start": anon_start, "anon_after_load": anon_bytes(),
+                              "dense_array_bytes": param_bytes(model), "dense_block_bytes": dense_nbytes(model),
+                              "batches": {}, "anon_after_batch": {}, "kv_cache_bytes": {}}
 
     def generate(prompts: np.ndarray, n: int) -> dict[str, Any]:
         o = gen.generate(prompts.tolist(), n + 1)  # the prefill's token, then n decode steps (as llama_peer counts)
@@ -144,6 +155,10 @@ def serve_generate(gguf_path: str, batches: list[int], prompt: int, new: int, re
     for B in batches:
         result["batches"][str(B)] = time_batch("moescope generate", generate, prompt_ids(B, prompt, cfg.vocab_size),
                                                new, repeats)
+        kv = init_cache(model, B, bucket(bucket(prompt, gen.prompt_bucket) + new + 1, gen.cache_bucket), gen.cache_dtype)
+        result["kv_cache_bytes"][str(B)] = sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(kv))
+        result["anon_after_batch"][str(B)] = anon_bytes()
+        del kv
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
@@ -181,7 +196,9 @@ class Bench:
                str(self.a.repeats), "--result", str(res)]
         run = run_watched(cmd, self.dir / f"generate-r{r}.log", self.a.timeout, self.env)
         d = self._json(res) or {}
-        return {**run, "load_s": d.get("load_s"),
+        breakdown = ("anon_start", "anon_after_load", "dense_array_bytes", "dense_block_bytes", "kv_cache_bytes",
+                     "anon_after_batch")
+        return {**run, **{k: d.get(k) for k in breakdown}, "load_s": d.get("load_s"),
                 "tok_s": {B: v["decode_tok_s"] for B, v in d.get("batches", {}).items()}}
 
     def engine_run(self, r: int) -> dict:

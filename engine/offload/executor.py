@@ -146,7 +146,7 @@ class OffloadExecutor:
         self.settings = settings
         self.L, self.E, self.k = len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
         self.moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
-        dtype = model.embed[...].dtype
+        dtype = model.run_dtype
         self._owns_cache = cache is None
         self.cache = cache if cache is not None else new_cache(cfg, settings, dtype, store)
         self.cache.reset()
@@ -690,7 +690,7 @@ class OffloadExecutor:
         B, P, capacity = padded_shapes(prompts, max_new_tokens)
         tokens, valid = left_pad(prompts, P, pad)
         positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
-        kv = init_cache(self.model, B, capacity, self.model.embed[...].dtype)
+        kv = init_cache(self.model, B, capacity, self.model.run_dtype)
         seqs = np.arange(B) + self.seq_offset
         self.accounting.new_run()  # this call's metrics and passes only
         out = np.full((B, max_new_tokens), pad, np.int32)

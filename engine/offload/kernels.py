@@ -30,7 +30,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.generation import bucket, decode_loop
-from models.native import take_rows
+from models.quant.dense import embed_lookup, tied_head
 from models.moe import DEFAULT_EXECUTOR, ExpertExecutor, Routing
 from models.quant.blocks import QuantArray, block_type
 from models.transformer import EXACT_ROUNDING, KVCache, MoETransformer, attention_inputs, model_rope
@@ -60,7 +60,7 @@ class _Head(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.norm(x)
-        out = h @ self.embed[...].T if self.lm_head is None else self.lm_head(h)
+        out = tied_head(h, self.embed[...]) if self.lm_head is None else self.lm_head(h)
         return out.astype(jnp.float32)
 
 
@@ -74,6 +74,7 @@ class _Defs:
     head: Any
     executor: ExpertExecutor
     formats: Optional[tuple] = None  # per MoE layer its LayerFormat, for quantized experts (slots hold block bytes)
+    dtype: Any = None  # the run dtype (an embedding kept in blocks is dequantized to it)
 
 
 @dataclass(frozen=True)
@@ -133,18 +134,20 @@ def _build(d: _Defs) -> _Fns:
         x, layer_cache, g = attend(states, x, ai, layer_cache)
         return x + merge(d.mlp, mlp)(g), layer_cache
 
-    def quantized(m: int, gate_up: list, down: list) -> tuple[list, list]:
-        """Slots of MoE layer m as its QuantArrays (a slot's first row bytes hold the layer's blocks)."""
-        fmt, (H, F) = d.formats[m], (d.cfg.hidden_size, d.cfg.expert_intermediate_size)
+    def quantized(fmt: Any, gate_up: list, down: list) -> tuple[list, list]:
+        """Slots holding experts of block types `fmt` (a LayerFormat) as QuantArrays (a slot's first row bytes hold
+        the blocks)."""
+        H, F = d.cfg.hidden_size, d.cfg.expert_intermediate_size
         gu_w, dn_w = block_type(fmt.gate_up).row_bytes(H), block_type(fmt.down).row_bytes(F)
         return ([QuantArray(a[:, :gu_w], fmt.gate_up, (2 * F, H)) for a in gate_up],
                 [QuantArray(a[:, :dn_w], fmt.down, (H, F)) for a in down])
 
     def experts(g: jax.Array, slot_idx: jax.Array, weights: jax.Array, gate_up: list, down: list,
-                layer: Optional[int] = None) -> jax.Array:
-        """`layer` (static): the MoE layer, needed only for quantized slots (its block types)."""
-        if d.formats is not None:
-            gate_up, down = quantized(layer, gate_up, down)
+                fmt: Any = None) -> jax.Array:
+        """`fmt` (static): the layer's `LayerFormat` for quantized slots, else None. Keyed by the block types, not the
+        layer, so layers of one format share one compiled program (a 48-layer model compiled 48 of them)."""
+        if fmt is not None:
+            gate_up, down = quantized(fmt, gate_up, down)
         B, S, H = g.shape
         live = slot_idx >= 0
         # a pair routed nowhere (-1: a CPU expert, a padding row) stays out of range, so the grouped kernels leave
@@ -162,17 +165,18 @@ def _build(d: _Defs) -> _Fns:
         """One forward pass, expert e of MoE layer m at gate_up[m][e] / down[m][e]: (last logits, kv,
         experts routed [L, B*S, k])."""
         ai, kv = attention_inputs(d.cfg, kv, positions, valid)
-        x = take_rows(params["embed"], tokens)
+        x = embed_lookup(params["embed"], tokens, d.dtype)
         layers, routed = list(kv.layers), []
         live = valid.reshape(-1, 1)
-        for i in range(d.cfg.num_hidden_layers):
+        for i in range(d.cfg.num_hidden_layers):  # nested jits: each piece traced once per structure, not per layer
             if i not in d.cfg.moe_layers:
-                x, layers[i] = dense(params["attn"][i], params["mlp"][i], x, ai, layers[i])
+                x, layers[i] = dense_j(params["attn"][i], params["mlp"][i], x, ai, layers[i])
                 continue
             m = len(routed)
-            x, layers[i], g, chosen, weights = front(params["attn"][i], params["router"][i], x, ai, layers[i])
-            y = experts(g, jnp.where(live, chosen, -1), weights, list(gate_up[m]), list(down[m]), m)
-            x = finish(x, g, [y], params["shared"].get(i))
+            x, layers[i], g, chosen, weights = front_j(params["attn"][i], params["router"][i], x, ai, layers[i])
+            y = experts_j(g, jnp.where(live, chosen, -1), weights, list(gate_up[m]), list(down[m]),
+                          fmt=None if d.formats is None else d.formats[m])
+            x = finish_j(x, g, [y], params["shared"].get(i))
             routed.append(chosen)
         kv = KVCache(layers=layers, valid=kv.valid, positions=kv.positions, index=kv.index + tokens.shape[1])
         return head(params["head"], x[:, -1]), kv, jnp.stack(routed)
@@ -190,10 +194,12 @@ def _build(d: _Defs) -> _Fns:
 
         return decode_loop(step_fn, kv, first, next_pos, n_steps, eos, pad, n_buffer, done=done)
 
+    front_j, dense_j, finish_j = jax.jit(front), jax.jit(dense), jax.jit(finish)  # called inside resident_forward
+    experts_j = jax.jit(experts, static_argnames=("fmt",))
     jit = functools.partial(jax.jit, compiler_options=EXACT_ROUNDING)  # the rounding of the in-memory model
     return _Fns(prepare=jit(lambda cache, pos, valid: attention_inputs(d.cfg, cache, pos, valid)),
-                embed=jit(take_rows), front=jit(front),
-                back_front=jit(back_front), back=jit(finish), dense=jit(dense), experts=jit(experts, static_argnames=("layer",)),
+                embed=jit(lambda table, tokens: embed_lookup(table, tokens, d.dtype)), front=jit(front),
+                back_front=jit(back_front), back=jit(finish), dense=jit(dense), experts=jit(experts, static_argnames=("fmt",)),
                 head=jit(head), resident_pass=jit(resident_forward, donate_argnames=("kv",)),
                 resident_decode=jit(resident_decode, static_argnames=("n_buffer", "keep_logits")))
 
@@ -226,7 +232,7 @@ class LayerKernels:
                                                                        layers[0].post_norm)),
                      router=_pure(moe[0].moe.router)[0] if moe else None, mlp=_pure(dense[0].mlp)[0] if dense else None,
                      shared=_pure(shared[0].moe.shared)[0] if shared else None, head=head_def,
-                     executor=expert_executor, formats=formats)
+                     executor=expert_executor, formats=formats, dtype=model.run_dtype)
         if defs not in _COMPILED:
             _COMPILED[defs] = _build(defs)
         self.fns = _COMPILED[defs]
@@ -257,7 +263,9 @@ class LayerKernels:
     def experts(self, g: jax.Array, slot_idx: Any, weights: Any, gate_up: list, down: list,
                 layer: Optional[int] = None) -> jax.Array:
         """Device experts over cache slots; `layer` (the MoE layer) only matters for quantized slots."""
-        return self.fns.experts(g, slot_idx, weights, gate_up, down, layer=layer if self.formats else None)
+        if self.formats and layer is None:
+            raise ValueError("LayerKernels.experts: quantized slots need their MoE layer (its block types)")
+        return self.fns.experts(g, slot_idx, weights, gate_up, down, fmt=self.formats[layer] if self.formats else None)
 
     def logits(self, x_last: jax.Array) -> jax.Array:
         return self.fns.head(self.head, x_last)

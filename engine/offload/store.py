@@ -159,7 +159,7 @@ class ExpertStore:
     def from_model(cls, model: MoETransformer, dtype: Any = None, pinned: Optional[bool] = None) -> "ExpertStore":
         """The routed experts of an in-memory model (views of its arrays where the backend allows)."""
         cfg = model.cfg
-        store = cls(cfg, dtype or np.dtype(model.embed[...].dtype), pinned)
+        store = cls(cfg, dtype or np.dtype(model.run_dtype), pinned)
         F = cfg.expert_intermediate_size
         for i, decoder_layer in enumerate(cfg.moe_layers):
             experts = model.layers[decoder_layer].moe.experts

@@ -104,7 +104,7 @@ def _run_batch(model: MoETransformer, mesh: Mesh, executor: ExpertExecutor, prom
     steps = int(gen.max())
     tokens, valid = left_pad(prompts, length, 0)
     positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
-    empty = init_cache(model, B, length + steps, model.embed[...].dtype)
+    empty = init_cache(model, B, length + steps, model.run_dtype)
     cache = KVCache(layers=_shard_batch(mesh, empty.layers), valid=_shard_batch(mesh, empty.valid),
                     positions=_shard_batch(mesh, empty.positions),
                     index=jax.device_put(empty.index, NamedSharding(mesh, P())))
@@ -160,7 +160,7 @@ def serve_real(model: MoETransformer, mesh: Mesh, batches: Iterable[RequestBatch
     vocab = model.cfg.vocab_size
     result = RealServeResult(label=executor.spec.label, lossy=executor.policy.lossy)
     wide = None  # the float32 model: the bf16 envelope's reference (none for a float32 model)
-    if verify and model.embed[...].dtype != jnp.float32:
+    if verify and model.run_dtype != jnp.float32:
         wide = float32_copy(model)
         place_model(wide, mesh)
     for b in progress(list(batches), executor.spec.label):

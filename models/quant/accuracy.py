@@ -60,7 +60,7 @@ def log_probs(model: Any, tokens: np.ndarray, batch: int = 4, executor: Optional
     W, S = tokens.shape
     for i in range(0, W, batch):
         chunk = jnp.asarray(tokens[i:i + batch])
-        cache = init_cache(model, chunk.shape[0], S, model.embed[...].dtype)
+        cache = init_cache(model, chunk.shape[0], S, model.run_dtype)
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), chunk.shape)
         if executor is None:
             logits, _, _ = forward_jit(model, chunk, cache, positions)

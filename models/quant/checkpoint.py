@@ -118,7 +118,7 @@ def save_quantized(model: Any, folder: str | Path, expert_format: str, source: O
     write_safetensors(folder / "model.safetensors", dense, {"format": "pt"})
     hf = config_to_hf(cfg)
     hf["dtype"] = {np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float16): "float16"}.get(
-        np.dtype(model.embed[...].dtype), "float32")
+        np.dtype(model.run_dtype), "float32")
     hf[MARKER] = {"expert_format": expert_format, "experts_file": EXPERTS_FILE}
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     for name in TOKENIZER_FILES:
