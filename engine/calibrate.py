@@ -58,7 +58,8 @@ def best_of(fn: Callable[[], Any], repeats: int) -> float:
 
 def measure_transfers(store: ExpertStore, synchronous: bool, repeats: int, chunks: int = 2) -> float:
     """Median seconds of one expert transfer (store -> a fresh cache slot) through the link."""
-    cache = DeviceExpertCache(store.cfg, cache_slots=1, staging_slots=1, dtype=store.dtype)
+    cache = DeviceExpertCache(store.cfg, cache_slots=1, staging_slots=1, dtype=store.dtype,
+                              block_widths=store.slot_widths() if store.quantized else None)
     link = TransferLink(store, cache, chunks=chunks, synchronous=synchronous)
     times = []
     try:
@@ -81,42 +82,59 @@ def measure_cpu_expert(store: ExpertStore, token_counts: list[int], repeats: int
     return float(max(beta, 1e-9)), float(max(c, 0.0))
 
 
+def slot_arrays(store: ExpertStore, layer: int, expert: int) -> tuple[jax.Array, jax.Array]:
+    """(gate|up, down) of one expert as a device cache slot holds it: rows [2F, H] and [H, F] in the store's dtype,
+    or for quantized experts their block bytes in uint8 slots as wide as the widest layer's rows."""
+    gate, up, down = store.numpy_views(layer, expert)
+    gate_up = np.concatenate([gate, up], axis=0)
+    if store.quantized:
+        gu_w, dn_w = store.slot_widths()
+        gate_up = np.pad(gate_up, ((0, 0), (0, gu_w - gate_up.shape[1])))
+        down = np.pad(down, ((0, 0), (0, dn_w - down.shape[1])))
+    return jnp.asarray(gate_up), jnp.asarray(down)
+
+
+def expert_kernels(model: MoETransformer, store: ExpertStore) -> LayerKernels:
+    """The offload executor's device calls for `model`, reading quantized slots in the store's block types."""
+    formats = tuple(store.formats[m] for m in range(store.num_layers)) if store.quantized else None
+    return LayerKernels(model, formats=formats)
+
+
 def measure_device_expert(model: MoETransformer, store: ExpertStore, token_counts: list[int], repeats: int
                           ) -> dict[int, float]:
-    """Seconds of one resident expert on the device for each token count (the executor's own kernel)."""
+    """Seconds of one resident expert on the device for each token count (the executor's own kernel; quantized
+    experts dequantized inside it, as the executor runs them)."""
     cfg = model.cfg
-    kernels = LayerKernels(model)
-    gate, up, down = (jnp.asarray(np.asarray(p)) for p in store.numpy_views(0, 0))
-    gate_up = jnp.concatenate([gate, up], axis=0)
+    kernels = expert_kernels(model, store)
+    gate_up, down = slot_arrays(store, 0, 0)
     dummy = (jnp.zeros_like(gate_up), jnp.zeros_like(down))
     out = {}
     for m in token_counts:
-        g = jnp.asarray(np.random.default_rng(m).standard_normal((1, m, cfg.hidden_size)), gate.dtype)
+        g = jnp.asarray(np.random.default_rng(m).standard_normal((1, m, cfg.hidden_size)), model.embed[...].dtype)
         idx = np.full((m, cfg.num_experts_per_tok), -1, np.int32)
         idx[:, 0] = 0
         w = np.ones((m, cfg.num_experts_per_tok), np.float32)
         gu = [gate_up] + [dummy[0]] * (cfg.num_experts - 1)
         dn = [down] + [dummy[1]] * (cfg.num_experts - 1)
-        out[m] = best_of(lambda: kernels.experts(g, idx, w, gu, dn).block_until_ready(), repeats)
+        out[m] = best_of(lambda: kernels.experts(g, idx, w, gu, dn, layer=0).block_until_ready(), repeats)
     return out
 
 
 def measure_expert_call(model: MoETransformer, store: ExpertStore, repeats: int) -> tuple[float, float]:
     """(seconds of one call with one expert, seconds of one call with every expert), one token each."""
     cfg = model.cfg
-    kernels = LayerKernels(model)
+    kernels = expert_kernels(model, store)
     E, k = cfg.num_experts, cfg.num_experts_per_tok
-    gate, up, down = (jnp.asarray(np.asarray(p)) for p in store.numpy_views(0, 0))
-    gate_up = jnp.concatenate([gate, up], axis=0)
+    gate_up, down = slot_arrays(store, 0, 0)
     gu, dn = [gate_up + 0 for _ in range(E)], [down + 0 for _ in range(E)]
-    g = jnp.asarray(np.random.default_rng(0).standard_normal((1, E, cfg.hidden_size)), gate.dtype)
+    g = jnp.asarray(np.random.default_rng(0).standard_normal((1, E, cfg.hidden_size)), model.embed[...].dtype)
     w = np.ones((E, k), np.float32)
     one = np.full((E, k), -1, np.int32)
     one[0, 0] = 0
     every = np.full((E, k), -1, np.int32)
     every[:, 0] = np.arange(E)
-    t_one = best_of(lambda: kernels.experts(g, one, w, gu, dn).block_until_ready(), repeats * 4)
-    t_all = best_of(lambda: kernels.experts(g, every, w, gu, dn).block_until_ready(), repeats * 4)
+    t_one = best_of(lambda: kernels.experts(g, one, w, gu, dn, layer=0).block_until_ready(), repeats * 4)
+    t_all = best_of(lambda: kernels.experts(g, every, w, gu, dn, layer=0).block_until_ready(), repeats * 4)
     return t_one, t_all
 
 
@@ -195,6 +213,7 @@ def calibrate(cfg: ModelConfig, model: MoETransformer, store: ExpertStore, name:
     from schedulers.cost import CostModel
 
     token_counts = token_counts or [1, 4, 16, 64]
+    fmt = store.cost_format()  # quantized experts: every time below is taken on their blocks (the block kernels)
     t_io = measure_transfers(store, synchronous=False, repeats=repeats)
     t_io_sync = measure_transfers(store, synchronous=True, repeats=repeats)
     part_store_bytes = store.expert_bytes
@@ -223,10 +242,12 @@ def calibrate(cfg: ModelConfig, model: MoETransformer, store: ExpertStore, name:
                            host_cpu_share=on_host),
         interconnect=Interconnect(),
         measured={model_name: ExpertTimes(transfer_ms=t_io * 1e3, gpu_ms=t_g[min(t_g)] * 1e3, cpu_beta_ms=beta * 1e3,
-                                          cpu_startup_ms=c * 1e3)},
+                                          cpu_startup_ms=c * 1e3, expert_format=fmt["expert_format"],
+                                          expert_mib=store.expert_bytes / 2**20)},
     )
     # the executor's fixed host times, measured against the cost model of everything above
-    cost = CostModel(cfg, profile, model_name, bytes_per_param=store.dtype.itemsize)
+    cost = CostModel(cfg, profile, model_name, bytes_per_param=store.dtype.itemsize, expert_bytes=store.expert_bytes,
+                     **fmt)
     layer_s, pass_s = measure_executor_overheads(model, store, cost, batch, prompt_len, new_tokens)
     gpu = dataclasses.replace(profile.gpu, layer_overhead_us=layer_s * 1e6, pass_overhead_us=pass_s * 1e6)
     times = dataclasses.replace(profile.measured[model_name], call_overhead_ms=expert_call * 1e3,
@@ -237,7 +258,8 @@ def calibrate(cfg: ModelConfig, model: MoETransformer, store: ExpertStore, name:
            "call_overhead_ms": expert_call * 1e3, "cpu_dispatch_ms": cpu_dispatch * 1e3, "kernel_overhead_ms": per_expert * 1e3,
            "layer_overhead_ms": layer_s * 1e3, "pass_overhead_ms": pass_s * 1e3, "device_nop_call_us": call_s * 1e6, "t_io_sync_ms": t_io_sync * 1e3, "cpu_beta_ms": beta * 1e3, "cpu_startup_ms": c * 1e3,
            **{f"t_g_{m}_ms": s * 1e3 for m, s in t_g.items()}, "device_gemm_tflops": tflops,
-           "device_stream_gbps": gbps, "device_call_us": call_s * 1e6, "expert_mib": store.expert_bytes / 2**20}
+           "device_stream_gbps": gbps, "device_call_us": call_s * 1e6, "expert_mib": store.expert_bytes / 2**20,
+           "expert_format": fmt["expert_format"]}
     return profile, raw
 
 

@@ -33,7 +33,7 @@ from engine.fidelity import fidelity_report, float32_copy, offloaded_forced_logi
 from engine.offload.cache import slots_for_budget
 from engine.offload.executor import OffloadExecutor, OffloadOutput, new_cache, padded_shapes
 from engine.offload.settings import OffloadSettings
-from engine.offload.store import ExpertStore
+from engine.offload.store import ExpertStore, stores_blocks
 from engine.recording import record_generation, trace_meta
 from engine.sim.timeline import plot_timeline
 from core.telemetry import Telemetry, scalars
@@ -115,7 +115,8 @@ def wants_comparison(choice: Optional[bool], opened: Optional[OpenCheckpoint], d
     if opened is None:
         return True
     available = host_memory()[1]
-    return available is None or opened.param_bytes(np.dtype(dtype)) <= available / 4
+    # experts in blocks are shared by the in-memory model (views of the same mapping): only its dense weights add
+    return available is None or opened.param_bytes(np.dtype(dtype), experts=not stores_blocks(opened)) <= available / 4
 
 
 def load_offload_model(spec: ModelSpec, dtype_choice: DType, compare_choice: Optional[bool], seed: int) -> LoadedModel:
@@ -126,8 +127,15 @@ def load_offload_model(spec: ModelSpec, dtype_choice: DType, compare_choice: Opt
     opened = open_model_checkpoint(spec)
     dtype = model_dtype(dtype_choice, opened)
     compare = wants_comparison(compare_choice, opened, dtype)
+    if opened is not None and stores_blocks(opened) and not compare:
+        # experts already in blocks (a saved quantized folder, a GGUF file): the store views the mapped file's blocks
+        model = load_model(spec, dtype=dtype, with_experts=False, opened=opened)[1]
+        store = ExpertStore.from_checkpoint(opened, dtype=np.dtype(dtype))
+        return LoadedModel(cfg, model, store, load_tokenizer(opened.folder, spec), None, dtype, opened.file_bytes,
+                           time.perf_counter() - start)
     if opened is None or quantized_experts(spec, opened):
-        # random weights, or quantized experts (small: the store views the model's blocks, or its mapped file's)
+        # random weights, quantized on load, or experts in blocks compared against their in-memory model (small: the
+        # store views the model's blocks, which are the mapped file's)
         _, full, _ = load_model(spec, dtype=dtype, seed=seed, opened=opened)
         store = ExpertStore.from_model(full, dtype=np.dtype(dtype))
         model = without_experts(full) if opened is not None else full
@@ -260,7 +268,8 @@ def serve_offloaded(rc: RunConfig, hardware: tuple[HardwareProfile, dict[str, ob
     settings = scheduler_settings(rc.scheduler)
     batches = served_batches(sampler, rc.workload.num_batches, settings)
     hw, hw_defaults = hardware
-    cost = CostModel(cfg, hw, str(rc.model.name), bytes_per_param=store.dtype.itemsize, expert_bytes=store.expert_bytes)
+    cost = CostModel(cfg, hw, str(rc.model.name), bytes_per_param=store.dtype.itemsize, expert_bytes=store.expert_bytes,
+                     **store.cost_format())  # the experts' bytes and their block types' CPU rates
     slots = cache_slots(cfg, rc.offload, store.expert_bytes, dense_bytes=param_bytes(model))
     mech = replace(rc.offload, cache_slots=slots)
     L, E = len(cfg.moe_layers), cfg.num_experts

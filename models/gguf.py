@@ -197,7 +197,7 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
     ff = f.get("{arch}.feed_forward_length")
     expert_ff = f.get("{arch}.expert_feed_forward_length")
     if expert_ff is None and moe:
-        expert_ff = f.shape(f"blk.{moe[0]}.ffn_gate_exps.weight")[1]
+        expert_ff = f.shape(expert_tensor(f, moe[0], "gate"))[-2]
     common: dict[str, Any] = dict(
         family=family, vocab_size=int(vocab), hidden_size=H, num_hidden_layers=L, num_attention_heads=nh,
         num_key_value_heads=_per_layer(f.get("{arch}.attention.head_count_kv", nh)),
@@ -264,6 +264,24 @@ def _deepseek_config(f: GGUFFile, family: Family, common: dict[str, Any], moe: l
 # ---- HF names -> GGUF tensors ----------------------------------------------------------------------
 
 
+_PER_EXPERT_RE = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
+
+
+def is_expert_tensor(name: str) -> bool:
+    """A routed expert tensor: stacked `blk.N.ffn_gate_exps.weight`, or one expert's `blk.N.ffn_gate.E.weight` (the
+    layout older llama.cpp converters wrote for Mixtral)."""
+    return "_exps." in name or bool(_PER_EXPERT_RE.match(name))
+
+
+def expert_tensor(f: GGUFFile, layer: int, kind: str, expert: int = 0) -> str:
+    """The tensor holding expert `expert`'s `kind` (gate, up, down) matrix of `layer`: the stacked tensor, or in an
+    older Mixtral file the expert's own (each then a view of its own blocks, as stacked rows are)."""
+    stacked = f"blk.{layer}.ffn_{kind}_exps.weight"
+    if stacked in f.tensors or f"blk.{layer}.ffn_{kind}.0.weight" not in f.tensors:
+        return stacked
+    return f"blk.{layer}.ffn_{kind}.{expert}.weight"
+
+
 @dataclass(frozen=True)
 class Source:
     """Where one HF-named tensor lies in the GGUF file: tensor(s), expert index, and the transform undone."""
@@ -271,6 +289,7 @@ class Source:
     tensors: tuple[str, ...]
     expert: Optional[int] = None
     make: Optional[Callable[[list[np.ndarray]], np.ndarray]] = None  # the HF tensor from the GGUF floats
+    stacked: bool = True  # an expert's matrix is row `expert` of a stacked [E, out, in] tensor, else a tensor of its own
 
 
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -321,7 +340,8 @@ def gguf_source(cfg: ModelConfig, name: str, f: GGUFFile) -> Optional[Source]:
     m = _EXPERT_RE.match(name)
     if m:
         layer, expert, hf = m.groups()
-        return Source((f"blk.{layer}.ffn_{_EXPERT_KIND[hf]}_exps.weight",), expert=int(expert))
+        tensor = expert_tensor(f, int(layer), _EXPERT_KIND[hf], int(expert))
+        return Source((tensor,), expert=int(expert), stacked=tensor.endswith("_exps.weight"))
     m = _CORRECTION_RE.match(name)
     if m:
         return Source((f"blk.{m.group(1)}.exp_probs_b.bias",))
@@ -370,7 +390,7 @@ class GGUFTensors:
             src = self._sources[name]
             shapes = [self.file.shape(t) for t in src.tensors]
             if src.expert is not None:
-                shape = shapes[0][1:]
+                shape = shapes[0][1:] if src.stacked else shapes[0]
             elif len(shapes) == 2:  # split kv_b: [nh, rank, nope] + [nh, v, rank]
                 (nh, rank, nope), (_, v, _) = shapes
                 shape = (nh * (nope + v), rank)
@@ -392,8 +412,8 @@ class GGUFTensors:
         else a fresh float32 array (dequantized, transform undone)."""
         src = self._sources[piece.name]
         if src.expert is not None:
-            stacked = self.file.floats(src.tensors[0])
-            return stacked[src.expert]
+            floats = self.file.floats(src.tensors[0])
+            return floats[src.expert] if src.stacked else floats
         parts = [self.file.floats(t) for t in src.tensors]
         out = parts[0] if src.make is None else src.make(parts)
         if out.dtype != self.dtype(piece.name):
@@ -415,8 +435,9 @@ class GGUFTensors:
             raise KeyError(f"{piece.name} is not a routed expert's matrix")
         tname = src.tensors[0]
         qtype = BY_GGML_ID[self.file.qtype(tname)].name
-        rows, cols = self.file.shape(tname)[1:]
-        return QuantArray(self.file.block_rows(tname)[src.expert], qtype, (rows, cols))
+        rows, cols = self.file.shape(tname)[-2:]
+        blocks = self.file.block_rows(tname)
+        return QuantArray(blocks[src.expert] if src.stacked else blocks, qtype, (rows, cols))
 
     def expert_type(self, name: str) -> str:
         """The block type (a key of models.quant.blocks.BLOCK_TYPES) an expert matrix is stored in."""
@@ -428,7 +449,7 @@ class GGUFTensors:
 
 def _check_expert_types(f: GGUFFile) -> None:
     for name in f.tensors:
-        if "_exps." in name and f.qtype(name) not in BY_GGML_ID:
+        if is_expert_tensor(name) and f.qtype(name) not in BY_GGML_ID:
             raise CheckpointError(f"{f.path}: expert tensor {name} is stored as {f.type_name(name)}; moescope serves "
                                   f"experts stored as {', '.join(t.upper() for t in EXPERT_TYPES)}")
 
@@ -454,11 +475,13 @@ def _check_metadata(f: GGUFFile, cfg: ModelConfig) -> None:
         raise CheckpointError(f"{f.path}: metadata {arch}.block_count = {cfg.num_hidden_layers} disagrees with the "
                               f"tensors (blk.0 ... blk.{present - 1}.attn_norm.weight: {present} blocks)")
     for i in cfg.moe_layers:
-        exps = f"blk.{i}.ffn_gate_exps.weight"
-        agree(f"{arch}.expert_count", cfg.num_experts, exps, 0)
+        exps = expert_tensor(f, i, "gate")
+        stacked = exps.endswith("_exps.weight")  # else one expert's own [F, H] (an older Mixtral file)
+        if stacked:
+            agree(f"{arch}.expert_count", cfg.num_experts, exps, 0)
         agree(f"{arch}.expert_count", cfg.num_experts, f"blk.{i}.ffn_gate_inp.weight", 0)
         agree(f"{arch}.expert_feed_forward_length" if f.get("{arch}.expert_feed_forward_length") is not None
-              else f"{arch}.feed_forward_length", cfg.expert_intermediate_size, exps, 1)
+              else f"{arch}.feed_forward_length", cfg.expert_intermediate_size, exps, 1 if stacked else 0)
     if not cfg.uses_mla:
         d = cfg.attn_head_dim
         agree(f"{arch}.attention.head_count", cfg.num_attention_heads * d, "blk.0.attn_q.weight", 0)
@@ -560,7 +583,7 @@ def unaliasable_expert_bytes(f: GGUFFile) -> int:
     `install` cannot alias them and copies them into memory. GGUF aligns tensor data to `general.alignment` (32
     by default), so in a file whose data section starts 32 bytes off every such tensor is copied."""
     return sum(int(t.n_bytes) for name, t in f.tensors.items()
-               if "_exps." in name and (np.asarray(t.data).ctypes.data % XLA_ALIAS_ALIGNMENT))
+               if is_expert_tensor(name) and (np.asarray(t.data).ctypes.data % XLA_ALIAS_ALIGNMENT))
 
 
 def _warn_unaliasable(ck: OpenCheckpoint) -> None:
@@ -571,8 +594,8 @@ def _warn_unaliasable(ck: OpenCheckpoint) -> None:
     if copied:
         logging.getLogger(__name__).warning(
             "%s: %.2f GB of expert tensors start off a 64-byte boundary (general.alignment = %s) and will be copied "
-            "into memory instead of mapped; rewrite the file with 64-byte alignment to map them", f.path,
-            copied / 1e9, f.get("general.alignment", 32))
+            "into memory instead of mapped; rewrite the file with 64-byte alignment to map them: python -m "
+            "models.gguf_realign %s <out.gguf>", f.path, copied / 1e9, f.get("general.alignment", 32), f.path)
 
 
 def has_block_experts(ck: OpenCheckpoint) -> bool:

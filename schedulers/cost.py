@@ -26,7 +26,7 @@ import collections
 import math
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import numpy as np
 
@@ -182,17 +182,22 @@ class CostModel:
     """Per-operation times of one model on one machine (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, hw: "HardwareProfile", model_name: str = "", bytes_per_param: int = 2,
-                 ema: float = 0.2, expert_bytes: Optional[int] = None, expert_format: str = "bf16"):
+                 ema: float = 0.2, expert_bytes: Optional[int] = None, expert_format: str = "bf16",
+                 expert_blocks: Optional[Sequence[Any]] = None):
         """`expert_format`: the routed experts' `model.expert_format` (schedulers/formats.py): their bytes (transfers,
         GPU streaming, the CPU's read) and the measured CPU / GPU rates of their block types against bf16.
+        `expert_blocks`: each MoE layer's block types as the store holds them (a GGUF file's, a saved folder's), which
+        the costs then follow (`expert_format` is their name, `schedulers.formats.blocks_format`).
         `expert_bytes`: one routed expert's bytes where they are known exactly (`ExpertStore.expert_bytes`, from the
-        blocks a checkpoint holds); they replace the format's mean over the layers."""
+        blocks a checkpoint holds); they replace the format's mean over the layers.
+        A profile's `measured` times taken on experts of another format are converted: the transfer by the bytes,
+        eq. 2 through bf16 by the two formats' block rates (`_measured_cpu`)."""
         from schedulers.formats import format_costs
 
         self.cfg, self.hw = cfg, hw
         self.bytes_per_param = bytes_per_param
         self.ema = ema
-        self.format = format_costs(cfg, hw, expert_format, bytes_per_param)
+        self.format = format_costs(cfg, hw, expert_format, bytes_per_param, expert_blocks)
         self.expert_format = expert_format
         self.expert_bytes = expert_bytes or self.format.expert_bytes
         self.expert_flops = 2 * cfg.expert_params  # per token
@@ -210,12 +215,15 @@ class CostModel:
         self.link_cpu_share = link.host_cpu_share  # host core time a transfer takes, per second of transfer
         self.device_cpu_share = gpu.host_cpu_share  # host core time device compute takes, per second of it
         self.beta_s = self.expert_flops / (cpu.peak_gflops * 1e9 * cpu.matmul_efficiency)
-        read_bytes = self.expert_bytes if expert_format == "bf16" else self.format.bf16_bytes  # scaled below
+        read_bytes = self.expert_bytes if self.format.name == "bf16" else self.format.bf16_bytes  # scaled below
         self.cpu_startup_s = cpu.expert_overhead_us * 1e-6 + read_bytes / (cpu.memory_gbps * 1e9 * cpu.memory_efficiency)
         if measured is not None:
-            self.t_io = measured.transfer_ms * 1e-3 if measured.transfer_ms is not None else self.t_io
-            self.beta_s = measured.cpu_beta_ms * 1e-3 if measured.cpu_beta_ms is not None else self.beta_s
-            self.cpu_startup_s = measured.cpu_startup_ms * 1e-3 if measured.cpu_startup_ms is not None else self.cpu_startup_s
+            if measured.transfer_ms is not None:  # measured on experts of `expert_mib`: the same link for these bytes
+                measured_bytes = (measured.expert_mib * 2**20 if measured.expert_mib is not None
+                                  else self.format.bf16_bytes if (measured.expert_format or "bf16") == "bf16"
+                                  else self.expert_bytes)
+                self.t_io = measured.transfer_ms * 1e-3 * self.expert_bytes / measured_bytes
+            self.beta_s, self.cpu_startup_s = self._measured_cpu(measured, cpu.expert_overhead_us * 1e-6)
             for attr, ms in (("call_overhead_s", measured.call_overhead_ms), ("layer_overhead_s", measured.layer_overhead_ms),
                              ("pass_overhead_s", measured.pass_overhead_ms), ("cpu_dispatch_s", measured.cpu_dispatch_ms)):
                 if ms is not None:
@@ -228,6 +236,25 @@ class CostModel:
         self._attn_params = attention_params(cfg)
         self._kv_bytes = kv_bytes_per_token(cfg, bytes_per_param)
         self._shared_params = shared_expert_params(cfg)
+
+    def _measured_cpu(self, measured: Any, overhead_s: float) -> tuple[float, float]:
+        """(beta, C) of eq. 2 from a profile's measured times, as bf16 experts' (what `_scale_cpu` scales): times taken
+        on quantized experts are divided by their format's rates (by none when it is this model's format, so they
+        come back as measured). Times of another format the rates cannot name are dropped for the modelled ones."""
+        from schedulers.formats import format_costs
+
+        beta = measured.cpu_beta_ms * 1e-3 if measured.cpu_beta_ms is not None else None
+        startup = measured.cpu_startup_ms * 1e-3 if measured.cpu_startup_ms is not None else None
+        name = measured.expert_format or "bf16"
+        if name != "bf16" and (beta is not None or startup is not None):
+            try:
+                fmt = self.format if name == self.format.name else format_costs(self.cfg, self.hw, name,
+                                                                               self.bytes_per_param)
+            except ValueError:  # a block mix only its own model's costs know
+                return self.beta_s, self.cpu_startup_s
+            beta = None if beta is None else beta / fmt.cpu_beta_scale
+            startup = None if startup is None else overhead_s + max(startup - overhead_s, 0.0) / fmt.cpu_read_scale
+        return (self.beta_s if beta is None else beta), (self.cpu_startup_s if startup is None else startup)
 
     def _scale_cpu(self, overhead_s: float) -> None:
         """eq. 2 of bf16 experts (modelled or measured) to the format's: the slope by the kernel's compute rate, the

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from models.config import ModelConfig
 
@@ -95,15 +95,23 @@ def expert_format_bytes(cfg: ModelConfig, expert_format: str, bytes_per_param: i
     return sum(sizes) / len(sizes)
 
 
-def format_costs(cfg: ModelConfig, hw: "HardwareProfile", expert_format: str, bytes_per_param: int = 2) -> FormatCosts:
-    """The bytes and the CPU / GPU scales of `expert_format` for `cfg`'s experts on `hw` (see the module docstring)."""
+def format_costs(cfg: ModelConfig, hw: "HardwareProfile", expert_format: str, bytes_per_param: int = 2,
+                 blocks: Optional[Sequence[Any]] = None) -> FormatCosts:
+    """The bytes and the CPU / GPU scales of `expert_format` for `cfg`'s experts on `hw` (see the module docstring).
+    `blocks`: each MoE layer's block types as a checkpoint holds them (`LayerFormat`s: a GGUF file's, a saved
+    folder's), in place of those `expert_format` names (then only a label, e.g. `blocks_format`'s)."""
     bf16 = cfg.expert_bytes(bytes_per_param)
-    nbytes = expert_format_bytes(cfg, expert_format, bytes_per_param)
-    if expert_format == "bf16":
-        return FormatCosts("bf16", nbytes, bf16)
-    from models.quant.experts import layer_formats
+    if blocks is not None:
+        layers = list(blocks)
+        H, F = cfg.hidden_size, cfg.expert_intermediate_size
+        nbytes = sum(_layer_bytes(H, F, f.gate_up, f.down) for f in layers) / len(layers)
+    elif expert_format == "bf16":
+        return FormatCosts("bf16", expert_format_bytes(cfg, expert_format, bytes_per_param), bf16)
+    else:
+        from models.quant.experts import layer_formats
 
-    layers = list(layer_formats(cfg, expert_format).values())
+        nbytes = expert_format_bytes(cfg, expert_format, bytes_per_param)
+        layers = list(layer_formats(cfg, expert_format).values())
 
     def mean(attr: str) -> float:
         # gate and up hold 2 of an expert's 3 matrices of equal size, down the third
@@ -113,3 +121,19 @@ def format_costs(cfg: ModelConfig, hw: "HardwareProfile", expert_format: str, by
 
     return FormatCosts(expert_format, nbytes, bf16, mean("cpu_beta_scale"), mean("cpu_read_scale"),
                        mean("gpu_compute_scale"))
+
+
+def blocks_format(cfg: ModelConfig, blocks: Sequence[Any]) -> str:
+    """A name for experts held in `blocks` (each MoE layer's `LayerFormat`): the `model.expert_format` preset that
+    gives exactly these types (so a GGUF file llama.cpp wrote in Q4_K_M is `q4_k_m`), else the types joined, e.g.
+    `q4_k+q6_k`. Measured profiles (`ExpertTimes.expert_format`) are matched by this name."""
+    from models.quant.experts import EXPERT_FORMATS, layer_formats
+
+    layers = list(blocks)
+    for name in EXPERT_FORMATS[1:]:
+        try:
+            if list(layer_formats(cfg, name).values()) == layers:
+                return name
+        except ValueError:  # the preset's blocks do not fit these rows
+            continue
+    return "+".join(sorted({t for f in layers for t in (f.gate_up, f.down)}))

@@ -134,6 +134,11 @@ class ExpertTimes:
     layer_overhead_ms: Optional[float] = None  # host time per MoE layer, see GpuSpec.layer_overhead_us
     pass_overhead_ms: Optional[float] = None  # host time per forward pass, see GpuSpec.pass_overhead_us
     cpu_dispatch_ms: Optional[float] = None  # a layer's CPU side handed over and merged back, see CpuSpec.dispatch_us
+    # the experts these times were measured on: their format (schedulers/formats.py; None: bf16, the run dtype's
+    # experts) and one expert's MiB (None: the model's experts at the cost model's bytes per parameter). A run in
+    # another format scales them: the transfer by the bytes, eq. 2 by the block types' rates
+    expert_format: Optional[str] = None
+    expert_mib: Optional[float] = None
 
 
 @dataclass(frozen=True)

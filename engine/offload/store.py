@@ -18,16 +18,16 @@ those bytes, and `formats` gives each MoE layer's block types (the device expert
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from models.config import ModelConfig
-from models.hf import OpenCheckpoint, open_checkpoint
+from models.hf import OpenCheckpoint
 from models.quant.blocks import QuantArray, block_type
-from models.quant.experts import LayerFormat, QuantExperts
+from models.quant.experts import GateUp, LayerFormat, QuantExperts, split_gate_up
 from models.transformer import MoETransformer
 
 PARTS = ("gate", "up", "down")
@@ -82,6 +82,16 @@ class ExpertStore:
             return self.layer_expert_bytes(0)
         return round(sum(self.layer_expert_bytes(l) for l in range(self.num_layers)) / self.num_layers)
 
+    def cost_format(self) -> dict[str, Any]:
+        """The `CostModel` arguments of these experts' format: its name (`schedulers.formats.blocks_format`: the preset
+        that gives these block types, else the types) and each MoE layer's block types; bf16 for float experts."""
+        if not self.formats:
+            return {"expert_format": "bf16"}
+        from schedulers.formats import blocks_format
+
+        blocks = [self.formats[m] for m in range(self.num_layers)]
+        return {"expert_format": blocks_format(self.cfg, blocks), "expert_blocks": blocks}
+
     def slot_widths(self) -> tuple[int, int]:
         """Row bytes of a device slot able to hold any layer's quantized expert: (gate|up rows, down rows)."""
         H, F = self.cfg.hidden_size, self.cfg.expert_intermediate_size
@@ -105,6 +115,14 @@ class ExpertStore:
             self.allocated_bytes += host.nbytes
             return jax.device_put(np.ascontiguousarray(host), self._sharding)
         return host
+
+    def put_layers(self, layers: dict[int, tuple[Sequence[GateUp], Sequence[QuantArray]]]) -> None:
+        """Store quantized experts given per decoder layer as (gate|up list, down list) (`models.quant.experts.install`'s
+        layout): every part kept as a view of its source's blocks."""
+        moe_index = {layer: i for i, layer in enumerate(self.cfg.moe_layers)}
+        for layer, (gate_up, down) in layers.items():
+            for e, (gu, dn) in enumerate(zip(gate_up, down)):
+                self.put_quant(moe_index[layer], e, *split_gate_up(gu), dn)
 
     def quant_views(self, layer: int, expert: int) -> tuple[QuantArray, QuantArray, QuantArray]:
         """(gate, up, down) of a quantized expert as `QuantArray`s over numpy views of its block bytes."""
@@ -178,9 +196,20 @@ class ExpertStore:
     @classmethod
     def from_checkpoint(cls, checkpoint: OpenCheckpoint | str | Path, dtype: Any = None,
                         pinned: Optional[bool] = None) -> "ExpertStore":
-        """Every routed expert of an HF checkpoint: views of its mapped files (converted copies when `dtype`
-        differs from the stored one; default: the checkpoint's own dtype)."""
-        ck = checkpoint if isinstance(checkpoint, OpenCheckpoint) else open_checkpoint(checkpoint)
+        """Every routed expert of a checkpoint: views of its mapped files (converted copies when `dtype` differs from
+        the stored one; default: the checkpoint's own dtype). Experts stored in ggml blocks (a saved quantized folder,
+        a GGUF file) stay in their blocks, views of the mapping; `dtype` is then the run's (the store's `dtype`)."""
+        if not isinstance(checkpoint, OpenCheckpoint):
+            from models.loading import open_model_checkpoint  # an HF folder, a quantized folder or a GGUF file
+
+            checkpoint = open_model_checkpoint({"checkpoint": str(checkpoint)})
+        ck = checkpoint
+        blocks = block_sources(ck)
+        if blocks is not None:  # a saved quantized folder or a GGUF file's block experts: views of its mapping
+            store = cls(ck.cfg, dtype or np.float32, pinned)
+            store.put_layers(blocks)
+            store.check_complete()
+            return store
         store = cls(ck.cfg, dtype or ck.stored_dtype(), pinned)
         F = ck.cfg.expert_intermediate_size
         moe_index = {layer: i for i, layer in enumerate(ck.cfg.moe_layers)}
@@ -196,3 +225,22 @@ class ExpertStore:
                 store.put(key[0], key[1], *pending.pop(key), ck.reader.view(src.pieces[0]))
         store.check_complete()
         return store
+
+
+def block_sources(ck: OpenCheckpoint) -> Optional[dict[int, tuple[Sequence[GateUp], Sequence[QuantArray]]]]:
+    """The routed experts of a checkpoint that stores them in ggml blocks (a folder written by `models.quant.save`,
+    a GGUF file with quantized experts) as views of its mapped file, per decoder layer; None for float experts."""
+    from models.gguf import block_experts
+    from models.quant.checkpoint import mapped_experts, quantized_info
+
+    if not stores_blocks(ck):
+        return None
+    return mapped_experts(ck.folder, ck.cfg) if quantized_info(ck.folder) is not None else block_experts(ck)
+
+
+def stores_blocks(ck: OpenCheckpoint) -> bool:
+    """Whether a checkpoint stores its routed experts in ggml blocks (headers only: nothing mapped or read)."""
+    from models.gguf import has_block_experts
+    from models.quant.checkpoint import quantized_info
+
+    return quantized_info(ck.folder) is not None or has_block_experts(ck)
