@@ -206,6 +206,22 @@ def test_hybrimoe_impact_prefetch_takes_what_shortens_the_next_layers() -> None:
     assert build("hybrimoe", prefetch_policy="impact").plan(busy).prefetch == ()
 
 
+def test_hybrimoe_gives_a_slot_freed_by_one_eviction_to_one_prefetch() -> None:
+    # every layer's 2 slots full (8 slots): impact prefetching into layer 1 must evict one of its experts per
+    # prefetch; handing the one slot an eviction frees to two prefetches broke the slot contract in the executor
+    import dataclasses
+
+    resident = np.zeros((4, 8), dtype=bool)
+    resident[:, [0, 1]] = True
+    pred = np.zeros(8)
+    pred[[3, 6, 7]] = [1, 5, 3]
+    state = dataclasses.replace(make_state([6, 1, 0, 0, 0, 0, 0, 0], [], predicted={1: pred}, resident=resident,
+                                           cache_slots=8), t_io_s=1 * MS, t_attn_next_s=4 * MS)
+    plan = build("hybrimoe", cache_slots=8, prefetch_policy="impact").plan(state)
+    assert plan.prefetch and sum(1 for layer, _ in plan.evict if layer == 1) == len(plan.prefetch)
+    plan.validate(state)
+
+
 def test_hybrimoe_prefill_runs_everything_on_the_gpu() -> None:
     h = build("hybrimoe")
     plan = h.plan(make_state([600, 100, 400, 0, 0, 0, 0, 0], [0], phase=Phase.prefill))

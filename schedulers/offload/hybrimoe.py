@@ -119,16 +119,19 @@ class HybriMoE(OffloadPolicy):
         row[~mask] *= 1 - a
 
     def _place(self, state: LayerState, layer: int, experts: list[int], protect: set[int],
-               evicted: list[tuple[int, int]]) -> list[bool]:
-        """Cache each expert in `layer`'s slots if room can be made (lowest priority evicted)."""
-        room = self.layer_room(state, layer, sum(1 for lay, _ in evicted if lay == layer))
+               evicted: list[tuple[int, int]], claimed: dict[int, int]) -> list[bool]:
+        """Cache each expert in `layer`'s slots if room can be made (lowest priority evicted). `claimed`: slots of
+        each layer this plan has already filled, so a slot freed by one eviction is given out once."""
+        room = self.layer_room(state, layer, sum(1 for lay, _ in evicted if lay == layer)) - claimed.get(layer, 0)
         short = len(experts) - max(room, 0)
         if short > 0:
             gone = {x for lay, x in evicted if lay == layer}
             victims = self.layer_victims(state, layer, short, protect | gone, self.priority[layer])
             evicted.extend(victims)
             room = max(room, 0) + len(victims)
-        return [i < room for i in range(len(experts))]
+        placed = [i < room for i in range(len(experts))]
+        claimed[layer] = claimed.get(layer, 0) + sum(placed)
+        return placed
 
     def plan(self, state: LayerState) -> LayerPlan:
         layer, tokens = state.layer, state.tokens
@@ -145,14 +148,15 @@ class HybriMoE(OffloadPolicy):
         gpu = [e for e in gpu_order if e not in missing_set] + loads
         self.touch(layer, gpu)
         evicted: list[tuple[int, int]] = []
-        retain = self._place(state, layer, loads, set(gpu), evicted)
+        claimed: dict[int, int] = {}
+        retain = self._place(state, layer, loads, set(gpu), evicted, claimed)
         prefetch: list[tuple[int, int]] = []
         target = layer + 1
         if self.settings.prefetch_policy == "impact":
             if state.phase is Phase.decode and target < state.num_layers:
                 budget = self._link_room(state, cpu, gpu_order, missing_set, tokens, len(loads))
                 for t, e in self._impact_prefetch(state, budget):
-                    if self._place(state, t, [e], set(), evicted)[0]:
+                    if self._place(state, t, [e], set(), evicted, claimed)[0]:
                         prefetch.append((t, e))
         elif state.phase is Phase.decode and target < state.num_layers and self.settings.prefetch_count > 0:
             if self.settings.use_predictor and target in state.predicted:
@@ -161,7 +165,7 @@ class HybriMoE(OffloadPolicy):
                 score = self.priority[target]
             top = by_tokens(np.arange(self.E), score, descending=True)[:self.settings.prefetch_count]
             top = [int(e) for e in top if score[e] > 0 and not state.available(target)[e]]
-            placed = self._place(state, target, top, set(), evicted)
+            placed = self._place(state, target, top, set(), evicted, claimed)
             prefetch = [(target, e) for e, ok in zip(top, placed) if ok]
         return LayerPlan(cpu=tuple(cpu), gpu=tuple(gpu), ondemand=tuple(loads), retain=tuple(retain),
                          prefetch=tuple(prefetch), evict=tuple(evicted))
