@@ -52,7 +52,7 @@ def _hss(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarray, t_io: flo
     m = tokens[order]
     t_gpu = np.atleast_1d(cost.t_g(m)).tolist()
     t_cpu = np.atleast_1d(cost.t_c(m)).tolist()
-    is_move = np.isin(order, uncached).tolist()
+    is_move = [False] * len(cached) + [True] * len(uncached)  # `order` lists the cached, then the uncached
     order = order.tolist()
     gpu_total = cpu_total = 0.0
     move_total = alpha
