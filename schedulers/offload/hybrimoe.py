@@ -191,7 +191,8 @@ class HybriMoE(OffloadPolicy):
         """Transfers the link can take during this layer beyond its loads: the layer's expected time (its HSS
         split) minus alpha and the loads, in transfer times."""
         cost, t_io = state.cost, state.t_io_s
-        gpu_side = sum(float(cost.t_g(int(tokens[e]))) for e in gpu_order) + state.alpha_s + n_loads * t_io
+        m = tokens[gpu_order] if gpu_order else tokens[:0]
+        gpu_side = sum(np.atleast_1d(cost.t_g(m)).tolist()) + state.alpha_s + n_loads * t_io  # `t_g` per expert
         cpu_side = cost.t_c_sum([int(tokens[e]) for e in cpu])
         layer_time = max(gpu_side, cpu_side) + state.t_attn_next_s
         return max(int((layer_time - state.alpha_s - n_loads * t_io) // t_io), 0)

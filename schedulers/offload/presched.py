@@ -82,6 +82,14 @@ from schedulers.policy import OffloadPolicy, split_by_availability
 _NUMPY_FROM = 24  # eq. 3 / eq. 4 over more experts than this run elementwise in numpy (same values, fewer Python steps)
 
 
+def gpu_times(cost: CostModel, ms: Sequence[int]) -> list[float]:
+    """`[cost.t_g(m) for m in ms]` (each expert in a call of its own): elementwise in numpy for many experts, the
+    same values (`t_g` computes each one alike on scalars and arrays)."""
+    if len(ms) > _NUMPY_FROM:
+        return np.atleast_1d(cost.t_g(np.asarray(ms, dtype=np.float64))).tolist()
+    return [cost.t_g(m) for m in ms]
+
+
 def sorted_by(experts: Sequence[int], key: Sequence[float]) -> list[int]:
     """`experts` ascending by `key[e]` (stable: ties keep the given order), as `policy.by_tokens`."""
     return sorted(experts, key=key.__getitem__)
@@ -212,7 +220,8 @@ def resident_to_cpu(state: LayerState, ready: Sequence[int], cpu: Sequence[int],
     beta, startup, dispatch = cost.beta_s, cost.cpu_startup_s, cost.cpu_dispatch_s
     cpu_m = [float(tokens[e]) for e in cpu if tokens[e] > 0]
     cpu_total, cpu_n = sum(cpu_m), len(cpu_m)  # integer token counts: exact running sums
-    g_times = {e: cost.t_g(tokens[e]) for e in ready if tokens[e] > 0}
+    live = [e for e in ready if tokens[e] > 0]
+    g_times = dict(zip(live, gpu_times(cost, [tokens[e] for e in live])))
     g_sum, g_n = sum(g_times.values()), len(g_times)
 
     def layer_time(t_cpu: float, g_sum: float, g_n: int) -> float:
@@ -358,7 +367,7 @@ class PreSched(OffloadPolicy):
         t_g = float(cost.t_g(max(max(tok, default=1), 1)))
         # the resident experts' GPU time, where the plan uses it (eq. 1's split, or counted GPU work)
         uses_ready = state.phase is Phase.prefill or not self.settings.mask_gpu_compute
-        ready_s = sum(cost.t_g(tok[e]) for e in ready) if uses_ready else 0.0
+        ready_s = sum(gpu_times(cost, [tok[e] for e in ready])) if uses_ready else 0.0
         # Premise 5 masks the GPU's work on resident experts; `mask_gpu_compute=False` counts it
         # (many small experts at moderate batch keep the GPU busy longer than the link)
         busy = 0.0 if self.settings.mask_gpu_compute else ready_s + cost.t_shared(state.batch_tokens)
