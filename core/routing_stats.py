@@ -158,6 +158,7 @@ class TransitionTable:
         self.num_experts = num_experts
         self.counts = np.zeros((num_experts, num_experts), dtype=np.int64)
         self.target_freq = np.zeros(num_experts, dtype=np.int64)
+        self._derived: tuple = ()  # (counts, target_freq, conditional, 1e-6 * prior) of the arrays last scored with
 
     def fit(self, src: np.ndarray, dst: np.ndarray) -> "TransitionTable":
         """src, dst: int [T, k_src], [T, k_dst] experts of the same tokens at the two layers."""
@@ -165,6 +166,7 @@ class TransitionTable:
         pairs = src.astype(np.int64)[:, :, None] * E + dst.astype(np.int64)[:, None, :]
         self.counts += np.bincount(pairs.reshape(-1), minlength=E * E).reshape(E, E)
         self.target_freq += np.bincount(dst.reshape(-1).astype(np.int64), minlength=E)
+        self._derived = ()
         return self
 
     def conditional(self) -> np.ndarray:
@@ -174,8 +176,11 @@ class TransitionTable:
 
     def scores(self, src: np.ndarray) -> np.ndarray:
         """float64 [T, E] for tokens with source experts src [T, k]."""
-        prior = self.target_freq / max(self.target_freq.sum(), 1)
-        return self.conditional()[src.astype(np.int64)].sum(axis=1) + 1e-6 * prior
+        d = self._derived
+        if not d or d[0] is not self.counts or d[1] is not self.target_freq:  # derived once per table, not per call
+            prior = self.target_freq / max(self.target_freq.sum(), 1)
+            d = self._derived = (self.counts, self.target_freq, self.conditional(), 1e-6 * prior)
+        return d[2][src.astype(np.int64)].sum(axis=1) + d[3]
 
     def predict(self, src: np.ndarray, k: int) -> np.ndarray:
         return topk_experts(self.scores(src), k)

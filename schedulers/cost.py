@@ -33,6 +33,7 @@ import numpy as np
 from models.config import ModelConfig
 
 _SCALARS = (int, float, np.integer, np.floating)  # cheaper to test than np.ndim on the per-expert calls
+_PREFIX_NUMPY = 24  # `t_c_prefix` of longer lists in numpy (a layer of many small experts); shorter ones in a loop
 
 if TYPE_CHECKING:
     from schedulers.hardware import HardwareProfile
@@ -290,6 +291,11 @@ class CostModel:
 
     def t_c_prefix(self, ms: Sequence[float]) -> list[float]:
         """`t_c_sum(ms[:k+1])` for every k (the CPU side holding the first k+1 experts)."""
+        if len(ms) > _PREFIX_NUMPY:  # the same sums in the same order (np.cumsum adds left to right, like the loop)
+            m = np.asarray(ms, dtype=np.float64)
+            live = m > 0
+            acc = np.cumsum(np.where(live, self.beta_s * m + self.cpu_startup_s, 0.0))
+            return np.where(np.logical_or.accumulate(live), acc + self.cpu_dispatch_s, acc).tolist()
         out: list[float] = []
         acc, seen = 0.0, False
         for m in ms:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -80,6 +81,9 @@ class PreparedRouting:
     passes: list[ForwardPass]
     profile: np.ndarray  # int64 [L, E] profiling loads for the hot table
     train: Optional[RoutingTrace] = None  # routing held out of the replay: what stats / transition predictors fit on
+    # (predictor config, distance) -> the routing-only predictor fitted on `train`, as fitted (never run): every
+    # system of a study replays one routing, and refitting the same tables per system cost more than some replays
+    fitted: dict[tuple[str, int], Any] = field(default_factory=dict)
 
 
 def prepare_routing(spec: RunSpec) -> PreparedRouting:
@@ -155,6 +159,12 @@ def simulator_predictors(spec: RunSpec, routing: PreparedRouting) -> dict[int, A
     if p.kind is PredictorKind.token and (p.checkpoint is None or (routing.trace.token < 0).any()):
         raise ValueError(f"{where}: needs a checkpoint and the token ids of the replayed routing "
                          f"(routing={spec.routing.name} has {'none' if (routing.trace.token < 0).any() else 'them'})")
+    if p.kind in ROUTING_ONLY and not p.checkpoint:  # deterministic fits of `train`: fit once, hand out fresh copies
+        fitted = routing.fitted
+        for d in distances:  # one fit per distance, whatever window each policy reads
+            if (repr(p), d) not in fitted:
+                fitted[(repr(p), d)] = make_predictors(p, [d], trace=routing.trace, train=routing.train)[d]
+        return copy.deepcopy({d: fitted[(repr(p), d)] for d in distances})  # a run's predictors score as they go
     return make_predictors(p, distances, trace=routing.trace, train=routing.train)
 
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from schedulers.base import LayerPlan, LayerState, Phase, SchedulerSettings, register
 from schedulers.policy import OffloadPolicy, by_tokens
 
@@ -46,10 +48,11 @@ def greedy_assignment(state: LayerState, may_move_resident: bool) -> tuple[list[
     cpu: list[int] = []
     gpu: list[int] = []
     loads: list[int] = []
+    t_g = np.atleast_1d(cost.t_g(tok)).tolist()  # per expert, as `t_g(m)` / `t_c(m)` give them one at a time
+    t_c = np.atleast_1d(cost.t_c(tok)).tolist()
     for e in by_tokens(state.active, tok, descending=True).tolist():
-        m = int(tok[e])
         if avail[e]:
-            g_end = max(gpu_t, landing.get(e, 0.0)) + float(cost.t_g(m))
+            g_end = max(gpu_t, landing.get(e, 0.0)) + t_g[e]
             if not may_move_resident:
                 gpu_t = g_end
                 gpu.append(e)
@@ -57,8 +60,8 @@ def greedy_assignment(state: LayerState, may_move_resident: bool) -> tuple[list[
             new_link = link
         else:
             new_link = link + state.t_io_s
-            g_end = max(gpu_t, new_link) + float(cost.t_g(m))
-        c_end = cpu_t + float(cost.t_c(m))
+            g_end = max(gpu_t, new_link) + t_g[e]
+        c_end = cpu_t + t_c[e]
         if g_end <= c_end:
             gpu_t, link = g_end, new_link
             gpu.append(e)

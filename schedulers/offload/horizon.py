@@ -34,6 +34,7 @@ routing after l).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -86,26 +87,53 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
     """Seconds from the gate until the layer's CPU and GPU sides are both done, as the mechanism runs `split`:
     shared + resident experts in one call, landing ones at arrival, loads serial on the link behind `alpha`
     (behind the held prefetches too), each computed on landing; the CPU experts one after another."""
-    cost, tok = state.cost, state.tokens
-    landing = {t.expert: t.remaining_s for t in state.inflight if t.layer == state.layer}
-    gpu_ids = np.asarray(split.gpu, dtype=np.int64)
-    later = {*split.loads, *landing, *held}  # a set, not np.isin: a layer's few experts, five splits per plan
-    waits = np.fromiter((e in later for e in split.gpu), dtype=bool, count=len(split.gpu))
-    gpu = cost.t_shared(state.batch_tokens) + float(np.sum(cost.t_g_group(tok[gpu_ids[~waits]]))) \
-        if gpu_ids.size else cost.t_shared(state.batch_tokens)
-    for e in sorted((e for e in split.gpu if e in landing), key=landing.__getitem__):
-        gpu = max(gpu, landing[e]) + float(cost.t_g(int(tok[e])))
+    cost = state.cost
+    landing, shared, _, tok = _layer_parts(state)
+    gpu = shared
+    if split.gpu:
+        ready = len(split.gpu) - len(split.loads)
+        if not landing and not held and split.gpu[ready:] == split.loads:  # the splits list the loads last
+            now = split.gpu[:ready]
+        else:
+            later = {*split.loads, *landing, *held}  # a set, not np.isin: a layer's few experts, five splits per plan
+            now = tuple(e for e in split.gpu if e not in later)
+        gpu = shared + group_time(state, now)
+    if landing:
+        for e in sorted((e for e in split.gpu if e in landing), key=landing.__getitem__):
+            gpu = max(gpu, landing[e]) + float(cost.t_g(tok[e]))
     # the held prefetches, then the loads, land one t_io apart behind alpha; each is computed on landing:
     # g_k = max(g_{k-1}, link_k) + t_k unrolls to max(g_0 + sum t, max_k(link_k + sum_{j >= k} t_j))
-    queue = [e for e in split.gpu if e in held] + list(split.loads)
+    queue = [e for e in split.gpu if e in held] + list(split.loads) if held else split.loads
     if queue:
-        t = np.atleast_1d(cost.t_g(tok[queue])).astype(np.float64)
-        links = state.alpha_s + state.t_io_s * np.arange(1, len(queue) + 1)
-        tail = np.cumsum(t[::-1])[::-1]
-        gpu = max(gpu + float(tail[0]), float(np.max(links + tail)))
-    cpu = cost.t_c_sum([int(tok[e]) for e in split.cpu])
+        alpha, t_io = state.alpha_s, state.t_io_s
+        tail, last = 0.0, -math.inf
+        for k in range(len(queue) - 1, -1, -1):  # tail sums from the last load back, as a reversed cumsum adds
+            tail += cost.t_g(tok[queue[k]])
+            last = max(last, alpha + t_io * (k + 1) + tail)
+        gpu = max(gpu + tail, last)
+    cpu = cost.t_c_sum([tok[e] for e in split.cpu])
     s = cost.device_cpu_share  # where the device is the host, each side also waits for its share of the other
     return max(cpu + s * gpu, gpu + s * cpu) if s > 0 else max(cpu, gpu)
+
+
+def _layer_parts(state: LayerState) -> tuple[dict[int, float], float, dict[tuple[int, ...], float], list[int]]:
+    """(this layer's landing experts -> seconds to arrival, the shared experts' time, the memo of `group_time`, the
+    tokens per expert as a list), built once per layer state: the candidate splits of one plan share them."""
+    parts = state.__dict__.get("_horizon_parts")
+    if parts is None:
+        landing = {t.expert: t.remaining_s for t in state.inflight if t.layer == state.layer}
+        parts = state.__dict__["_horizon_parts"] = (landing, state.cost.t_shared(state.batch_tokens), {},
+                                                    state.tokens.tolist())
+    return parts
+
+
+def group_time(state: LayerState, experts: tuple[int, ...]) -> float:
+    """GPU seconds of `experts` (in this order) run in one device call: `sum(cost.t_g_group(tokens))`, remembered per
+    layer state (most candidate splits run the same resident experts)."""
+    groups = _layer_parts(state)[2]
+    if experts not in groups:
+        groups[experts] = float(np.sum(state.cost.t_g_group(state.tokens[list(experts)]))) if experts else 0.0
+    return groups[experts]
 
 
 def candidate_splits(state: LayerState, names: Sequence[str], may_move_resident: bool) -> list[Split]:
@@ -113,25 +141,25 @@ def candidate_splits(state: LayerState, names: Sequence[str], may_move_resident:
     tok, cost = state.tokens, state.cost
     ready, missing = split_by_availability(state)
     cur = by_tokens(missing, tok)  # ascending
-    ready_t = tuple(int(e) for e in ready)
+    ready_t = tuple(ready.tolist())
     out: list[Split] = []
     for name in names:
         if name == "greedy":
-            ready_s = cost.t_shared(state.batch_tokens) + float(np.sum(cost.t_g_group(tok[ready]))) if ready.size \
+            ready_s = cost.t_shared(state.batch_tokens) + group_time(state, ready_t) if ready.size \
                 else cost.t_shared(state.batch_tokens)
             t_g = float(cost.t_g(max(int(tok.max(initial=1)), 1)))
             i = greedy_split(tok[cur].astype(np.float64), ready_s, state.alpha_s, state.t_io_s, t_g, cost)
-            loads = tuple(int(e) for e in cur[i:][::-1])
-            out.append(Split(name, tuple(int(e) for e in cur[:i]), ready_t + loads, loads))
+            loads = tuple(cur[i:][::-1].tolist())
+            out.append(Split(name, tuple(cur[:i].tolist()), ready_t + loads, loads))
         elif name == "hss" and may_move_resident:
             cpu, gpu = hybrid_scheduling(ready, missing, tok, state.t_io_s, cost, state.alpha_s)
             miss = set(int(e) for e in missing)
             loads = tuple(e for e in gpu if e in miss)
             out.append(Split(name, tuple(int(e) for e in cpu), tuple(e for e in gpu if e not in miss) + loads, loads))
         elif name == "all_cpu":
-            out.append(Split(name, tuple(int(e) for e in cur), ready_t, ()))
+            out.append(Split(name, tuple(cur.tolist()), ready_t, ()))
         elif name == "all_gpu":
-            loads = tuple(int(e) for e in cur[::-1])
+            loads = tuple(cur[::-1].tolist())
             out.append(Split(name, (), ready_t + loads, loads))
     return out
 

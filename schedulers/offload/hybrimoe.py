@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -41,19 +42,37 @@ def hybrid_scheduling(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarr
 
 
 def hss_time(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarray, t_io: float, cost,
-             alpha: float = 0.0) -> float:
+             alpha: float = 0.0, times: "ExpertTimes | None" = None) -> float:
     """The layer time HSS expects: the later of its GPU side (transfers included) and its CPU side."""
-    return _hss(cached, uncached, tokens, t_io, cost, alpha)[2]
+    return _hss(cached, uncached, tokens, t_io, cost, alpha, times)[2]
+
+
+class ExpertTimes(NamedTuple):
+    """Per expert of a layer (lists over every expert id): tokens, GPU time in a call of its own, CPU time."""
+
+    tokens: list[float]
+    gpu: list[float]
+    cpu: list[float]
+
+
+def expert_times(tokens: np.ndarray, cost) -> ExpertTimes:
+    """`ExpertTimes` of a layer's token counts (elementwise `t_g` / `t_c`: the values HSS reads for each expert)."""
+    return ExpertTimes(np.asarray(tokens).tolist(), np.atleast_1d(cost.t_g(tokens)).tolist(),
+                       np.atleast_1d(cost.t_c(tokens)).tolist())
 
 
 def _hss(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarray, t_io: float, cost,
-         alpha: float = 0.0) -> tuple[list[int], list[int], float]:
-    order = np.concatenate([by_tokens(cached, tokens, descending=True), by_tokens(uncached, tokens, descending=True)])
-    m = tokens[order]
-    t_gpu = np.atleast_1d(cost.t_g(m)).tolist()
-    t_cpu = np.atleast_1d(cost.t_c(m)).tolist()
-    is_move = np.isin(order, uncached).tolist()
-    order = order.tolist()
+         alpha: float = 0.0, times: ExpertTimes | None = None) -> tuple[list[int], list[int], float]:
+    times = times or expert_times(tokens, cost)
+    key = times.tokens
+    cached_l = np.asarray(cached).tolist()
+    uncached_l = np.asarray(uncached).tolist()
+    # cached first, each group by tokens descending (stable, as `by_tokens`); HybriMoE's impact scoring runs this
+    # for every candidate of up to three layers per plan: plain lists over precomputed times, no numpy per call
+    order = sorted(cached_l, key=lambda e: -key[e]) + sorted(uncached_l, key=lambda e: -key[e])
+    t_gpu = [times.gpu[e] for e in order]
+    t_cpu = [times.cpu[e] for e in order]
+    is_move = [False] * len(cached_l) + [True] * len(uncached_l)
     gpu_total = cpu_total = 0.0
     move_total = alpha
     gpu: list[int] = []
@@ -176,7 +195,8 @@ class HybriMoE(OffloadPolicy):
         """Transfers the link can take during this layer beyond its loads: the layer's expected time (its HSS
         split) minus alpha and the loads, in transfer times."""
         cost, t_io = state.cost, state.t_io_s
-        gpu_side = sum(float(cost.t_g(int(tokens[e]))) for e in gpu_order) + state.alpha_s + n_loads * t_io
+        m = tokens[gpu_order] if gpu_order else tokens[:0]
+        gpu_side = sum(np.atleast_1d(cost.t_g(m)).tolist()) + state.alpha_s + n_loads * t_io  # `t_g` per expert
         cpu_side = cost.t_c_sum([int(tokens[e]) for e in cpu])
         layer_time = max(gpu_side, cpu_side) + state.t_attn_next_s
         return max(int((layer_time - state.alpha_s - n_loads * t_io) // t_io), 0)
@@ -199,12 +219,14 @@ class HybriMoE(OffloadPolicy):
             if cand.size:
                 layers[target] = (pred, cached, uncached, cand)
 
+        times = {t: expert_times(layers[t][0], cost) for t in layers}
+
         def impacts(target: int) -> list[tuple[float, int, int]]:
             pred, cached, uncached, cand = layers[target]
-            base = hss_time(cached, uncached, pred, t_io, cost)
+            base = hss_time(cached, uncached, pred, t_io, cost, times=times[target])
             out = []
             for e in cand.tolist():
-                with_e = hss_time(np.append(cached, e), uncached[uncached != e], pred, t_io, cost)
+                with_e = hss_time(np.append(cached, e), uncached[uncached != e], pred, t_io, cost, times=times[target])
                 out.append((base - with_e, target, int(e)))
             return out
 

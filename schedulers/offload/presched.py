@@ -79,6 +79,17 @@ from schedulers.offload.layerwise import greedy_split
 from schedulers.policy import OffloadPolicy, split_by_availability
 
 
+_NUMPY_FROM = 24  # eq. 3 / eq. 4 over more experts than this run elementwise in numpy (same values, fewer Python steps)
+
+
+def gpu_times(cost: CostModel, ms: Sequence[int]) -> list[float]:
+    """`[cost.t_g(m) for m in ms]` (each expert in a call of its own): elementwise in numpy for many experts, the
+    same values (`t_g` computes each one alike on scalars and arrays)."""
+    if len(ms) > _NUMPY_FROM:
+        return np.atleast_1d(cost.t_g(np.asarray(ms, dtype=np.float64))).tolist()
+    return [cost.t_g(m) for m in ms]
+
+
 def sorted_by(experts: Sequence[int], key: Sequence[float]) -> list[int]:
     """`experts` ascending by `key[e]` (stable: ties keep the given order), as `policy.by_tokens`."""
     return sorted(experts, key=key.__getitem__)
@@ -118,7 +129,11 @@ def cross_layer_queue(cur: Sequence[int], cur_tokens: Sequence[float], nxt: Sequ
     n_all = len(entries)
     tokens = tuple(m for m, _, _ in entries)
     t_cpu = cost.t_c_prefix(tokens)  # the CPU side's hand-over counted once
-    joins = tuple(max(alpha + (n_all - k) * t_io, gpu_busy) + t_g < t_cpu[k] + t_attn for k in range(n_all))
+    if n_all > _NUMPY_FROM:  # the same comparisons elementwise (a layer of many small experts)
+        k = np.arange(n_all)
+        joins = tuple((np.maximum(alpha + (n_all - k) * t_io, gpu_busy) + t_g < np.asarray(t_cpu) + t_attn).tolist())
+    else:
+        joins = tuple(max(alpha + (n_all - k) * t_io, gpu_busy) + t_g < t_cpu[k] + t_attn for k in range(n_all))
     return CrossLayerQueue(tuple(e for _, _, e in entries), tokens, tuple(c for _, c, _ in entries), joins)
 
 
@@ -127,6 +142,9 @@ def ondemand_passes(cur_tokens_sorted: Sequence[float], alpha: float, t_io: floa
     """Eq. 4 at every i' of E_cur (ascending): T_G(i') < T_C(i') = t_c(E_cur[0..i'-1])."""
     n1 = len(cur_tokens_sorted)
     tc_prefix = [0.0] + cost.t_c_prefix(cur_tokens_sorted)[:-1]
+    if n1 > _NUMPY_FROM:
+        i = np.arange(n1)
+        return (np.maximum(alpha + (n1 - i) * t_io, gpu_busy) + t_g < np.asarray(tc_prefix)).tolist()
     return [max(alpha + (n1 - i) * t_io, gpu_busy) + t_g < tc_prefix[i] for i in range(n1)]
 
 
@@ -202,7 +220,8 @@ def resident_to_cpu(state: LayerState, ready: Sequence[int], cpu: Sequence[int],
     beta, startup, dispatch = cost.beta_s, cost.cpu_startup_s, cost.cpu_dispatch_s
     cpu_m = [float(tokens[e]) for e in cpu if tokens[e] > 0]
     cpu_total, cpu_n = sum(cpu_m), len(cpu_m)  # integer token counts: exact running sums
-    g_times = {e: cost.t_g(tokens[e]) for e in ready if tokens[e] > 0}
+    live = [e for e in ready if tokens[e] > 0]
+    g_times = dict(zip(live, gpu_times(cost, [tokens[e] for e in live])))
     g_sum, g_n = sum(g_times.values()), len(g_times)
 
     def layer_time(t_cpu: float, g_sum: float, g_n: int) -> float:
@@ -244,19 +263,26 @@ class Lookahead:
     t_attn: float
     busy: float
     _queues: dict[int, CrossLayerQueue] = field(default_factory=dict)
+    _candidates: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
 
     def forecast(self, target: int) -> bool:
         """Whether a forecast of `target` exists (without running the predictor)."""
         return self.use_predictor and target in self.state.predicted
 
     def candidates(self, target: int) -> tuple[list[int], list[float]]:
-        """E_next for `target`: predicted experts neither resident nor landing (ascending predicted tokens)."""
+        """E_next for `target`: predicted experts neither resident nor landing (ascending predicted tokens).
+        Built once per target (the queue and the prefetch both read it); callers must not modify the lists."""
+        if target in self._candidates:
+            return self._candidates[target]
         if not self.forecast(target):
             return [], []
-        pred = self.state.predicted[target].tolist()
-        avail = self.state.available(target).tolist()
-        cand = sorted_by([e for e, m in enumerate(pred) if m > 0 and not avail[e]], pred)
-        return cand, [float(pred[e]) for e in cand]
+        pred_a = self.state.predicted[target]
+        some = np.flatnonzero(pred_a > 0)  # the few predicted experts of a layer, then the availability test
+        some = some[~self.state.available(target)[some]].tolist()
+        pred = pred_a.tolist()
+        cand = sorted_by(some, pred)
+        out = self._candidates[target] = (cand, [float(pred[e]) for e in cand])
+        return out
 
     def queue(self, target: int) -> CrossLayerQueue:
         if target not in self._queues:
@@ -341,7 +367,7 @@ class PreSched(OffloadPolicy):
         t_g = float(cost.t_g(max(max(tok, default=1), 1)))
         # the resident experts' GPU time, where the plan uses it (eq. 1's split, or counted GPU work)
         uses_ready = state.phase is Phase.prefill or not self.settings.mask_gpu_compute
-        ready_s = sum(cost.t_g(tok[e]) for e in ready) if uses_ready else 0.0
+        ready_s = sum(gpu_times(cost, [tok[e] for e in ready])) if uses_ready else 0.0
         # Premise 5 masks the GPU's work on resident experts; `mask_gpu_compute=False` counts it
         # (many small experts at moderate batch keep the GPU busy longer than the link)
         busy = 0.0 if self.settings.mask_gpu_compute else ready_s + cost.t_shared(state.batch_tokens)
