@@ -62,17 +62,24 @@ def test_the_store_keeps_bf16_views_and_the_envelope_is_real(bf16_case) -> None:
 @pytest.mark.parametrize("kind", bf16_policies())
 def test_offloaded_bf16_stays_within_bf16s_own_distance_from_float32(bf16_case, kind: str) -> None:
     cfg, model, store, prompts, forced, ref, envelope = bf16_case
+    every_budget_within_envelope(kind, cfg, model, store, prompts, forced, ref, envelope)
+
+
+def every_budget_within_envelope(kind: str, cfg, model, store: ExpertStore, prompts, forced, ref, envelope: Deviation,
+                                 label: str = "", **cost_format) -> None:
+    """`kind` at no cache slot, a quarter of the experts and all of them (gate forecasts at d = 1, 2): the offloaded
+    teacher-forced logits within `envelope` of `ref` (largest and mean difference) and greedy agreement."""
     L, E = len(cfg.moe_layers), cfg.num_experts
     hw = load_hardware("local_cpu")
     predictors = {d: GatePredictor.from_model(model, d) for d in (1, 2)}
     for slots in (0, L * E // 4, L * E):
-        cost = CostModel(cfg, hw)
+        cost = CostModel(cfg, hw, **cost_format)
         sched = build_scheduler(OFFLOAD.get(kind).settings(label=kind, use_predictor=True),
                                 SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost,
                                                np.arange(L * E).reshape(L, E) % 7))
         with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=slots), predictors) as ex:
             got = offloaded_forced_logits(ex, prompts, forced, cfg.pad_token_id)
         dev = Deviation.between(got, ref)
-        where = f"{kind} with {slots} of {L * E} slots: {dev} against {envelope}"
+        where = f"{label}{kind} with {slots} of {L * E} slots: {dev} against {envelope}"
         assert dev.max_abs <= envelope.max_abs and dev.mean_abs <= envelope.mean_abs, where
         assert dev.argmax_agreement >= TOKEN_AGREEMENT, where

@@ -15,29 +15,19 @@ from predictors.gate import GatePredictor
 from schedulers.base import OFFLOAD, LayerPlan, LayerState, SchedulerSetup, build_scheduler
 from schedulers.cost import CostModel
 from schedulers.hardware import load_hardware
+from tests.test_offload_executor import CheckedScheduler
 
 
-class RecordedScheduler:
-    """Delegates to a real scheduler and keeps every (MoE layer, plan) it returns, in call order."""
+class RecordedScheduler(CheckedScheduler):
+    """The cache-checking wrapper that also keeps every (MoE layer, plan) it returns, in call order."""
 
-    def __init__(self, inner):
-        self.inner, self.name, self.settings = inner, inner.name, inner.settings
-        self.plans: list[tuple[int, LayerPlan]] = []
-
-    @property
-    def micro_batches(self) -> int:
-        return self.inner.micro_batches
-
-    @property
-    def resident_on_device(self) -> bool:
-        return self.inner.resident_on_device
-
-    def initial_residency(self):
-        return self.inner.initial_residency()
+    def __init__(self, inner, slots: int):
+        super().__init__(inner, slots)
+        self.recorded: list[tuple[int, LayerPlan]] = []
 
     def plan(self, state: LayerState) -> LayerPlan:
-        plan = self.inner.plan(state)
-        self.plans.append((state.layer, plan))
+        plan = super().plan(state)
+        self.recorded.append((state.layer, plan))
         return plan
 
 
@@ -50,13 +40,13 @@ def _serve(model, store, cfg, prompts, behind: bool, kind: str = "horizon", new:
     slots = L * E // 2  # half the experts: some decode layers have all their active experts resident, some not
     inner = build_scheduler(OFFLOAD.get(kind).settings(label=kind, use_predictor=True), SchedulerSetup(L, E, cfg.num_experts_per_tok, slots,
                                                                                     cost, profile))
-    sched = RecordedScheduler(inner)
+    sched = RecordedScheduler(inner, slots)
     mech = OffloadSettings(cache_slots=slots, async_io=False, timer_updates_cost=False, plan_behind_device=behind)
     gate = {d: GatePredictor.from_model(model, d) for d in (1, 2)}  # forecasts, so that plans prefetch
     with OffloadExecutor(model, store, sched, cost, mech, gate) as ex:
         out = ex.generate(prompts, new)
         planning = ex.stages.planning()
-    return out, sched.plans, planning
+    return out, sched.recorded, planning
 
 
 @pytest.mark.slow  # two served runs, ~35 s on a loaded 2-core machine

@@ -190,27 +190,12 @@ def test_offloaded_quantized_sources_stay_within_their_envelope_for_every_policy
                                                                                  kind: str) -> None:
     """Every policy at no cache, a quarter and all experts: teacher-forced logits within the quantized in-memory
     model's own bf16 envelope (its distance from its float32 copy, same quantized experts), greedy agreement."""
-    from engine.fidelity import TOKEN_AGREEMENT, Deviation, offloaded_forced_logits
-    from engine.offload.executor import OffloadExecutor, OffloadSettings
-    from predictors.gate import GatePredictor
-    from schedulers.base import OFFLOAD, SchedulerSetup, build_scheduler
+    from tests.test_bf16 import every_budget_within_envelope
 
     cfg, model, store, prompts, forced, ref, envelope = _case(sources, source)
     assert envelope.max_abs > 0
-    L, E = len(cfg.moe_layers), cfg.num_experts
-    hw = load_hardware("local_cpu")
-    predictors = {d: GatePredictor.from_model(model, d) for d in (1, 2)}
-    for slots in (0, L * E // 4, L * E):
-        cost = CostModel(cfg, hw, expert_bytes=store.expert_bytes, **store.cost_format())
-        sched = build_scheduler(OFFLOAD.get(kind).settings(label=kind, use_predictor=True),
-                                SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost,
-                                               np.arange(L * E).reshape(L, E) % 7))
-        with OffloadExecutor(model, store, sched, cost, OffloadSettings(cache_slots=slots), predictors) as ex:
-            got = offloaded_forced_logits(ex, prompts, forced, cfg.pad_token_id)
-        dev = Deviation.between(got, ref)
-        where = f"{source} {kind} with {slots} of {L * E} slots: {dev} against {envelope}"
-        assert dev.max_abs <= envelope.max_abs and dev.mean_abs <= envelope.mean_abs, where
-        assert dev.argmax_agreement >= TOKEN_AGREEMENT, where
+    every_budget_within_envelope(kind, cfg, model, store, prompts, forced, ref, envelope, label=f"{source} ",
+                                 expert_bytes=store.expert_bytes, **store.cost_format())
 
 
 @pytest.mark.slow

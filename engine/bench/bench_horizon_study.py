@@ -234,8 +234,11 @@ def point_table(rows: list[dict[str, Any]], systems: tuple[str, ...] = SYSTEMS) 
         for s in shown:
             v = [r["throughput_tok_s"] for r in runs.get(s, [])]
             cells.append(f"{np.mean(v):.2f} ± {np.std(v):.2f}" if v else "—")
-        closed, best, _, bound = gap_closed(runs) if OURS in runs and len(runs) > 1 else (float("nan"), "—", 0, 0)
-        ok = "yes" if OURS in runs and wins(runs) else "**no**"
+        if OURS not in runs or len(runs) < 2:  # nothing to compare Horizon with at this point
+            lines.append(f"| {point} | " + " | ".join(cells) + " | — | — | — | — |")
+            continue
+        closed, best, _, bound = gap_closed(runs)
+        ok = "yes" if wins(runs) else "**no**"
         lines.append(f"| {point} | " + " | ".join(cells) + f" | {bound:.2f} | {best} | {100 * closed:.0f} % | {ok} |")
     return "\n".join(lines)
 
