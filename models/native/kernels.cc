@@ -1564,17 +1564,23 @@ void qmk_scalar(QMK_ARGS) {
 // and Q6_K's offset of 32 through the activations' 16-sums). Same integer sums, so the same reference tolerance.
 // Single-core A/B against the earlier per-64-weight float scheme (bench_qlinear_ab --isa avx2, [14336, 4096], under
 // load): Q4_K 3.5x / 3.3x / 3.1x at m = 1 / 4 / 8, Q6_K 2.7x / 2.9x / 2.6x (Q8_0, unchanged, 1.00-1.16x).
+// Q4_K's eight 6-bit sub-block scales and eight 6-bit mins (bytes 4-15 of a super-block), one per byte.
+MS_INLINE void q4k_scales_mins(const uint8_t* sb, uint64_t& sc, uint64_t& mn) {
+  uint32_t a, b, c;
+  std::memcpy(&a, sb + 4, 4);
+  std::memcpy(&b, sb + 8, 4);
+  std::memcpy(&c, sb + 12, 4);
+  sc = uint64_t(a & 0x3f3f3f3fu) | uint64_t((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+  mn = uint64_t(b & 0x3f3f3f3fu) | uint64_t(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+}
+
 template <int QT>
 MS_INLINE __m256i kdot_avx2(const uint8_t* sb, const int8_t* q, const int16_t* bs16, __m256i& t) {
   const __m256i m4 = _mm256_set1_epi8(15);
   __m256i v = _mm256_setzero_si256();
   if constexpr (QT == kQ4_K) {
-    uint32_t a, b, c;
-    std::memcpy(&a, sb + 4, 4);
-    std::memcpy(&b, sb + 8, 4);
-    std::memcpy(&c, sb + 12, 4);
-    const uint64_t sc = uint64_t(a & 0x3f3f3f3fu) | uint64_t((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
-    const uint64_t mn = uint64_t(b & 0x3f3f3f3fu) | uint64_t(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+    uint64_t sc, mn;
+    q4k_scales_mins(sb, sc, mn);
     for (int g = 0; g < 4; ++g) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * g));
       const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
@@ -1820,12 +1826,8 @@ void qmk512_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, 
 template <int QT>
 MS_INLINE void kscales(const uint8_t* sb, __m512i* scg, __m256i& per16, float& d, float& dmin) {
   if constexpr (QT == kQ4_K) {
-    uint32_t a, b, c;
-    std::memcpy(&a, sb + 4, 4);
-    std::memcpy(&b, sb + 8, 4);
-    std::memcpy(&c, sb + 12, 4);
-    const uint64_t sc = uint64_t(a & 0x3f3f3f3fu) | uint64_t((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
-    const uint64_t mn = uint64_t(b & 0x3f3f3f3fu) | uint64_t(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+    uint64_t sc, mn;
+    q4k_scales_mins(sb, sc, mn);
     const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc))));
     for (int g = 0; g < 4; ++g)
       scg[g] = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16(short(2 * g)), _mm256_set1_epi16(short(2 * g + 1)), 1), s16);
