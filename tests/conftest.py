@@ -57,8 +57,8 @@ def offload_policies() -> list:
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ARG001 - pytest's hook signature
-    """The bf16 kernels' AMX-BF16 path runs in the slow suite (it is opt-in, and tests/test_native_quant.py
-    checks it against AVX512-BF16 in the default suite)."""
+    """tests/test_native.py's explicit AMX-BF16 cases run in the slow suite (tests/test_native_quant.py checks the
+    path against AVX512-BF16 in the default suite, and the default path is AMX where the CPU has it)."""
     for item in items:
         if item.nodeid.startswith("tests/test_native.py") and "[amx" in item.nodeid:
             item.add_marker(pytest.mark.slow)

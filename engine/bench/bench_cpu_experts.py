@@ -372,7 +372,7 @@ def types_table(types: list[str], threads: int, repeats: int, rounds: int, isa_m
     """The types section (see the module docstring); one width's experts in memory at a time. Returns every figure
     (width -> type -> m -> seconds, GB/s, fraction of the read rate) and the per-type verdicts."""
     best = native.best_isa()
-    path = best if isa_mode == "best" else native.default_isa()
+    path = {"best": best, "default": native.default_isa()}.get(isa_mode, isa_mode)
     print(f"\ntypes: one expert per call, {threads} thread(s), ISA {path} ({isa_mode}; best {best}); GB/s of the "
           f"expert's bytes (quantized), 'of read' against the read rate measured around the figure; TOP/s = 2 m 3HF / time")
     head = (f"{'width':17s} {'type':13s} {'MiB':>6s} {'m':>3s} | {'ms':>8s} {'GB/s':>6s} {'of read':>7s} | "
@@ -461,8 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--types", default=",".join(TYPES),
                     help=f"weight types of the types section (default {','.join(TYPES)}; empty: skip it)")
     ap.add_argument("--types-only", action="store_true", help="run only the types section")
-    ap.add_argument("--isa", choices=("best", "default"), default="best",
-                    help="types section: the best ISA path (AMX where present) or moescope's default (AMX off)")
+    ap.add_argument("--isa", choices=("best", "default", "avx512bf16", "avx2", "scalar"), default="best",
+                    help="types section: the best ISA path (AMX where present), moescope's default (the same unless "
+                         "MOESCOPE_NATIVE_ISA says otherwise) or a named path")
     ap.add_argument("--json", help="types section: write every figure and verdict to this JSON file")
     ap.add_argument("--widths", default=",".join(WIDTHS), help=f"types section: of {', '.join(WIDTHS)}")
     ap.add_argument("--rates-yaml", help="types section: fit the CPU block rates (schedulers/data/block_rates.yaml) "

@@ -37,7 +37,7 @@ raise, check `available()` first); `load()` warns once, naming the cause.
 
 Environment: `MOESCOPE_NATIVE_DISABLE=1` skips the library; `MOESCOPE_NATIVE_ISA=amx|avx512bf16|avx2|scalar`
 chooses a path (also `set_isa`); "amx" -- AMX-BF16 / AMX-INT8 tiles for calls of >= 16 rows, AVX-512 below
-that, where the CPU has it and the kernel grants the tile state -- is opt-in (see `default_isa`); `MOESCOPE_NATIVE_DIR` chooses the build folder; `CXX` the compiler;
+that, where the CPU has it and the kernel grants the tile state -- is the default where present (see `default_isa`); `MOESCOPE_NATIVE_DIR` chooses the build folder; `CXX` the compiler;
 `MOESCOPE_NATIVE_EP_MAX_MB` (default 64) the largest expert (MiB of weights) a layer call shares out whole
 to a thread; `MOESCOPE_NATIVE_XLA_POOL=0` keeps FFI calls on the library's own threads instead of
 borrowing XLA's intra-op pool.
@@ -188,11 +188,10 @@ def best_isa() -> str:
 
 
 def _default_isa(lib: ctypes.CDLL) -> str:
-    """`MOESCOPE_NATIVE_ISA` when set, else the best path short of AMX. AMX is opt-in: its tiles take calls of
-    >= 16 rows and sum in another order than AVX-512 below that, and at real width the offloaded bf16 run then
-    left bf16's own envelope of the in-memory model (max |dlogit| 4.9 against 0.08, one Mixtral-width layer)."""
-    best = lib.ms_best_isa().decode()
-    return os.environ.get("MOESCOPE_NATIVE_ISA") or ("avx512bf16" if best == "amx" else best)
+    """`MOESCOPE_NATIVE_ISA` when set, else the best path this CPU has (AMX where present: its tiles take calls of
+    >= 16 rows, AVX-512 the smaller ones; the offloaded run stays inside bf16's envelope of the in-memory model at
+    real width with it, `tests/test_real_width_serving.py -m slow -k envelope`)."""
+    return os.environ.get("MOESCOPE_NATIVE_ISA") or lib.ms_best_isa().decode()
 
 
 def default_isa() -> str:
