@@ -162,7 +162,7 @@ def _rewrite(src: Path, dst: Path, arch: Optional[str] = None, fields: Optional[
     arch = arch or old_arch
     w = gguf.GGUFWriter(dst, arch)
     for key, field in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):  # the writer's own
             continue
         value = (fields or {}).get(key, field.contents())
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None

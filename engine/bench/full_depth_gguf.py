@@ -198,7 +198,7 @@ def model_config(family: str, layers: Optional[int] = None, **changes):
 
 
 def write(cfg, preset: str, dst: str | Path, seed: int = 0, verbose: bool = False,
-          drop_cache: bool = True, alignment: int = 64) -> dict:
+          drop_cache: bool = True, alignment: int = to_gguf.ALIGNMENT) -> dict:
     """Write `cfg` (a moescope ModelConfig) as a random-weight GGUF in `preset`'s types; returns a summary.
 
     `alignment` (`general.alignment`, GGUF's default 32): 64 by default, because XLA:CPU aliases a host buffer
@@ -269,7 +269,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layers", type=int, help="decoder layers (default: the released model's)")
     ap.add_argument("--out", required=True, help="folder for the file")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--alignment", type=int, default=64, help="general.alignment (GGUF's default: 32)")
+    ap.add_argument("--alignment", type=int, default=to_gguf.ALIGNMENT, help="general.alignment (GGUF's default: 32)")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     cfg = model_config(a.family, a.layers)

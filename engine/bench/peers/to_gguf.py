@@ -48,6 +48,10 @@ BF16 = gguf.GGMLQuantizationType.BF16
 F32 = gguf.GGMLQuantizationType.F32
 FILE_TYPE_BF16 = 32  # llama_ftype LLAMA_FTYPE_MOSTLY_BF16
 
+# general.alignment of the files written here: XLA:CPU aliases a host buffer only at a 64-byte-aligned address, so
+# with GGUF's default 32 a file whose data section starts 32 bytes off has every expert copied instead of mapped
+ALIGNMENT = 64
+
 ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
         "olmoe": "olmoe", "phimoe": "phimoe"}
 
@@ -544,6 +548,7 @@ def convert(src: str | Path, dst: str | Path, mla: str = "split", verbose: bool 
     dst = Path(dst)
     tmp = dst.with_name(dst.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), ARCH.get(ck.config["model_type"], "?"))
+    w.add_custom_alignment(ALIGNMENT)
     plan = build_plan(ck, w, mla=mla, dense=TYPES[dense], experts=None if experts is None else TYPES[experts],
                       matrices=None if matrices is None else TYPES[matrices])
     _tokens(w, ck)
