@@ -48,8 +48,9 @@ BF16 = gguf.GGMLQuantizationType.BF16
 F32 = gguf.GGMLQuantizationType.F32
 FILE_TYPE_BF16 = 32  # llama_ftype LLAMA_FTYPE_MOSTLY_BF16
 
-# general.alignment of the files written here: XLA:CPU aliases a host buffer only at a 64-byte-aligned address, so
-# with GGUF's default 32 a file whose data section starts 32 bytes off has every expert copied instead of mapped
+# general.alignment of the files written here: `models.gguf.XLA_ALIAS_ALIGNMENT` (kept here because this converter
+# imports nothing of the project). With GGUF's default 32, a file whose data section starts 32 bytes off has every
+# expert copied instead of mapped.
 ALIGNMENT = 64
 
 ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
