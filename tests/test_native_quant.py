@@ -78,12 +78,41 @@ def test_qlinear_rows_independent_of_call_size(qtype):
     native.set_isa("avx512bf16")
     try:
         single = np.concatenate([native.linear_host(x[m:m + 1], w, threads=1) for m in range(13)])
-        for M in (2, 3, 5, 8, 9, 13):
+        for M in (2, 3, 4, 5, 6, 7, 8, 9, 13):
             np.testing.assert_array_equal(native.linear_host(x[:M], w, threads=2), single[:M], err_msg=f"M={M}")
     finally:
         native.set_isa(None)
     ref = native.qlinear_reference(x, w)
     assert np.all(np.abs(single - ref) <= bound(x, w)), np.abs(single - ref).max()
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
+def test_kquant_extreme_blocks(isa, qtype):
+    """K-quant blocks at the ends of their ranges (every code at its maximum, 6-bit scales / mins 63, Q6_K's int8
+    scales -128 and 127) against activations of one sign and of alternating sign, so every 4-product integer sum of
+    the super-block kernels is at its largest (4 x 63 x 127 for Q6_K): nothing may saturate on the way (the AVX-512
+    kernel packs two outputs' 4-product sums into 16 bits); odd row counts take the weight-paired path."""
+    rows, K = 9, 512
+    nbytes = 144 if qtype == "q4_k" else 210
+    data = np.full((rows, K // 256, nbytes), 0xFF, np.uint8)
+    d = np.array([1e-3], np.float16).view(np.uint8)
+    if qtype == "q4_k":
+        data[:, :, 0:2] = d
+        data[:, :, 2:4] = np.array([-5e-4], np.float16).view(np.uint8)  # dmin < 0: the min term adds to the codes' term
+    else:
+        data[:, :, 192:208] = np.where(np.arange(16) % 3 == 0, 0x80, 0x7F).astype(np.uint8)  # scales -128 / 127
+        data[1::2, :, 192:208] = 0x80
+        data[:, :, 208:210] = d
+    w = QuantArray(data.reshape(rows, -1), qtype, (rows, K))
+    x = np.ones((5, K), np.float32)
+    x[1] = -1.0
+    x[2] = np.where(np.arange(K) % 2 == 0, 1.0, -1.0)
+    x[3] = np.where((np.arange(K) // 16) % 2 == 0, 2.0, -1.0)
+    x[4] = np.linspace(-1.0, 1.0, K, dtype=np.float32)
+    for M in (1, 2, 3, 5):
+        y = native.linear_host(x[:M], w, threads=1)
+        ref = native.qlinear_reference(x[:M], w)
+        assert np.all(np.abs(y - ref) <= bound(x[:M], w)), (isa, qtype, M, np.abs(y - ref).max())
 
 
 def test_activation_quantization_as_the_kernels():

@@ -1213,7 +1213,7 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // So each output equals "dequantize the blocks, dequantize the quantized activation, f32 matmul" up to f32
 // summation error. On the AVX-512 path an output does not depend on the other rows of the call: row m of an M-row
 // call is the 1-row call on that row, bit for bit (qgemm_range_512); the AMX path (>= 16 rows) sums in its own order.
-// Paths: AVX512-VNNI (VPDPBUSD; the K-quants with integer sub-block scales), AVX2 (16-bit madd; the K-quants likewise,
+// Paths: AVX512-VNNI (VPDPBUSD; the K-quants with integer sub-block scales, two outputs per vector), AVX2 (16-bit madd; the K-quants likewise,
 // qmk_avx2_k), portable scalar, and AMX-INT8 tiles for calls of 16 rows or more (the same integer sums per scale
 // group, so the same terms up to the summation order).
 // ------------------------------------------------------------------------------------------------
@@ -1298,29 +1298,53 @@ uint16_t f32_to_f16(float f) {
 // One row quantized for a weight type, padded to Kp = K rounded up to 64 (zeros), as 5 arrays:
 //   q int8 [Kp], nxo int32 [Kp/4] (-o * the sum of each lane's 4 q), dl f32 [Kp/4] (each lane's d),
 //   xs f32 [Kp/4] (d * the lane's sum of q; Q4_K's min term), bs int16 [Kp/16] (the sum of each 16 q: the
-//   K-quant kernels' min / offset terms, as llama.cpp's q8_K bsums). 4 * Kp + bs_bytes(Kp) bytes per row.
+//   K-quant kernels' min / offset terms, as llama.cpp's q8_K bsums), and for the K-quants kx [64 bytes per 256]:
+//   the activation side of the AVX-512 kernels' min / offset term, laid out for their lanes (kq_side).
+//   4 * Kp + bs_bytes(Kp) + kx_bytes(Kp) bytes per row.
 struct QRow {
   const int8_t* q;
   const int32_t* nxo;
   const float* dl;
   const float* xs;
   const int16_t* bs;
+  const uint8_t* kx;
 };
 
 inline int64_t pad64(int64_t k) { return (k + 63) / 64 * 64; }
 inline int64_t bs_bytes(int64_t kp) { return pad64(kp / 8); }
+inline int64_t kx_bytes(int64_t kp) { return pad64(kp / 4); }
 
 struct QAct {
   const uint8_t* base = nullptr;
   int64_t Kp = 0;
-  int64_t stride = 0;  // bytes from row to row: 4 Kp + bs_bytes + 64 (rows 4 KiB-multiples apart share L1 sets)
+  int64_t stride = 0;  // bytes from row to row: 4 Kp + bs_bytes + kx_bytes + 64 (rows 4 KiB-multiples apart share L1 sets)
   QRow row(int64_t m) const {
     const uint8_t* r = base + size_t(m) * size_t(stride);
     return {reinterpret_cast<const int8_t*>(r), reinterpret_cast<const int32_t*>(r + Kp),
             reinterpret_cast<const float*>(r + 2 * Kp), reinterpret_cast<const float*>(r + 3 * Kp),
-            reinterpret_cast<const int16_t*>(r + 4 * Kp)};
+            reinterpret_cast<const int16_t*>(r + 4 * Kp), r + 4 * Kp + bs_bytes(Kp)};
   }
 };
+
+// The activation side of the AVX-512 K-quant kernels' second term, per 256-weight super-block (64 bytes), for
+// lanes where an output owns dwords p = 4k + e (k: 128-bit lane, e: 0..3) with e in {0, 1} or in {2, 3}, the
+// same values in both halves. Q4_K (f32): dword p holds -(d * the sum of the 32 q of sub-block 2k + p % 2),
+// which meets dmin * m of that sub-block. Q6_K (int16): word 2p + h holds -(the sum of the 16 q of 16-weight
+// sub-block 4k + 2 (p % 2) + h), which meets 32 * that sub-block's scale (Q6_K's offset of 32).
+void kq_side(int qt, const int16_t* bs, float d, uint8_t* kx) {
+  for (int p = 0; p < 16; ++p) {
+    const int k = p / 4, e = p % 2;
+    if (qt == kQ4_K) {
+      const float v = -(d * float(int(bs[2 * (2 * k + e)]) + int(bs[2 * (2 * k + e) + 1])));
+      std::memcpy(kx + 4 * p, &v, 4);
+    } else {
+      for (int h = 0; h < 2; ++h) {
+        const int16_t v = int16_t(-bs[4 * k + 2 * e + h]);
+        std::memcpy(kx + 4 * p + 2 * h, &v, 2);
+      }
+    }
+  }
+}
 
 inline float roundf_away(float v) { return std::round(v); }
 
@@ -1330,7 +1354,7 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
   float* dl = reinterpret_cast<float*>(dst + 2 * Kp);
   float* xs = reinterpret_cast<float*>(dst + 3 * Kp);
   int16_t* bs = reinterpret_cast<int16_t*>(dst + 4 * Kp);
-  std::memset(dst, 0, size_t(4 * Kp + bs_bytes(Kp)));
+  std::memset(dst, 0, size_t(4 * Kp + bs_bytes(Kp) + kx_bytes(Kp)));
   const int xb = sp.xblk;
   for (int64_t b = 0; b < K / xb; ++b) {
     const float* v = x + b * xb;
@@ -1364,6 +1388,7 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
       for (int k = 0; k < 16; ++k) s16 += o[16 * t + k];
       bs[b * (xb / 16) + t] = int16_t(s16);
     }
+    if (xb == 256) kq_side(sp.offset == 0 ? kQ4_K : kQ6_K, bs + 16 * b, d, dst + 4 * Kp + bs_bytes(Kp) + 64 * b);
     for (int l = 0; l < xb / 4; ++l) {
       const int64_t lane = b * (xb / 4) + l;
       const int s = o[4 * l] + o[4 * l + 1] + o[4 * l + 2] + o[4 * l + 3];
@@ -1380,7 +1405,7 @@ QAct quantize_rows(const QSpec& sp, const void* x, bool xbf16, size_t ld, const 
   QAct a;
   a.Kp = pad64(K);
   const int64_t Mp = (M + 31) / 32 * 32;  // AMX takes activation rows 32 at a time: zero rows past M
-  a.stride = 4 * a.Kp + bs_bytes(a.Kp) + 64;
+  a.stride = 4 * a.Kp + bs_bytes(a.Kp) + kx_bytes(a.Kp) + 64;
   uint8_t* d = static_cast<uint8_t*>(grow_bytes(buf, size_t(Mp * a.stride) + 64));
   d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64;
   std::memset(d + size_t(M * a.stride), 0, size_t((Mp - M) * a.stride));
@@ -1558,7 +1583,7 @@ void qmk_scalar(QMK_ARGS) {
 
 // AVX2: codes widened to 16 bits, pairs multiplied and added (VPMADDWD), pairs of pairs added and put back
 // in order: one 32-bit lane per 4 weights, as on the other paths.
-// K-quants on AVX2, as on AVX-512 (qmk512k_rm) and llama.cpp's q4_K / q6_K x q8_K: per 32 weights VPMADDUBSW
+// K-quants on AVX2, as llama.cpp's q4_K / q6_K x q8_K (AVX-512: qmk512k_rm, outputs in pairs): per 32 weights VPMADDUBSW
 // (unsigned codes x signed activations into 16-bit pair sums) and VPMADDWD by the integer sub-block scale into
 // 8 int32 lanes, summed exactly over the super-block; the float scales applied once per 256 weights (Q4_K's mins
 // and Q6_K's offset of 32 through the activations' 16-sums). Same integer sums, so the same reference tolerance.
@@ -1812,43 +1837,24 @@ void qmk512_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, 
   store_acc<R, MR>(accv, vacc, last, y + m0 * ldy, ldy, nc);
 }
 
-// K-quants (Q4_K, Q6_K), as llama.cpp's q4_K / q6_K x q8_K dot products do it: inside a 256-weight super-block
-// the integer sub-block scales multiply integer sums (VPMADDUBSW: unsigned codes x signed activations into 16-bit
-// pair sums, at most 2 * 63 * 127; VPDPWSSD: those by the 16-bit sub-block scales into 32-bit lanes), and the float
-// scales are applied once per super-block: d * d_x * (sum_j sc_j sum_k u_k q_k  - 32 sum_j sc_j bs_j for Q6_K)
-// - dmin * d_x * sum_j m_j bs_j (Q4_K's mins; bs: the activations' 16-sums). The integer sums are exact (at most
-// ~2^25), so each output is still "dequantize, f32 matmul" up to f32 rounding; the per-64-weight float work of
-// the generic loop (scales in registers, convert, two FMAs) is gone, which made Q4_K compute-bound on one core.
-
-// Sub-block scales of one super-block `sb` as 16-bit vectors per 64-weight group (scg: lanes of pair sums, 16
-// per 32 weights for Q4_K, 8 per 16 for Q6_K), plus the vector that meets the activations' 16-sums (Q4_K: each
-// min twice; Q6_K: the 16 scales) and the float scales.
-template <int QT>
-MS_INLINE void kscales(const uint8_t* sb, __m512i* scg, __m256i& per16, float& d, float& dmin) {
-  if constexpr (QT == kQ4_K) {
-    uint64_t sc, mn;
-    q4k_scales_mins(sb, sc, mn);
-    const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc))));
-    for (int g = 0; g < 4; ++g)
-      scg[g] = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16(short(2 * g)), _mm256_set1_epi16(short(2 * g + 1)), 1), s16);
-    const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn)));
-    per16 = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
-    d = f16_at(sb);
-    dmin = f16_at(sb + 2);
-  } else {
-    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)));
-    const __m512i s512 = _mm512_castsi256_si512(s16);
-    for (int g = 0; g < 4; ++g) {
-      const __m512i idx = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(short(4 * g + 1)), _mm_set1_epi16(short(4 * g)))),
-          _mm256_set_m128i(_mm_set1_epi16(short(4 * g + 3)), _mm_set1_epi16(short(4 * g + 2))), 1);
-      scg[g] = _mm512_permutexvar_epi16(idx, s512);
-    }
-    per16 = s16;
-    d = f16_at(sb + 208);
-    dmin = 0.0f;
-  }
-}
+// K-quants (Q4_K, Q6_K): inside a 256-weight super-block the integer sub-block scales multiply exact integer sums
+// and the float scales are applied once per super-block, as in llama.cpp's q4_K / q6_K x q8_K dot products:
+// d * d_x * (sum_j sc_j sum_k u_k q_k - 32 sum_j sc_j bs_j for Q6_K) - dmin * d_x * sum_j m_j bs_j (Q4_K's mins; bs:
+// the activations' 16-sums). Outputs are taken in pairs, which cuts the integer work per output: per 64-weight
+// group, VPDPBUSD (unsigned codes x signed activations, 4 products a dword, |sum| <= 4 * 63 * 127 < 2^15) for each
+// of the two outputs, VPACKSSDW of the two (exact: nothing saturates), and one VPDPWSSD by the 16-bit sub-block
+// scales (two dwords into one) into one int32 vector holding both outputs: per 128-bit lane, dwords 0-1 the first
+// output's ("A"), 2-3 the second's ("B"). A pair is two activation rows against one weight row or, for an odd last
+// activation row, that row against two weight rows. The second term joins the pair too: Q6_K's offset by one more
+// VPDPWSSD (32 x the scales against kx = -bs), Q4_K's mins in f32 (dmin * m_j times kx = -(d_x * bs_j)). Per
+// super-block and pair: 8 VPDPBUSD + 4 VPACKSSDW + 4 (Q6_K 5) VPDPWSSD, one conversion, one multiply and one (Q4_K
+// two) FMA into 8 f32 lanes per output; the earlier kernel took 4 VPMADDUBSW + 4 VPDPWSSD + a VPMADDWD + 2
+// conversions + 2 FMAs and 4 scalar operations per output (1-thread A/B in engine/bench/bench_qlinear_ab.py).
+// An output's 8 lane values do not depend on its partner or its half (the same exact integer sums, the same f32
+// products and FMAs in the same order), and its final sum takes them in one fixed order (khsum): row m of an
+// M-row call is still the 1-row call on that row, bit for bit. The int32 lanes are exact (per super-block below 2^22
+// for Q4_K, 2^26 for Q6_K; converted to f32 exactly below 2^24, else to a relative 2^-24), so each output is
+// "dequantize, f32 matmul" up to f32 rounding.
 
 // The 4 groups' codes of one super-block (codes512's values, without its per-group index arithmetic).
 template <int QT>
@@ -1872,41 +1878,152 @@ MS_INLINE void kcodes(const uint8_t* sb, __m512i* u) {
   }
 }
 
+// One weight row's super-block, unpacked: u the codes of each 64-weight group; sc per group the 16-bit sub-block
+// scales in the pair layout (every word of 128-bit lane k: the scale of the sub-block holding weights 16k .. 16k+15
+// of the group); d the f16 scale, broadcast; x the weight side of the second term in kq_side's layout (Q4_K: dword
+// p = dmin * m of sub-block 2k + p % 2, f32; Q6_K: word 2p + h = 32 * the scale of sub-block 4k + 2 (p % 2) + h).
+struct KRow {
+  __m512i u[4], sc[4], x;
+  __m512 d;
+};
+
+template <int QT>
+MS_INLINE void kunpack(const uint8_t* sb, KRow& w) {
+  kcodes<QT>(sb, w.u);
+  if constexpr (QT == kQ4_K) {
+    uint64_t sc, mn;
+    q4k_scales_mins(sb, sc, mn);
+    const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc))));
+    for (int g = 0; g < 4; ++g)
+      w.sc[g] = _mm512_permutexvar_epi16(
+          _mm512_inserti64x4(_mm512_set1_epi16(short(2 * g)), _mm256_set1_epi16(short(2 * g + 1)), 1), s16);
+    const __m512i m32 = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn))));
+    const __m512i mi = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7), m32);
+    w.x = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(mi), _mm512_set1_ps(f16_at(sb + 2))));
+    w.d = _mm512_set1_ps(f16_at(sb));
+  } else {
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)));
+    const __m512i s512 = _mm512_castsi256_si512(s16);
+    for (int g = 0; g < 4; ++g) {
+      const __m512i idx = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(short(4 * g + 1)), _mm_set1_epi16(short(4 * g)))),
+          _mm256_set_m128i(_mm_set1_epi16(short(4 * g + 3)), _mm_set1_epi16(short(4 * g + 2))), 1);
+      w.sc[g] = _mm512_permutexvar_epi16(idx, s512);
+    }
+    const __m512i xi = _mm512_set_epi16(15, 14, 13, 12, 15, 14, 13, 12, 11, 10, 9, 8, 11, 10, 9, 8, 7, 6, 5, 4, 7, 6, 5, 4,
+                                        3, 2, 1, 0, 3, 2, 1, 0);  // word w: sub-block 4 (w / 8) + w % 4
+    w.x = _mm512_permutexvar_epi16(xi, _mm512_castsi256_si512(_mm256_slli_epi16(s16, 5)));
+    w.d = _mm512_set1_ps(f16_at(sb + 208));
+  }
+}
+
+constexpr __mmask16 kPairB = 0xCCCC;  // the dwords of a pair's second output
+
+// The exact integer sums of one super-block for a pair: codes ua x activations qa (A) and ub x qb (B), scaled by
+// sc (the pair's sub-block scales), plus Q6_K's offset term x * kx.
+template <int QT>
+MS_INLINE __m512i kpair(const __m512i* ua, const __m512i* ub, const __m512i* sc, __m512i x, const int8_t* qa,
+                        const int8_t* qb, __m512i kx) {
+  __m512i v = _mm512_setzero_si512();
+  for (int g = 0; g < 4; ++g) {
+    const __m512i sa = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ua[g], _mm512_load_si512(qa + 64 * g));
+    const __m512i sb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ub[g], _mm512_load_si512(qb + 64 * g));
+    v = _mm512_dpwssd_epi32(v, _mm512_packs_epi32(sa, sb), sc[g]);
+  }
+  if constexpr (QT == kQ6_K) v = _mm512_dpwssd_epi32(v, x, kx);
+  return v;
+}
+
+// acc += v * (d * d_x) (scale: per lane), + Q4_K's mins (x * kx)
+template <int QT>
+MS_INLINE void kaccumulate(__m512& acc, __m512i v, __m512 scale, __m512i x, __m512i kx) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale, acc);
+  if constexpr (QT == kQ4_K) acc = _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(kx), acc);
+}
+
+// The sum of a pair's first (second: B) output's 8 lanes, in one order for both.
+MS_INLINE float khsum(__m512 v, bool second) {
+  if (second) v = _mm512_permute_ps(v, 0x4E);  // dwords 2-3 of each 128-bit lane to 0-1
+  const __m512 t = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  const __m128 u = _mm_add_ps(_mm512_castps512_ps128(t), _mm512_extractf32x4_ps(t, 1));
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
+}
+
+// R weight rows x MR activation rows over groups [g0, g1): pairs (j, 2p) + (j, 2p + 1), and for an odd MR
+// (2jp, MR - 1) + (2jp + 1, MR - 1) (with R = 1 the one weight row twice: B is discarded). vacc: the pairs'
+// vectors between K chunks.
 template <int QT, int R, int MR, bool PF>
 void qmk512k_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, float* y, size_t ldy,
                 const int* nc, float* vacc, bool first, bool last) {
   constexpr int bytes = QT == kQ4_K ? 144 : 210;
-  __m512 accv[R][MR];
-  load_acc<R, MR>(accv, vacc, first);
+  constexpr int NP = MR / 2, ODD = MR % 2, NW = (R + 1) / 2, NV = R * NP + ODD * NW;
+  __m512 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = first ? _mm512_setzero_ps() : _mm512_load_ps(vacc + 16 * v);
   QRow xr[MR];
   for (int i = 0; i < MR; ++i) xr[i] = a.row(m0 + i);
   for (int64_t s = g0 / 4; s < (g1 + 3) / 4; ++s) {
-    for (int j = 0; j < R; ++j) {
+    __m512 dxp[NP + ODD];  // per activation pair: d_x of A's and B's rows
+    __m512i kxp[NP + ODD];
+    for (int p = 0; p < NP; ++p) {
+      const QRow &x0 = xr[2 * p], &x1 = xr[2 * p + 1];
+      dxp[p] = _mm512_mask_blend_ps(kPairB, _mm512_set1_ps(x0.dl[64 * s]), _mm512_set1_ps(x1.dl[64 * s]));
+      kxp[p] = _mm512_mask_blend_epi32(kPairB, _mm512_load_si512(x0.kx + 64 * s), _mm512_load_si512(x1.kx + 64 * s));
+    }
+    if constexpr (ODD != 0) {
+      dxp[NP] = _mm512_set1_ps(xr[MR - 1].dl[64 * s]);
+      kxp[NP] = _mm512_load_si512(xr[MR - 1].kx + 64 * s);
+    }
+    auto unpack = [&](int j, KRow& w) {
       const uint8_t* sb = wr[j] + s * bytes;
       if constexpr (PF)
         for (int off = 0; off < bytes; off += 64)
           _mm_prefetch(reinterpret_cast<const char*>(sb) + kQPrefetch + off, _MM_HINT_T1);
-      __m512i scg[4], u[4];
-      __m256i per16;
-      float d, dmin;
-      kscales<QT>(sb, scg, per16, d, dmin);
-      kcodes<QT>(sb, u);
-      for (int i = 0; i < MR; ++i) {
-        const int8_t* q = xr[i].q + 256 * s;
-        __m512i v = _mm512_setzero_si512();
-        for (int g = 0; g < 4; ++g)
-          v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(u[g], _mm512_load_si512(q + 64 * g)), scg[g]);
-        const __m256i t = _mm256_madd_epi16(per16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[i].bs + 16 * s)));
-        const float dx = xr[i].dl[64 * s];
-        if constexpr (QT == kQ6_K) v = _mm512_sub_epi32(v, _mm512_zextsi256_si512(_mm256_slli_epi32(t, 5)));
-        accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d * dx), accv[j][i]);
-        if constexpr (QT == kQ4_K)
-          accv[j][i] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(t)), _mm512_set1_ps(-(dmin * dx)),
-                                       accv[j][i]);
+      kunpack<QT>(sb, w);
+    };
+    auto row_pairs = [&](const KRow& w, int j) {
+      for (int p = 0; p < NP; ++p) {
+        const __m512i v = kpair<QT>(w.u, w.u, w.sc, w.x, xr[2 * p].q + 256 * s, xr[2 * p + 1].q + 256 * s, kxp[p]);
+        kaccumulate<QT>(acc[j * NP + p], v, _mm512_mul_ps(w.d, dxp[p]), w.x, kxp[p]);
+      }
+    };
+    if constexpr (ODD == 0) {
+      for (int j = 0; j < R; ++j) {
+        KRow w;
+        unpack(j, w);
+        row_pairs(w, j);
+      }
+    } else {
+      for (int jp = 0; jp < NW; ++jp) {
+        KRow w0, w1;
+        unpack(2 * jp, w0);
+        row_pairs(w0, 2 * jp);
+        if (2 * jp + 1 < R) {
+          unpack(2 * jp + 1, w1);
+          row_pairs(w1, 2 * jp + 1);
+        } else {
+          w1 = w0;
+        }
+        __m512i sc[4];
+        for (int g = 0; g < 4; ++g) sc[g] = _mm512_mask_blend_epi32(kPairB, w0.sc[g], w1.sc[g]);
+        const __m512i x = _mm512_mask_blend_epi32(kPairB, w0.x, w1.x);
+        const int8_t* q = xr[MR - 1].q + 256 * s;
+        const __m512i v = kpair<QT>(w0.u, w1.u, sc, x, q, q, kxp[NP]);
+        kaccumulate<QT>(acc[R * NP + jp], v, _mm512_mul_ps(_mm512_mask_blend_ps(kPairB, w0.d, w1.d), dxp[NP]), x,
+                        kxp[NP]);
       }
     }
   }
-  store_acc<R, MR>(accv, vacc, last, y + m0 * ldy, ldy, nc);
+  for (int v = 0; v < NV; ++v) {
+    if (!last) {
+      _mm512_store_ps(vacc + 16 * v, acc[v]);
+      continue;
+    }
+    const bool rows = v < R * NP;
+    const int j0 = rows ? v / NP : 2 * (v - R * NP), i0 = rows ? 2 * (v % NP) : MR - 1;
+    const int j1 = rows ? j0 : j0 + 1, i1 = rows ? i0 + 1 : i0;
+    y[(m0 + i0) * ldy + nc[j0]] = khsum(acc[v], false);
+    if (j1 < R) y[(m0 + i1) * ldy + nc[j1]] = khsum(acc[v], true);
+  }
 }
 
 template <int QT, int R, int MR, bool PF>
