@@ -1212,9 +1212,9 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // -dmin * m_j * d_x * sum_k q_k; those f32 terms are summed per lane, then the lanes in a fixed order.
 // So each output equals "dequantize the blocks, dequantize the quantized activation, f32 matmul" up to f32
 // summation error. On the AVX-512 path an output does not depend on the other rows of the call: row m of an M-row
-// call is the 1-row call on that row, bit for bit (qgemm_range_512); the AMX path (>= 16 rows) sums in its own order.
+// call is the 1-row call on that row, bit for bit (qgemm_range_512); the AMX path (>= 16 rows; Q6_K >= 32) sums in its own order.
 // Paths: AVX512-VNNI (VPDPBUSD; the K-quants with integer sub-block scales, two outputs per vector), AVX2 (16-bit madd; the K-quants likewise,
-// qmk_avx2_k), portable scalar, and AMX-INT8 tiles for calls of 16 rows or more (the same integer sums per scale
+// qmk_avx2_k), portable scalar, and AMX-INT8 tiles for calls of 16 rows or more (Q6_K: 32, amx_min_rows; the same integer sums per scale
 // group, so the same terms up to the summation order).
 // ------------------------------------------------------------------------------------------------
 
@@ -2485,12 +2485,18 @@ void gemm_range_amx_bf16(const Act& a, int64_t M, int64_t K, const uint16_t* w, 
 #pragma GCC pop_options
 #endif
 
+// Activation rows from which a block type takes the AMX tiles: Q6_K's 16-weight scale groups cost a tile product
+// and a scaling pass per 16 weights, so against the paired AVX-512 kernel its tiles win only from 32 rows (1-thread
+// A/B, one [14336, 4096] matrix, under load: AMX / AVX-512 0.86x at 16 rows, 0.95x at 24, 1.25x at 32; Q4_K 1.24x
+// at 16).
+inline int64_t amx_min_rows(int qt) { return qt == kQ6_K ? 32 : kAmxMinRows; }
+
 void qgemm_range(int isa, int qt, const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes,
                  int64_t n0, int64_t n1, float* y, size_t ldy) {
   if (n1 <= n0 || M <= 0) return;
   if (K == 0) return zero_cols(M, n0, n1, y, ldy);
 #if MS_X86
-  if (isa == kAmx && M >= kAmxMinRows) return qgemm_range_amx(qt, a, M, K, w, row_bytes, n0, n1, y, ldy);
+  if (isa == kAmx && M >= amx_min_rows(qt)) return qgemm_range_amx(qt, a, M, K, w, row_bytes, n0, n1, y, ldy);
 #endif
   qgemm_range_vec(isa, qt, a, M, K, w, row_bytes, n0, n1, y, ldy);
 }
