@@ -223,23 +223,25 @@ def next_layer(state: LayerState) -> Optional[NextLayer]:
                      np.atleast_1d(cost.t_g(m)).astype(np.float64), ready_s)
 
 
-def next_layer_time(state: LayerState, nxt: NextLayer, prefetched: int, alpha: float) -> float:
+def next_layer_time(state: LayerState, nxt: NextLayer, prefetched: int, alpha: float | np.ndarray) -> np.ndarray:
     """Seconds from layer l+1's gate until it is done, as `layer_time` plays it, when its `prefetched` hottest missing
     experts come from this plan's prefetches and the link owes `alpha` at its gate (those prefetches included): the
-    best of its coldest j on the CPU and the rest loaded behind alpha, hottest first, for every j."""
+    best of its coldest j on the CPU and the rest loaded behind alpha, hottest first, for every j. `alpha` may be an
+    array (one per candidate split): float64 [S] out."""
+    alpha = np.atleast_1d(np.asarray(alpha, dtype=np.float64))[:, None]  # [S, 1]
     n = len(nxt.experts) - prefetched  # the coldest n stay missing
-    gpu = nxt.ready_s
+    gpu = np.full_like(alpha, nxt.ready_s)
     if prefetched:  # the prefetched experts land by alpha at the latest
-        gpu = max(gpu, alpha) + float(nxt.gpu_each[n:].sum())
+        gpu = np.maximum(gpu, alpha) + float(nxt.gpu_each[n:].sum())
     cpu = nxt.cpu_prefix[:n + 1]
     each = nxt.gpu_each[:n]
     tail = np.concatenate([np.cumsum(each[::-1])[::-1], [0.0]])  # GPU time of the loaded ones, j..n-1
     loads = n - np.arange(n + 1)
     last = np.append(each, 0.0)  # the last load (the coldest loaded, E[j]) is computed on landing
-    g = np.where(loads > 0, np.maximum(gpu + tail, alpha + loads * state.t_io_s + last), gpu)
+    g = np.where(loads > 0, np.maximum(gpu + tail, alpha + loads * state.t_io_s + last), gpu)  # [S, n + 1]
     s = state.cost.device_cpu_share
     t = np.maximum(cpu + s * g, g + s * cpu) if s > 0 else np.maximum(cpu, g)
-    return float(t.min())
+    return t.min(axis=1)
 
 
 def choose(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer], counts: int
@@ -250,12 +252,15 @@ def choose(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer],
     of its experts missing) the fastest split alone (first minimum: PreSched's split keeps ties)."""
     if nxt is None or not nxt.experts or counts <= 0:
         return min(splits, key=lambda s: layer_time(state, s)), None
-    t_io, best, best_t = state.t_io_s, (splits[0], 0), math.inf
-    for split in splits:
-        t = layer_time(state, split)
-        owed = state.alpha_s + len(split.loads) * t_io - t - state.t_attn_next_s  # at the next gate, before prefetches
-        for k in range(min(len(nxt.experts), counts) + 1):
-            total = t + next_layer_time(state, nxt, k, max(owed + k * t_io, 0.0))
+    t_io = state.t_io_s
+    t = np.array([layer_time(state, split) for split in splits])
+    owed = state.alpha_s + np.array([len(split.loads) for split in splits]) * t_io - t - state.t_attn_next_s
+    ks = range(min(len(nxt.experts), counts) + 1)
+    # [k, split]: every split's two-layer time per prefetch count, all splits at once (one array pass per count)
+    totals = np.array([t + next_layer_time(state, nxt, k, np.maximum(owed + k * t_io, 0.0)) for k in ks]).T.tolist()
+    best, best_t = (splits[0], 0), math.inf
+    for split, row in zip(splits, totals):
+        for k, total in enumerate(row):
             if total < best_t - 1e-12:  # strictly better: fewer prefetches and PreSched's split keep ties
                 best, best_t = (split, k), total
     return best
