@@ -36,7 +36,7 @@ Per MoE layer, after its gate:
 
 Measured on the four regimes rows where Horizon with PreSched's prefetches closed less than half the gap to the
 bound (README "Offload scheduler: Horizon"): at cache 60 % of experts (seed 0) 4,701 of 5,222 transfers were
-on-demand loads, each waited for after its gate; with steps 3-4, 3,545 of 5,130, and 93.65 -> 100.93 tok/s.
+on-demand loads, each waited for after its gate; with steps 3-4, 3,610 of 5,153, and 93.65 -> 100.96 tok/s.
 5. **Batches in flight** (`batches_in_flight`, default 2): `batch_size` x 2 sequences go through the layers
    together, one executor batch, each expert's weights crossing the link once for both (Klotski's reason for
    its pipeline, §5.1 of LayerScope: "two micro-batch parallelism"). Unlike Klotski the plan stays
