@@ -82,7 +82,7 @@ def test_horizon_takes_the_fastest_candidate_split(cost: CostModel) -> None:
     assert times["all_cpu"] == pytest.approx(10 * MS) and chosen < times["all_cpu"] and chosen < times["all_gpu"]
 
 
-def test_horizon_keeps_presched_prefetches_within_the_slots(cost: CostModel) -> None:
+def test_horizon_prefetches_within_the_slots(cost: CostModel) -> None:
     predicted = {1: np.array([0, 0, 0, 5, 4, 0, 0, 3], dtype=np.float64)}
     s = replace(layer_state(cost, predicted), free_slots=1)
     plan = build(HorizonSettings(hot_table=False), cost).plan(copy.deepcopy(s))
