@@ -28,7 +28,7 @@ import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 REFERENCE = "LayerScope"
 
@@ -71,8 +71,8 @@ def load_rows(folder: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not JSON: {exc}") from None
         if "study_rows" in results:
-            job = str(path.parent.relative_to(folder))
-            rows.extend({**row, "job": job} for row in results["study_rows"])
+            job, finished = str(path.parent.relative_to(folder)), job_finished(path)
+            rows.extend({**row, "job": job, "finished": finished} for row in results["study_rows"])
         elif "constants" in results and "rows" in results:  # an engine.calibrate_paper job: its points, by seed
             rows.extend({**row, "calibration": True, "seeds": results["seeds"]} for row in results["rows"])
         elif "compare" in (results.get("experiments") or {}):
@@ -101,6 +101,20 @@ def serve_row(path: Path, results: dict[str, Any]) -> dict[str, Any]:
     done = json.loads(marker.read_text()) if marker.is_file() else {}
     return {"serve": True, "seed": seed, **run_summary(results), **results.get("study", {}),
             "wall_s": done.get("finished", float("nan")) - done.get("started", float("nan"))}
+
+
+def job_finished(results: Path) -> float:
+    """When the job that wrote `results` (a results.json) finished: its job_complete.json marker's time, else the
+    file's modification time (what tells the newest of several runs of one point apart)."""
+    from core.telemetry import JOB_COMPLETE
+
+    marker = results.parent / JOB_COMPLETE
+    if marker.is_file():
+        try:
+            return float(json.loads(marker.read_text())["finished"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            pass  # a damaged marker: the file's own time still orders the runs
+    return results.stat().st_mtime
 
 
 def job_order(path: Path) -> tuple:
@@ -524,12 +538,15 @@ def write_serverless_regimes_report(folder: Path, out: Path, rows: list[dict[str
     return report(out, rows, multirun_wall(folder), launcher_of(folder))
 
 
-def write_horizon_report(folder: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
-    """The offload-policy study (simulate jobs of kind horizon): points x policies, mean ± std over seeds, the gap
-    to the bound Horizon closes and every policy's `above_lower_bound` (engine.bench.bench_horizon_study)."""
+def write_horizon_report(folders: list[Path], out: Path, rows: list[dict[str, Any]]) -> Path:
+    """The offload-policy study (simulate jobs of kind horizon) over one or several study folders: points x
+    policies, mean ± std over seeds, the gap to the bound Horizon closes and every policy's `above_lower_bound`
+    (engine.bench.bench_horizon_study); a (point, seed, system) run in several folders counts once, the newest run's
+    row (a policy-only rerun beside older all-system runs)."""
     from engine.bench.bench_horizon_study import report
 
-    return report(out, rows, multirun_wall(folder), launcher_of(folder))
+    walls = [w for w in map(multirun_wall, folders) if not math.isnan(w)]
+    return report(out, rows, sum(walls) if walls else float("nan"), launcher_of(folders[0]))
 
 
 def write_serverless_report(folder: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
@@ -664,16 +681,20 @@ def log_to_wandb(folder: Path, out: Path, report: Path, rows: list[dict[str, Any
         wandb.teardown()  # wait for wandb's service to write the offline log out (finish alone may return first)
 
 
-def build(folder: Path, out: Optional[Path] = None, wandb_mode: Optional[str] = "disabled") -> Path:
-    """The report of a multirun folder (or a benchmark output): each study's tables and figures into `out`
-    (default: the folder), and, unless `wandb_mode` is "disabled", a summary run of the multirun's wandb group
-    (None: the mode its jobs ran in)."""
+def build(folder: Path | Sequence[Path], out: Optional[Path] = None, wandb_mode: Optional[str] = "disabled") -> Path:
+    """The report of a multirun folder (or a benchmark output, or several folders of one study: their runs together)
+    : each study's tables and figures into `out` (default: the first folder), and, unless `wandb_mode` is
+    "disabled", a summary run of the multirun's wandb group (None: the mode its jobs ran in)."""
+    folders = [folder] if isinstance(folder, Path) else [Path(f) for f in folder]
+    if not folders:
+        raise FileNotFoundError("report: no folder given")
+    folder = folders[0]
     out = out or folder
-    rows = load_rows(folder)
+    rows = [row for f in folders for row in load_rows(f)]
     if any(r.get("serve") and "axis" in r for r in rows):
         path = write_serverless_regimes_report(folder, out, [r for r in rows if r.get("serve") and "axis" in r])
     elif any(r.get("study") == "horizon" for r in rows):
-        path = write_horizon_report(folder, out, [r for r in rows if r.get("study") == "horizon"])
+        path = write_horizon_report(folders, out, [r for r in rows if r.get("study") == "horizon"])
     elif any("axis" in r for r in rows):
         path = write_regimes_report(folder, out, [r for r in rows if "axis" in r])
     elif any(r.get("calibration") for r in rows):
@@ -690,7 +711,10 @@ def build(folder: Path, out: Optional[Path] = None, wandb_mode: Optional[str] = 
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m engine.report", description="tables and figures from simulated runs")
-    ap.add_argument("folder", type=Path, help="Hydra multirun folder (any launcher) or benchmark output")
+    ap.add_argument("folder", type=Path, nargs="+",
+                    help="Hydra multirun folder (any launcher) or benchmark output; several folders of one study are "
+                         "reported together (the offload-policy study: a (point, seed, system) run in several of them "
+                         "counts once, the newest run's row)")
     ap.add_argument("--out", type=Path, default=None, help="where to write (default: the folder)")
     ap.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None,
                     help="the summary run's wandb mode (default: the mode the multirun's jobs ran in; none "
@@ -700,7 +724,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         path = build(args.folder, args.out, args.wandb)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"python -m engine.report: {exc}") from None
-    print(f"{len(load_rows(args.folder))} runs -> {path}")
+    print(f"{sum(len(load_rows(f)) for f in args.folder)} runs -> {path}")
 
 
 if __name__ == "__main__":

@@ -105,13 +105,20 @@ class OffloadPolicy:
 
     # ---- eviction -------------------------------------------------------------------------------
     def victims(self, state: LayerState, need: int, protect: set[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Up to `need` evictable experts of the dynamic region in `eviction` order: least recently used
-        first, or (`token_share`) lowest usage, never below the profile share, then least recently used.
-        Under `token_share` the first MoE layer's experts make room only for that layer's own loads: no
-        prefetch can bring them back (no forecast runs before the first layer of a pass), so each one
-        given up for another layer is a miss on the critical path at every later pass that routes to it."""
+        """Up to `need` evictable experts of the dynamic region in `eviction_order`."""
         if need <= 0:
             return []
+        layers, experts = self.evictable(state, protect)
+        if layers.size == 0:
+            return []
+        order = self.eviction_order(state, layers, experts, need)
+        return list(zip(layers[order].tolist(), experts[order].tolist()))
+
+    def evictable(self, state: LayerState, protect: set[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(layers, experts) of the dynamic region that may make room: resident, not pinned, not landing, not in
+        `protect`. Under `token_share` the first MoE layer's experts make room only for that layer's own loads: no
+        prefetch can bring them back (no forecast runs before the first layer of a pass), so each one given up for
+        another layer is a miss on the critical path at every later pass that routes to it."""
         cand = state.resident & ~self.pinned
         if self.settings.eviction is Eviction.token_share and state.layer != 0:
             cand[0] = False
@@ -119,20 +126,19 @@ class OffloadPolicy:
             cand[t.layer, t.expert] = False
         for layer, e in protect:
             cand[layer, e] = False
-        layers, experts = np.nonzero(cand)
-        if layers.size == 0:
-            return []
+        return np.nonzero(cand)
+
+    def eviction_order(self, state: LayerState, layers: np.ndarray, experts: np.ndarray, need: int) -> np.ndarray:
+        """int [<= need]: indices into the evictable (layers, experts), first victim first: least recently used
+        first, or (`token_share`) lowest usage, never below the profile share, then least recently used."""
         lru = self.last_used[layers, experts]
         if self.settings.eviction is Eviction.token_share:
             usage = self.standing(layers, experts)
             if need < usage.size:  # sort only what can be chosen: usage up to the need-th smallest
                 some = np.flatnonzero(usage <= np.partition(usage, need - 1)[need - 1])
-                order = some[np.lexsort((lru[some], usage[some]))][:need]
-            else:
-                order = np.lexsort((lru, usage))
-        else:
-            order = np.argsort(lru, kind="stable")[:need]
-        return list(zip(layers[order].tolist(), experts[order].tolist()))
+                return some[np.lexsort((lru[some], usage[some]))][:need]
+            return np.lexsort((lru, usage))
+        return np.argsort(lru, kind="stable")[:need]
 
     def layer_victims(self, state: LayerState, layer: int, need: int, protect: set[int],
                       rank: np.ndarray) -> list[tuple[int, int]]:

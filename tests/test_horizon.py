@@ -17,7 +17,7 @@ from engine.bench.bench_simulate_sweep import scheduler_settings
 from engine.sim.run import RunSpec, build_sim, prepare_routing, simulate
 from engine.sim.workload import layer_loads
 from predictors.config import PredictorConfig, PredictorKind
-from schedulers.base import LayerState, Phase, SchedulerSetup, build_scheduler
+from schedulers.base import Eviction, LayerState, Phase, SchedulerSetup, build_scheduler
 from schedulers.cost import CostModel
 from schedulers.hardware import load_hardware
 from schedulers.offload.dali import DALISettings, greedy_assignment
@@ -82,12 +82,49 @@ def test_horizon_takes_the_fastest_candidate_split(cost: CostModel) -> None:
     assert times["all_cpu"] == pytest.approx(10 * MS) and chosen < times["all_cpu"] and chosen < times["all_gpu"]
 
 
-def test_horizon_keeps_presched_prefetches_within_the_slots(cost: CostModel) -> None:
+def test_horizon_prefetches_within_the_slots(cost: CostModel) -> None:
     predicted = {1: np.array([0, 0, 0, 5, 4, 0, 0, 3], dtype=np.float64)}
     s = replace(layer_state(cost, predicted), free_slots=1)
     plan = build(HorizonSettings(hot_table=False), cost).plan(copy.deepcopy(s))
     plan.validate(s)  # slots: retained loads + prefetches within free + evicted
     assert all(target == 1 for target, _ in plan.prefetch)
+
+
+def test_horizon_sizes_its_prefetches_for_the_split_it_runs(cost: CostModel) -> None:
+    """Layer 0 of 4, nothing resident: E0 (3 tokens), E6 (8), E7 (8); the forecast of layer 1: E4 (6), E5 (3).
+    PreSched: eq. 4 passes at i' = 2 (4 + t_g < t_c(3, 8) = 13), so E0, E6 on the CPU (13 ms) and E7 loaded; eq. 5's
+    gap 13 - 4 = 9 ms gives f = (9 + 1) / 4 = 2.5 -> 3 prefetches (both of layer 1's). Eq. 1's split is faster here
+    (E0 on the CPU, 4 ms; E7, E6 loaded, landing at 4 and 8 ms: ~8.5 ms), and it leaves the link no idle time: its
+    next gate is at 9.5 ms, so with k prefetches (landing at 12, 16) layer 1 takes
+    k = 0: E4 loaded (4 + t_g), E5 on the CPU (4): ~4.5 ms; k = 1: E4 lands 2.5 ms after the gate, E5 on the CPU: 4 ms;
+    k = 2: E5 lands at 6.5 ms: ~7 ms. One prefetch, not PreSched's two."""
+    tokens = np.zeros(8, dtype=np.int64)
+    tokens[[0, 6, 7]] = [3, 8, 8]
+    predicted = {1: np.array([0, 0, 0, 0, 6, 3, 0, 0], dtype=np.float64)}
+    s = LayerState(layer=0, num_layers=4, phase=Phase.decode, tokens=tokens, scores=tokens * 0.5, predicted=predicted,
+                   resident=np.zeros((4, 8), dtype=bool), inflight=(), queued=(), alpha_s=0.0, cache_slots=16,
+                   free_slots=16, batch_tokens=19, context_len=512, hit_rate={1: 0.8}, cost=cost, t_io_s=cost.t_io,
+                   t_attn_next_s=1 * MS)
+    presched = build(scheduler_settings("presched"), cost).plan(copy.deepcopy(s))
+    assert presched.cpu == (0, 6) and presched.ondemand == (7,) and presched.prefetch == ((1, 4), (1, 5))
+    plan = build(HorizonSettings(hot_table=False), cost).plan(copy.deepcopy(s))
+    plan.validate(s)
+    assert plan.cpu == (0,) and set(plan.ondemand) == {6, 7}
+    assert plan.prefetch == ((1, 4),)
+
+
+def test_horizon_evicts_the_expert_whose_layer_comes_back_last(cost: CostModel) -> None:
+    """At layer 2 of 4 the cache holds E1 of layers 1 and 3: layer 3 runs next in this pass (comes back in 1 layer),
+    layer 1 only in the next one (in 3), so layer 1's expert goes first (usage per layer to its next use 0.25 / 3
+    against 0.1 / 1), though its usage stands higher (PreSched's token-share order: layer 3's)."""
+    s = layer_state(cost)
+    resident = np.zeros((4, 8), dtype=bool)
+    resident[[1, 3], 1] = True
+    s = replace(s, layer=2, resident=resident, free_slots=0)
+    for next_use, victim in ((True, (1, 1)), (False, (3, 1))):
+        h = build(HorizonSettings(hot_table=False, eviction=Eviction.token_share, evict_next_use=next_use), cost)
+        h.usage[1, 1], h.usage[3, 1] = 0.25, 0.1
+        assert h.victims(s, 1, set()) == [victim]
 
 
 def test_dali_greedy_assignment_by_hand(cost: CostModel) -> None:

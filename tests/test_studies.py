@@ -269,6 +269,23 @@ def test_the_report_of_the_horizon_study_tables_points_by_policies_against_the_b
     assert "at 1 of 2 points; not at: regimes: batch: 4" in text and (tmp_path / "horizon_study.png").is_file()
 
 
+def test_the_horizon_report_over_several_folders_takes_the_newest_run_of_a_point(tmp_path: Path) -> None:
+    """A Horizon-only rerun beside an older all-system run of the same point and seed: the rerun's Horizon row replaces
+    the older one whichever order the folders come in (its job finished later), the other policies' rows stay, and the
+    point's bound is still the best of the rows kept (the rerun only knows its own in-flight width's bound)."""
+    sweep = ("sweep", "a100_pcie4", 4, None)
+    old, new = tmp_path / "all", tmp_path / "rerun"
+    horizon_job(old / "sweep" / "0", sweep, 0, {"horizon": 7.0, "presched": 6.0}, 14.0)
+    horizon_job(new / "sweep" / "0", sweep, 0, {"horizon": 10.0}, 12.0)
+    for folder, finished in ((old, 100.0), (new, 200.0)):
+        (folder / "sweep" / "0" / "job_complete.json").write_text(json.dumps({"started": 1.0, "finished": finished}))
+    text = build([new, old], out=tmp_path / "report").read_text()
+    points = list(markdown_tables(text).values())[0]
+    assert points[1] == [["sweep: mixtral_8x7b a100_pcie4 b4", "10.00 ± 0.00", "6.00 ± 0.00", "14.00", "presched",
+                          "50 %", "yes"]]
+    assert "the newest run's row wins (1 older row replaced)" in text.splitlines()[2]
+
+
 @pytest.mark.slow
 def test_a_horizon_study_job_runs_the_point_the_study_script_ran() -> None:
     """The job of `+experiment=horizon_study` / `horizon_regimes` replays what bench_horizon_study's own point

@@ -15,9 +15,29 @@ Per MoE layer, after its gate:
    `layer_time`, that plays the layer the way the mechanism runs it: the shared experts and the resident
    experts in one device call, the experts landing from started transfers at their arrival, the loads one
    after another on the serial link behind `alpha` (each computed when it lands), the CPU experts one after
-   another with one hand-over. The fastest wins; PreSched's split keeps ties. Its prefetches are kept (they
-   queue behind whatever loads the chosen split issues), trimmed where the split's loads need their slots.
-3. **Batches in flight** (`batches_in_flight`, default 2): `batch_size` x 2 sequences go through the layers
+   another with one hand-over.
+3. **Split and prefetches chosen together, over two layers** (`prefetch_counts`, default 4). PreSched sizes its
+   prefetches by eq. 5's idle link time under its own split; another split leaves the link a different idle
+   time (one that loads more leaves none: PreSched's count then delays the next layer's loads behind
+   prefetches; one that computes more on the CPU leaves more than eq. 5 counted). So for every candidate split
+   and every count k = 0..4 of the next layer's hottest forecast experts not cached (its E_next), the plan adds
+   to the split's `layer_time` the next layer's time as the forecast shows it (`next_layer_time`: its cached
+   predicted experts in one call, the k prefetched ones landing behind the link time this layer's loads and
+   prefetches leave owed at its gate, the rest split the best way between the CPU, coldest first, and loads),
+   and runs the pair that ends both layers soonest (ties: fewer prefetches, PreSched's split). Where the next
+   layer has no forecast or nothing of it is missing, or where copies take host cores (`link_cpu_share` > 0, the
+   CPU backend: PreSched's rules charge them to the CPU side), the fastest split runs with PreSched's prefetches
+   (Q4's later targets). Slots for the prefetches, then for kept loads, as PreSched makes them.
+4. **Eviction by next use** (`evict_next_use`): a pass runs the layers in order, so of the cached experts that
+   may make room, the one with the lowest usage per layer until its layer comes back goes first (then least
+   recently used). With every expert routed at every pass (large batches, usage alike) that is the one whose
+   layer comes back last (Belady's rule on the layer cycle): any eviction costs a miss later, and this one is the
+   miss the link has the most layers to bring back; a cold expert still goes before a hot one.
+
+Measured on the four regimes rows where Horizon with PreSched's prefetches closed less than half the gap to the
+bound (README "Offload scheduler: Horizon"): at cache 60 % of experts (seed 0) 4,701 of 5,222 transfers were
+on-demand loads, each waited for after its gate; with steps 3-4, 3,610 of 5,153, and 93.65 -> 100.96 tok/s.
+5. **Batches in flight** (`batches_in_flight`, default 2): `batch_size` x 2 sequences go through the layers
    together, one executor batch, each expert's weights crossing the link once for both (Klotski's reason for
    its pipeline, §5.1 of LayerScope: "two micro-batch parallelism"). Unlike Klotski the plan stays
    PreSched's hybrid one, and the two batches are one micro-batch (`micro_batches` 1): a second device call
@@ -27,7 +47,8 @@ Per MoE layer, after its gate:
    reports decode latency beside throughput); `batches_in_flight: 1` gives the per-batch policy.
 
 No forecast is read beyond what PreSched reads (the next layers' predictions through `LayerState.predicted`,
-made by an online predictor from what has run so far): the plan of layer l depends on the routing of layers
+made by an online predictor from what has run so far; Horizon reads the next layer's at every decode plan, where
+PreSched reads it when its eq. 4 passes): the plan of layer l depends on the routing of layers
 <= l, the cache and the link, never on later routing (`tests/test_horizon.py` proves it by changing the
 routing after l).
 """
@@ -35,8 +56,8 @@ routing after l).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -56,11 +77,17 @@ class HorizonSettings(PreSchedSettings):
     batches_in_flight: int = 2  # batches of `batch_size` sequences run through the layers together
     micro_batches: int = 1  # device calls per expert and layer (each in-flight batch its own call: 2)
     candidates: tuple[str, ...] = ("presched", "greedy", "hss", "all_cpu", "all_gpu")  # splits compared per layer
+    # the most prefetches of the next layer's forecast experts each decode plan weighs (0, 1, ..., this many, timed
+    # with the split over this layer and the next); 0: PreSched's eq. 5-6 prefetches, whatever split wins
+    prefetch_counts: int = 4
+    evict_next_use: bool = True  # evict the cached expert whose layer comes back last first (else PreSched's order)
 
     def __post_init__(self) -> None:
         unknown = set(self.candidates) - set(SPLITS)
         if unknown or not self.candidates:
             raise ValueError(f"scheduler.candidates: {sorted(unknown) or '[]'} not among {sorted(SPLITS)}")
+        if self.prefetch_counts < 0:
+            raise ValueError(f"scheduler.prefetch_counts ({self.prefetch_counts}) must be >= 0")
         if self.batches_in_flight < 1 or self.micro_batches < 1:
             raise ValueError(f"scheduler.batches_in_flight ({self.batches_in_flight}) and scheduler.micro_batches "
                              f"({self.micro_batches}) must be >= 1")
@@ -164,6 +191,81 @@ def candidate_splits(state: LayerState, names: Sequence[str], may_move_resident:
     return out
 
 
+@dataclass(frozen=True)
+class NextLayer:
+    """Layer l+1 as its forecast shows it at layer l's plan: its predicted experts neither resident nor landing
+    (ascending predicted tokens: the coldest are the CPU's, the hottest the prefetches'), the CPU time of the coldest
+    j of them for every j, each one's GPU time, and the shared + resident predicted experts' one device call."""
+
+    layer: int
+    experts: tuple[int, ...]
+    cpu_prefix: np.ndarray  # float64 [n + 1]: t_c_sum of the coldest j, j = 0..n
+    gpu_each: np.ndarray  # float64 [n]
+    ready_s: float
+
+
+def next_layer(state: LayerState) -> Optional[NextLayer]:
+    """Layer l+1 from its forecast (`LayerState.predicted`, the predictor PreSched reads); None at the last layer or
+    without a forecast."""
+    target = state.layer + 1
+    if target >= state.num_layers or target not in state.predicted:
+        return None
+    cost = state.cost
+    pred = state.predicted[target]
+    some = np.flatnonzero(pred > 0)
+    avail = state.available(target)[some]
+    missing = some[~avail]
+    order = missing[np.argsort(pred[missing], kind="stable")]  # ties: lower id first, as PreSched's E_next
+    m = pred[order]
+    ready = pred[some[avail]]
+    ready_s = cost.t_shared(state.batch_tokens) + (float(np.sum(cost.t_g_group(ready))) if ready.size else 0.0)
+    return NextLayer(target, tuple(order.tolist()), np.concatenate([[0.0], cost.t_c_prefix(m.tolist())]),
+                     np.atleast_1d(cost.t_g(m)).astype(np.float64), ready_s)
+
+
+def next_layer_time(state: LayerState, nxt: NextLayer, prefetched: int, alpha: float | np.ndarray) -> np.ndarray:
+    """Seconds from layer l+1's gate until it is done, as `layer_time` plays it, when its `prefetched` hottest missing
+    experts come from this plan's prefetches and the link owes `alpha` at its gate (those prefetches included): the
+    best of its coldest j on the CPU and the rest loaded behind alpha, hottest first, for every j. `alpha` may be an
+    array (one per candidate split): float64 [S] out."""
+    alpha = np.atleast_1d(np.asarray(alpha, dtype=np.float64))[:, None]  # [S, 1]
+    n = len(nxt.experts) - prefetched  # the coldest n stay missing
+    gpu = np.full_like(alpha, nxt.ready_s)
+    if prefetched:  # the prefetched experts land by alpha at the latest
+        gpu = np.maximum(gpu, alpha) + float(nxt.gpu_each[n:].sum())
+    cpu = nxt.cpu_prefix[:n + 1]
+    each = nxt.gpu_each[:n]
+    tail = np.concatenate([np.cumsum(each[::-1])[::-1], [0.0]])  # GPU time of the loaded ones, j..n-1
+    loads = n - np.arange(n + 1)
+    last = np.append(each, 0.0)  # the last load (the coldest loaded, E[j]) is computed on landing
+    g = np.where(loads > 0, np.maximum(gpu + tail, alpha + loads * state.t_io_s + last), gpu)  # [S, n + 1]
+    s = state.cost.device_cpu_share
+    t = np.maximum(cpu + s * g, g + s * cpu) if s > 0 else np.maximum(cpu, g)
+    return t.min(axis=1)
+
+
+def choose(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer], counts: int
+           ) -> tuple[Split, Optional[int]]:
+    """The split, and how many of the next layer's hottest forecast experts to prefetch (None: PreSched's own
+    prefetches), that end this layer and the next soonest: `layer_time` of the split plus `next_layer_time` with the
+    link time its loads and the prefetches leave owed at the next gate. Without a forecast of the next layer (or none
+    of its experts missing) the fastest split alone (first minimum: PreSched's split keeps ties)."""
+    if nxt is None or not nxt.experts or counts <= 0:
+        return min(splits, key=lambda s: layer_time(state, s)), None
+    t_io = state.t_io_s
+    t = np.array([layer_time(state, split) for split in splits])
+    owed = state.alpha_s + np.array([len(split.loads) for split in splits]) * t_io - t - state.t_attn_next_s
+    ks = range(min(len(nxt.experts), counts) + 1)
+    # [k, split]: every split's two-layer time per prefetch count, all splits at once (one array pass per count)
+    totals = np.array([t + next_layer_time(state, nxt, k, np.maximum(owed + k * t_io, 0.0)) for k in ks]).T.tolist()
+    best, best_t = (splits[0], 0), math.inf
+    for split, row in zip(splits, totals):
+        for k, total in enumerate(row):
+            if total < best_t - 1e-12:  # strictly better: fewer prefetches and PreSched's split keep ties
+                best, best_t = (split, k), total
+    return best
+
+
 @register("horizon", settings=HorizonSettings)
 class Horizon(PreSched):
     """See the module docstring."""
@@ -172,33 +274,43 @@ class Horizon(PreSched):
     def micro_batches(self) -> int:
         return max(1, self.settings.micro_batches)
 
-    def plan(self, state: LayerState) -> LayerPlan:
-        base = super().plan(state)  # PreSched's plan: its bookkeeping is the cache's whichever split runs
-        if state.phase is Phase.prefill and "presched" in self.settings.candidates:
-            return base  # PreSched's prefill split is already eq. 1's optimum with the GPU's work counted
+    def finish(self, state: LayerState, cpu: tuple[int, ...], gpu: tuple[int, ...], loads: tuple[int, ...],
+               prefetch: list[tuple[int, int]], keep_working_set: bool) -> LayerPlan:
+        """PreSched's split and prefetches (its bookkeeping already done) -> the chosen split and prefetches, with
+        the cache slots for them."""
         names = [n for n in self.settings.candidates if n != "presched"]
+        if state.phase is Phase.prefill and "presched" in self.settings.candidates:
+            # PreSched's prefill split is already eq. 1's optimum with the GPU's work counted
+            return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
         splits = candidate_splits(state, names, not self.resident_on_device)
         if "presched" in self.settings.candidates:
-            splits.insert(0, Split("presched", base.cpu, base.gpu, base.ondemand))
-        best = min(splits, key=lambda s: layer_time(state, s))  # first minimum: PreSched's split keeps ties
-        if best.name == "presched":
-            return base
-        return self.with_split(state, base, best)
+            splits.insert(0, Split("presched", cpu, gpu, loads))
+        # the two-layer estimate plays a DMA link; where a copy takes host cores (`link_cpu_share`, the CPU backend)
+        # PreSched's prefetch rules, which charge the copies to the CPU side, stay
+        sized = self.settings.use_predictor and self.settings.prefetch_counts > 0 and state.cost.link_cpu_share <= 0
+        nxt = next_layer(state) if sized else None
+        best, count = choose(state, splits, nxt, self.settings.prefetch_counts)
+        if count is not None:
+            assert nxt is not None
+            prefetch = [(nxt.layer, e) for e in nxt.experts[::-1][:count]]  # hottest first
+        if best.gpu != gpu:
+            self.touch(state.layer, best.gpu)
+        return self.plan_with_slots(state, best.cpu, best.gpu, best.loads, prefetch, keep_working_set)
 
-    def with_split(self, state: LayerState, base: LayerPlan, split: Split) -> LayerPlan:
-        """PreSched's plan with `split` instead of its own: evictions of experts the split computes on the GPU
-        are dropped, loads it did not retain pass through staging, prefetches are trimmed to the slots left."""
-        layer = state.layer
-        gpu = set(split.gpu)
-        evict = tuple(v for v in base.evict if not (v[0] == layer and v[1] in gpu))
-        kept = dict(zip(base.ondemand, base.retain))
-        retain = tuple(bool(kept.get(e, False)) for e in split.loads)
-        room = max(state.free_slots, 0) + len(evict) - len(base.hold)
-        retain = tuple(r and i < room for i, r in enumerate(retain))
-        prefetch = base.prefetch[:max(room - sum(retain), 0)]
-        self.touch(layer, split.gpu)
-        return replace(base, cpu=split.cpu, gpu=split.gpu, ondemand=split.loads, retain=retain, prefetch=prefetch,
-                       evict=evict)
+    def eviction_order(self, state: LayerState, layers: np.ndarray, experts: np.ndarray, need: int) -> np.ndarray:
+        """Next use first (`evict_next_use`): a pass runs the layers in order, so a cached expert of the layer that
+        comes back last is needed last (this layer's, then the previous one's, ...; the next layer's soonest). The victim
+        is the lowest usage (PreSched's token share, never below the profile's) per layer until its layer comes
+        back, then least recently used: with every expert routed each pass (usage alike) the one whose layer comes
+        back last (Belady's rule on the layer cycle: the miss the link has the most layers to bring back), while a
+        cold expert still goes before a hot one of a layer a little further away."""
+        if not self.settings.evict_next_use:
+            return super().eviction_order(state, layers, experts, need)
+        L = state.num_layers
+        comes_back = (layers - state.layer) % L
+        comes_back = np.where(comes_back == 0, L, comes_back)
+        lru = self.last_used[layers, experts]
+        return np.lexsort((lru, self.standing(layers, experts) / comes_back))[:need]
 
 
 def plan_time(state: LayerState, plan: LayerPlan) -> float:
@@ -206,4 +318,5 @@ def plan_time(state: LayerState, plan: LayerPlan) -> float:
     return layer_time(state, Split("plan", plan.cpu, plan.gpu, plan.ondemand), sorted(plan.held_here(state.layer)))
 
 
-__all__ = ["Horizon", "HorizonSettings", "Split", "layer_time", "candidate_splits", "plan_time"]
+__all__ = ["Horizon", "HorizonSettings", "NextLayer", "Split", "choose", "candidate_splits", "layer_time", "next_layer",
+           "next_layer_time", "plan_time"]
