@@ -634,6 +634,31 @@ def block_experts(ck: OpenCheckpoint) -> dict[int, tuple[list[tuple[QuantArray, 
     return out
 
 
+def block_expert_stacks(ck: OpenCheckpoint) -> Optional[dict[int, tuple[Any, Any, Any]]]:
+    """Decoder layer -> (gate, up, down) `models.quant.experts.QuantStack`s: each MoE layer's three stacked expert
+    tensors as they are (uint8 [E, rows, row_bytes] views of the mapped file, no copy; the layout
+    `models.quant.experts.install_stacks` takes). None for a file without stacked expert tensors (an older Mixtral
+    file's per-expert tensors: `block_experts`) or with experts in a float type."""
+    from models.quant.experts import QuantStack
+
+    reader = ck.reader
+    if not isinstance(reader, GGUFTensors):
+        raise TypeError(f"{ck.folder}: not a GGUF checkpoint")
+    f = reader.file
+    out: dict[int, tuple[Any, Any, Any]] = {}
+    for layer in ck.cfg.moe_layers:
+        names = [f"blk.{layer}.ffn_{kind}_exps.weight" for kind in ("gate", "up", "down")]
+        if any(n not in f.tensors or BY_GGML_ID.get(f.qtype(n)) is None for n in names):
+            return None
+        stacks = tuple(QuantStack(f.block_rows(n), BY_GGML_ID[f.qtype(n)].name, f.shape(n)[1:]) for n in names)
+        if stacks[0].qtype != stacks[1].qtype:
+            raise CheckpointError(f"{ck.folder}: blk.{layer}.ffn_gate_exps ({stacks[0].qtype}) and ffn_up_exps "
+                                  f"({stacks[1].qtype}) differ in type; moescope serves a layer's gate and up in one type")
+        out[layer] = stacks
+    _warn_unaliasable(ck)
+    return out
+
+
 XLA_ALIAS_ALIGNMENT = 64  # XLA:CPU aliases a host buffer (device_put may_alias) only at a 64-byte-aligned address
 
 
