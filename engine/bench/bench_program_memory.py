@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -97,6 +95,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(measure(Path(a.one), a.batches, a.per_expert)), flush=True)
         return 0
     from engine.bench import full_depth_gguf as writer
+    from engine.bench.bench_compile_depth import child_json
 
     rows = []
     print("| layers | layout | program parameters | load s | RssAnon after load | B | prefill kept | decode kept | "
@@ -108,12 +107,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             writer.write(writer.model_config("qwen3_moe", layers), "q4_k_m", path)
         cmd = [sys.executable, "-m", "engine.bench.bench_program_memory", "--out", a.out, "--one", str(path),
                "--batches", *map(str, a.batches)] + (["--per-expert"] if a.per_expert else [])
-        run = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-        lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-        if run.returncode or not lines:
-            print(f"| {layers} | failed (rc {run.returncode}): {run.stderr.strip().splitlines()[-1:]} |")
+        r = child_json(cmd, layers)
+        if r is None:
             continue
-        r = json.loads(lines[-1])
         rows.append(r)
         for B in a.batches:
             b = r[f"b{B}"]
