@@ -190,8 +190,12 @@ def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool =
     if quantized and with_experts:
         if saved:
             install(model, mapped_experts(ck.folder, cfg))
-        elif blocks:
-            install(model, block_experts(ck))
+        elif blocks:  # each layer's three stacked tensors as they are, else (older Mixtral files) per-expert views
+            from models.gguf import block_expert_stacks
+            from models.quant.experts import install_stacks
+
+            stacks = block_expert_stacks(ck)
+            install_stacks(model, stacks) if stacks is not None else install(model, block_experts(ck))
         else:
             if scan:
                 ck.check_finite()

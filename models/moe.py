@@ -284,6 +284,21 @@ def experts_native(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array],
     return native.experts(x, tok, wts.astype(jnp.float32), offsets, list(gate_up), list(down))
 
 
+def experts_native_stacked(x: jax.Array, routing: Routing, experts: Any) -> jax.Array:
+    """`experts_native` over a `models.quant.experts.StackedQuantExperts`: its three stacked block arrays go to the
+    kernel whole (three program parameters per layer, not three per expert); the same kernel and numbers."""
+    tok, wts, counts, starts = group_by_expert(routing, experts.num_experts, pad=0)
+    offsets = jnp.concatenate([starts, (starts[-1] + counts[-1])[None]]).astype(jnp.int32)
+    return native.qexperts_stacked(x, tok, wts.astype(jnp.float32), offsets, *experts.stacks(),
+                                   qgu=experts.gate_up_type, qdown=experts.down_type)
+
+
+def native_reads_stacks(x: jax.Array, experts: Any) -> bool:
+    """Whether `experts_native_stacked` computes these stacked block experts on the CPU (`native_reads` for them)."""
+    return (x.dtype in (jnp.bfloat16, jnp.float32) and native.available_experts()
+            and native.reads_blocks(experts.gate_up_type, experts.down_type))
+
+
 @functools.lru_cache(maxsize=1)
 def only_cpu() -> bool:
     """Whether this process has no accelerator backend: every program is then lowered for the CPU alone."""
@@ -338,6 +353,11 @@ class InMemoryExperts:
     def __call__(self, layer: int, x: jax.Array, routing: Routing, experts: Optional[RoutedExperts]) -> jax.Array:
         if experts is None:
             raise ValueError(f"layer {layer}: the model holds no expert weights; pass an expert executor")
+        if hasattr(experts, "stacks") and native_reads_stacks(x, experts):  # a GGUF file's stacked tensors, whole
+            if only_cpu():
+                return experts_native_stacked(x, routing, experts)
+            return jax.lax.platform_dependent(x, routing, cpu=lambda x, r: experts_native_stacked(x, r, experts),
+                                              default=lambda x, r: self.by_count(x, r, *experts.arrays()))
         gate_up, down = experts.arrays()
         if native_reads(x, gate_up[0], down[0]):
             if only_cpu():  # the other branch would be lowered away, but tracing it is most of a layer's trace

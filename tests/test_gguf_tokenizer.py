@@ -102,3 +102,38 @@ def test_the_higher_scored_piece_merges_first(tmp_path, ab, bc, want) -> None:
     scores = [0.0] * 257 + [-5.0, -5.0, -5.0, -5.0, ab, bc]
     tok = tokenizer_from_gguf(_write(tmp_path / "rank.gguf", tokens, types, scores))
     assert [tokens[i] for i in tok.encode("abc").ids] == want
+
+
+def test_metadata_arrays_are_held_whole_with_the_packages_values(tiny_gguf, tmp_path) -> None:
+    """`GGUFFile`'s reader keeps each metadata array as a few views (the package's reader keeps one numpy view per
+    element and per string length: 0.5 GB for a 151,936-token vocabulary), with the package's values: strings,
+    integers, floats, bools and arrays, whole, by index and by slice."""
+    from models.gguf import ArrayField, GGUFFile
+
+    w = gguf.GGUFWriter(tmp_path / "kinds.gguf", "llama")
+    w.add_array("t.strings", ["", "a", "Ünï 漢字 🙂", "x" * 300])
+    w.add_array("t.ints", [3, -1, 7])
+    w.add_array("t.floats", [0.5, -2.25])
+    w.add_array("t.bools", [True, False, True])
+    w.add_array("t.empty", [])
+    w.add_string("t.scalar", "one")
+    w.add_tensor("x", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for path in (tiny_gguf[1], tmp_path / "kinds.gguf"):
+        lean, ref = GGUFFile(path).reader, gguf.GGUFReader(path, "r")
+        assert list(lean.fields) == list(ref.fields)
+        for key, want in ref.fields.items():
+            got = lean.fields[key]
+            assert got.types == want.types and got.contents() == want.contents(), key
+            if want.types[0] == gguf.GGUFValueType.ARRAY and want.data:
+                assert isinstance(got, ArrayField) and len(got.parts) <= 8 and got.count == len(want.data), key
+                for i in (0, len(want.data) // 2, -1):
+                    assert got.contents(i) == want.contents(i), (key, i)
+                assert got.contents(slice(1, 3)) == want.contents(slice(1, 3)), key
+        assert [(t.name, t.data_offset, t.n_bytes) for t in lean.tensors] == \
+            [(t.name, t.data_offset, t.n_bytes) for t in ref.tensors]
+    tokens = GGUFFile(tiny_gguf[1]).reader.fields["tokenizer.ggml.tokens"]
+    assert tokens.count > 1000 and len(tokens.parts) < 10

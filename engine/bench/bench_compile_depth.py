@@ -66,6 +66,16 @@ def measure(path: Path, unrolled: bool) -> dict:
             "tokens": first.tokens[0].tolist(), "same_tokens": bool((first.tokens == second.tokens).all())}
 
 
+def child_json(cmd: list[str], layers: int) -> Optional[dict]:
+    """Run a `--one` child; its last JSON line, or None after printing a table row that names the failure."""
+    run = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    if run.returncode or not lines:
+        print(f"| {layers} | failed (rc {run.returncode}): {run.stderr.strip().splitlines()[-1:]} |")
+        return None
+    return json.loads(lines[-1])
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for the narrow files")
@@ -83,12 +93,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for layers in a.layers:
         cmd = [sys.executable, "-m", "engine.bench.bench_compile_depth", "--out", a.out, "--one",
                str(narrow_file(out, layers))] + (["--unrolled"] if a.unrolled else [])
-        run = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-        lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-        if run.returncode or not lines:
-            print(f"| {layers} | failed (rc {run.returncode}): {run.stderr.strip().splitlines()[-1:]} |")
+        r = child_json(cmd, layers)
+        if r is None:
             continue
-        r = json.loads(lines[-1])
         print(f"| {layers} | {r['jaxpr_trace_duration']:.1f} | {r['jaxpr_to_mlir_module_duration']:.1f} | "
               f"{r['backend_compile_duration']:.1f} | {r['first_call_s']:.1f} | {r['second_call_s']:.2f} |", flush=True)
     return 0

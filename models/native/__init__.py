@@ -1078,6 +1078,42 @@ def qexperts(x: jax.Array, tokens: jax.Array, pair_weight: jax.Array, offsets: j
         qgu=np.int32(QTYPE_IDS[qg]), qdown=np.int32(QTYPE_IDS[qd]), F=np.int64(F))
 
 
+def qexperts_stacked(x: jax.Array, tokens: jax.Array, pair_weight: jax.Array, offsets: jax.Array, gate: jax.Array,
+                     up: jax.Array, down: jax.Array, qgu: str, qdown: str, *, strategy: str = "auto") -> jax.Array:
+    """`qexperts` over a layer's experts held as three stacked block arrays (a GGUF file's expert tensors as they
+    are): gate and up uint8 [E, F, row_bytes] of type `qgu`, down uint8 [E, H, row_bytes] of type `qdown`; the
+    rest and the numerics as `qexperts` (the same kernel, reading expert e at e times its bytes). Three operands per
+    layer where per-expert arrays are 3E: each operand is a parameter of the calling program, and XLA:CPU keeps
+    per-parameter state in every compiled executable (Qwen3-30B-A3B's 128 experts: ~5 MB per layer per program)."""
+    tokens, pair_weight, offsets = _routing(x, tokens, pair_weight, offsets, "experts")
+    E = offsets.shape[0] - 1
+    T, H = x.shape
+    _qtype_id(qgu, "experts: gate/up")
+    _qtype_id(qdown, "experts: down")
+    F = int(gate.shape[1]) if gate.ndim == 3 else -1
+    shapes = [tuple(a.shape) for a in (gate, up, down)]
+    want = [(E, F, _qrow_bytes(qgu, H)), (E, F, _qrow_bytes(qgu, H)), (E, H, _qrow_bytes(qdown, F))]
+    if F < 0 or shapes != want or any(a.dtype != jnp.uint8 for a in (gate, up, down)):
+        raise ValueError(f"experts: stacked gate, up, down {shapes}: expected uint8 {want} ({qgu} gate/up, {qdown} "
+                         f"down, {E} experts of hidden size {H})")
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"experts: x dtype {x.dtype}, expected bfloat16 or float32 with block-quantized experts")
+    if not available_experts():
+        raise RuntimeError(f"models.native: library unavailable ({_error})")
+    if E == 0:
+        return jnp.zeros((T, H), jnp.float32)
+    out = jax.ShapeDtypeStruct((T, H), jnp.float32)
+    return jax.ffi.ffi_call("moescope_qexperts", out, vmap_method="sequential")(
+        x, tokens, pair_weight, offsets, gate, up, down, strategy=np.int32(_strategy(strategy)),
+        qgu=np.int32(QTYPE_IDS[qgu]), qdown=np.int32(QTYPE_IDS[qdown]), F=np.int64(F))
+
+
+def _qrow_bytes(qtype: str, cols: int) -> int:
+    from models.quant.blocks import BLOCK_TYPES
+
+    return BLOCK_TYPES[qtype].row_bytes(cols)
+
+
 _CODE_SCALE = {"q8_0": 64, "q4_0": 8, "q4_k": 32 * 8, "q6_k": 64 * 32}  # typical |code| (x sub-block scale)
 _SCALE_AT = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}  # byte offsets of a block's f16 scales
 

@@ -3061,21 +3061,26 @@ ffi::Error qexperts_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::DataType::S32, 1> to
   if (E < 0) return bad("offsets must have E + 1 >= 1 elements");
   if (strategy < kStrategyAuto || strategy > kStrategyExperts) return bad("strategy must be 0, 1 or 2");
   const size_t nw = weights.size();
-  const bool stacked = nw == 2 && weights.get<ffi::AnyBuffer>(0).value().dimensions().size() == 3;
+  const bool rank3 = nw >= 2 && weights.get<ffi::AnyBuffer>(0).value().dimensions().size() == 3;
+  const bool stacked = nw == 2 && rank3;
+  // stacked3: one gate [E, F, rb], one up [E, F, rb], one down [E, H, rb] (a GGUF file's three expert tensors of a
+  // layer, mapped: three operands per layer where per-expert views are 3E, each a parameter of the program)
+  const bool stacked3 = nw == 3 && rank3;
   // split: E gate [F, rb], E up [F, rb], E down (a GGUF file's gate and up tensors are separate mapped views)
-  const bool split = !stacked && E > 0 && nw == size_t(3 * E);
-  if (!stacked && !split && nw != size_t(2 * E))
+  const bool split = !rank3 && E > 0 && nw == size_t(3 * E);
+  if (!stacked && !stacked3 && !split && nw != size_t(2 * E))
     return bad(std::to_string(nw) + " weight operands for " + std::to_string(E) + " experts");
   for (size_t i = 0; i < nw; ++i) {
     auto b = weights.get<ffi::AnyBuffer>(i);
     if (!b.has_value()) return bad("weight operand " + std::to_string(i) + " could not be decoded");
     const ffi::AnyBuffer w = b.value();
-    const bool down = stacked ? i == 1 : int64_t(i) >= (split ? 2 * E : E);
+    const bool down = stacked ? i == 1 : stacked3 ? i == 2 : int64_t(i) >= (split ? 2 * E : E);
     if (w.element_type() != ffi::DataType::U8) return bad("weight operand " + std::to_string(i) + ": expected uint8 blocks");
-    const size_t rank = stacked ? 3 : 2;
-    if (stacked && (w.dimensions().size() != 3 || w.dimensions()[0] != E))
+    const size_t rank = rank3 ? 3 : 2;
+    if (rank3 && (w.dimensions().size() != 3 || w.dimensions()[0] != E))
       return bad("stacked weight operand " + std::to_string(i) + " " + dims_str(w.dimensions()) + ": expected E first");
     const std::string m = down ? qcheck_rows(qdown, H, F, w.dimensions(), rank, "down")
+                        : stacked3 ? qcheck_rows(qgu, F, H, w.dimensions(), rank, i == 0 ? "gate" : "up")
                         : split ? qcheck_rows(qgu, F, H, w.dimensions(), rank, int64_t(i) < E ? "gate" : "up")
                                 : qcheck_rows(qgu, 2 * F, H, w.dimensions(), rank, "gate_up");
     if (!m.empty()) return bad(m);
@@ -3100,6 +3105,12 @@ ffi::Error qexperts_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::DataType::S32, 1> to
     if (stacked) {
       gu = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(0).value().untyped_data()) + size_t(e) * gu_bytes;
       dn = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(1).value().untyped_data()) + size_t(e) * dn_bytes;
+    } else if (stacked3) {
+      const size_t half = gu_bytes / 2;
+      gu = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(0).value().untyped_data()) + size_t(e) * half;
+      const auto* up = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(1).value().untyped_data()) + size_t(e) * half;
+      dn = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(2).value().untyped_data()) + size_t(e) * dn_bytes;
+      return ExpertW{gu, up, dn};
     } else if (split) {
       gu = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(size_t(e)).value().untyped_data());
       const auto* up = static_cast<const uint8_t*>(weights.get<ffi::AnyBuffer>(size_t(E + e)).value().untyped_data());

@@ -142,6 +142,76 @@ class QuantExperts(nnx.Module):
                 [QuantArray(v[...], self.down_type, self.down_shape) for v in self.down])
 
 
+@dataclasses.dataclass(frozen=True)
+class QuantStack:
+    """One projection of every expert of a layer in ggml blocks, stacked: data uint8 [E, rows, row_bytes] holding E
+    matrices of `shape` = (rows, cols) weights (a GGUF file's `blk.N.ffn_{gate,up,down}_exps.weight`, mapped)."""
+
+    data: Any
+    qtype: str
+    shape: tuple[int, int]
+
+    def expert(self, e: int) -> QuantArray:
+        return QuantArray(self.data[e], self.qtype, self.shape)
+
+
+class StackedQuantExperts(QuantExperts):
+    """`QuantExperts` held as three stacked arrays per layer, gate and up [E, F, row_bytes] and down [E, H, row_bytes]
+    (`QuantStack`s: a GGUF file's expert tensors, views of the mapping), where `QuantExperts` holds 3E arrays.
+
+    Why: every array of the model is a parameter of the programs that run it, and XLA:CPU keeps per-parameter
+    state in each compiled executable; with 3E arrays per MoE layer that grew a Qwen3-30B-A3B-shaped program's
+    anonymous memory by ~5 MB per layer (prefill and decode alike), ~0.5 GB per batch size compiled at 48 layers.
+    The in-memory executor hands the stacks to the native kernel whole (`models.native.qexperts_stacked`);
+    `arrays()` gives per-expert views for every other consumer."""
+
+    def __init__(self, gate: QuantStack, up: QuantStack, down: QuantStack):  # noqa: D107 - no per-expert lists
+        E = int(gate.data.shape[0])
+        if gate.qtype != up.qtype or gate.shape != up.shape or int(up.data.shape[0]) != E or int(down.data.shape[0]) != E:
+            raise ValueError(f"StackedQuantExperts: gate {gate.qtype} {tuple(gate.data.shape)}, up {up.qtype} "
+                             f"{tuple(up.data.shape)}, down {tuple(down.data.shape)}: expected one type and E for gate and up")
+        self.gate_up_type, self.half_shape = gate.qtype, tuple(gate.shape)
+        self.down_type, self.down_shape = down.qtype, tuple(down.shape)
+        self.gate, self.up, self.down = ExpertBlocks(gate.data), ExpertBlocks(up.data), ExpertBlocks(down.data)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.gate[...].shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(v[...].nbytes) for v in (self.gate, self.up, self.down))
+
+    def stacks(self) -> tuple[Any, Any, Any]:
+        """(gate, up, down) block arrays [E, rows, row_bytes]."""
+        return self.gate[...], self.up[...], self.down[...]
+
+    def arrays(self) -> tuple[list[tuple[QuantArray, QuantArray]], list[QuantArray]]:
+        """Per expert (gate, up) and down `QuantArray`s: numpy views of the stacks outside a trace (no copy), slices
+        inside one (XLA's own strategies, off the CPU)."""
+        import jax
+
+        arrays = self.stacks()
+        if not any(isinstance(a, jax.core.Tracer) for a in arrays):
+            arrays = tuple(np.asarray(a) for a in arrays)
+        g, u, d = (QuantStack(a, t, sh) for a, t, sh in zip(arrays, (self.gate_up_type,) * 2 + (self.down_type,),
+                                                             (self.half_shape,) * 2 + (self.down_shape,)))
+        E = self.num_experts
+        return [(g.expert(e), u.expert(e)) for e in range(E)], [d.expert(e) for e in range(E)]
+
+
+def install_stacks(model: nnx.Module, layers: dict[int, tuple[QuantStack, QuantStack, QuantStack]]) -> None:
+    """Put stacked quantized experts in `model` (decoder layer -> (gate, up, down) `QuantStack`s); host arrays go to
+    the device (aliased, not copied, on the CPU backend)."""
+    import jax
+
+    for layer, stacks in layers.items():
+        data = jax.device_put([np.asarray(q.data) if not isinstance(q.data, jax.Array) else q.data for q in stacks],
+                              may_alias=True)
+        model.layers[layer].moe.experts = nnx.data(StackedQuantExperts(
+            *(dataclasses.replace(q, data=d) for q, d in zip(stacks, data))))
+
+
 ExpertSource = Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
 """(decoder layer, expert) -> (gate [F, H], up [F, H], down [H, F]) float weights (e.g. views of a mapped checkpoint)."""
 
@@ -219,6 +289,7 @@ def quantized_model_format(model: nnx.Module) -> Optional[dict[int, LayerFormat]
     return out or None
 
 
-__all__ = ["EXPERT_FORMATS", "QUANTIZED", "LayerFormat", "QuantExperts", "ExpertBlocks", "check_format",
+__all__ = ["EXPERT_FORMATS", "QUANTIZED", "LayerFormat", "QuantExperts", "StackedQuantExperts", "QuantStack",
+           "install_stacks", "ExpertBlocks", "check_format",
            "install", "layer_formats", "model_source", "quantize_expert", "quantized_layers", "use_more_bits",
            "quantized_model_format", "checkpoint_source", "GateUp", "split_gate_up"]
