@@ -330,7 +330,8 @@ class InMemoryExperts:
     T * k <= slot_limit (batch-1 decode): a `switch` per (token, slot) reads only the chosen experts.
     T <= dense_limit: each used expert runs on all T rows (no gather/scatter; unused experts skipped).
     Otherwise (larger decode batches, prefill): pairs grouped by expert, `chunk` rows per expert call.
-    Quantized experts (`models.quant.QuantExperts`) take the XLA strategies everywhere, each expert through
+    Quantized experts (`models.quant.QuantExperts`, `StackedQuantExperts`) run the native block kernels on the CPU
+    where they read the types (Q8 activations, as llama.cpp's); elsewhere the XLA strategies, each expert through
     `models.quant.matmul.expert_swiglu` (its blocks dequantized inside the chosen branch).
     """
 

@@ -241,7 +241,8 @@ def test_deepseek_expert_width_disagreeing_names_key(hf_folders, tmp_path) -> No
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 def test_block_experts_serve_as_their_dequantized_weights(hf_folders, qtype) -> None:
     """The file's expert blocks installed as QuantExperts (the block-kernel path) give the logits of the model whose
-    experts are those blocks dequantized in float32, within f32 summation error."""
+    experts are those blocks dequantized in float32, within the kernels' Q8_0 activation rounding (per 32 values, as
+    llama.cpp's integer dot products; the kernels themselves are checked exactly against it in test_native_quant)."""
     from models.gguf import block_experts, has_block_experts
     from models.quant.experts import install
 
@@ -264,7 +265,8 @@ def test_block_experts_serve_as_their_dequantized_weights(hf_folders, qtype) -> 
     positions = jnp.tile(jnp.arange(10), (2, 1))
     a = np.asarray(forward(deq, tokens, init_cache(deq, 2, 16), positions)[0])
     b = np.asarray(forward(blocks, tokens, init_cache(blocks, 2, 16), positions)[0])
-    np.testing.assert_allclose(b, a, atol=2e-6 * max(1.0, float(np.abs(a).max())))
+    scale = max(1.0, float(np.abs(a).max()))
+    assert 0 < np.abs(b - a).max() <= 1e-3 * scale  # the activation rounding is there (~1e-4 measured), and only it
 
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])

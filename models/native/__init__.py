@@ -4,7 +4,7 @@ Block-quantized weights (ggml's Q8_0, Q4_0, Q4_K, Q6_K blocks byte for byte, as 
 go through the same entry points: `linear(x, w)`, `swiglu(x, gate_up, down)` and `experts(...)` in JAX
 (`qlinear`, `qswiglu`, `qexperts`), `linear_host`, `pack_experts` and `experts_host` on the host; activations
 are quantized as llama.cpp does (Q8_0 per 32 for Q8_0 / Q4_0, Q8_K per 256 for Q4_K / Q6_K), integer dot
-products (VNNI VPDPBUSD, AVX2 VPMADDWD, scalar, AMX TDPBSSD for calls of >= 16 rows), scales applied per
+products (VNNI VPDPBUSD, AVX2 VPMADDWD, scalar, AMX TDPBSSD for calls of >= 16 rows, Q6_K >= 32), scales applied per
 group; references: `qlinear_reference` (numpy, gguf's dequantizer), `qlinear_jax_reference` (XLA).
 
 XLA:CPU converts a whole bf16 weight to f32 on every bf16 dot (a matvec runs far below the memory
@@ -36,7 +36,7 @@ Without a compiler every entry point still works (pure XLA in JAX; `experts_host
 raise, check `available()` first); `load()` warns once, naming the cause.
 
 Environment: `MOESCOPE_NATIVE_DISABLE=1` skips the library; `MOESCOPE_NATIVE_ISA=amx|avx512bf16|avx2|scalar`
-chooses a path (also `set_isa`); "amx" -- AMX-BF16 / AMX-INT8 tiles for calls of >= 16 rows, AVX-512 below
+chooses a path (also `set_isa`); "amx" -- AMX-BF16 / AMX-INT8 tiles for calls of >= 16 rows (Q6_K: 32), AVX-512 below
 that, where the CPU has it and the kernel grants the tile state -- is the default where present (see `default_isa`); `MOESCOPE_NATIVE_DIR` chooses the build folder; `CXX` the compiler;
 `MOESCOPE_NATIVE_EP_MAX_MB` (default 64) the largest expert (MiB of weights) a layer call shares out whole
 to a thread; `MOESCOPE_NATIVE_XLA_POOL=0` keeps FFI calls on the library's own threads instead of
