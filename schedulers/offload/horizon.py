@@ -33,10 +33,6 @@ Per MoE layer, after its gate:
    recently used). With every expert routed at every pass (large batches, usage alike) that is the one whose
    layer comes back last (Belady's rule on the layer cycle): any eviction costs a miss later, and this one is the
    miss the link has the most layers to bring back; a cold expert still goes before a hot one.
-
-Measured on the four regimes rows where Horizon with PreSched's prefetches closed less than half the gap to the
-bound (README "Offload scheduler: Horizon"): at cache 60 % of experts (seed 0) 4,701 of 5,222 transfers were
-on-demand loads, each waited for after its gate; with steps 3-4, 3,610 of 5,153, and 93.65 -> 100.96 tok/s.
 5. **Batches in flight** (`batches_in_flight`, default 2): `batch_size` x 2 sequences go through the layers
    together, one executor batch, each expert's weights crossing the link once for both (Klotski's reason for
    its pipeline, §5.1 of LayerScope: "two micro-batch parallelism"). Unlike Klotski the plan stays
@@ -45,6 +41,10 @@ on-demand loads, each waited for after its gate; with steps 3-4, 3,610 of 5,153,
    (measured: `engine/bench/bench_horizon_study.py` rows `horizon_mb2`). The price is latency: a decode
    step serves twice the sequences, so each sequence's tokens come at most twice as far apart (the study
    reports decode latency beside throughput); `batches_in_flight: 1` gives the per-batch policy.
+
+Why steps 3-4: on the four regimes rows where Horizon with PreSched's prefetches closed less than half the gap to
+the bound (README "Offload scheduler: Horizon"), at cache 60 % of experts (seed 0) 4,701 of 5,222 transfers were
+on-demand loads, each waited for after its gate; with steps 3-4, 3,610 of 5,153, and 93.65 -> 100.96 tok/s.
 
 No forecast is read beyond what PreSched reads (the next layers' predictions through `LayerState.predicted`,
 made by an online predictor from what has run so far; Horizon reads the next layer's at every decode plan, where
