@@ -15,3 +15,13 @@ def test_imports_point_down() -> None:
     proc = subprocess.run([str(lint), "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "1 kept, 0 broken" in proc.stdout
+
+
+def test_serving_entry_points_do_not_load_torch() -> None:
+    """torch is the CPU experts' fallback (no native library, block types the kernels do not read): importing the
+    offload entry points must not load it (~0.12 GB of anonymous memory in every serving process, counted in the
+    full-depth bound)."""
+    code = ("import sys, engine.run, engine.offload.executor, engine.calibrate, models.generate; "
+            "sys.exit(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3] or 0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
