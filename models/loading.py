@@ -195,7 +195,10 @@ def load_model(spec: Any, dtype: Any = None, seed: int = 0, with_experts: bool =
             from models.quant.experts import install_stacks
 
             stacks = block_expert_stacks(ck)
-            install_stacks(model, stacks) if stacks is not None else install(model, block_experts(ck))
+            if stacks is not None:
+                install_stacks(model, stacks)
+            else:
+                install(model, block_experts(ck))
         else:
             if scan:
                 ck.check_finite()

@@ -276,21 +276,26 @@ def experts_native(x: jax.Array, routing: Routing, gate_up: Sequence[jax.Array],
                    ) -> jax.Array:
     """On the CPU: every expert of the layer in one native call over exactly its live pairs (each used expert's
     weights read once, unused ones never touched), whatever the token count."""
-    E = len(gate_up)
-    tok, wts, counts, starts = group_by_expert(routing, E, pad=0)
-    offsets = jnp.concatenate([starts, (starts[-1] + counts[-1])[None]]).astype(jnp.int32)
+    tok, wts, offsets = native_pairs(routing, len(gate_up))
     if is_quantized(gate_up[0]):  # block-type experts: the native kernels quantize the activations as llama.cpp
-        return native.qexperts(x, tok, wts.astype(jnp.float32), offsets, list(gate_up), list(down))
-    return native.experts(x, tok, wts.astype(jnp.float32), offsets, list(gate_up), list(down))
+        return native.qexperts(x, tok, wts, offsets, list(gate_up), list(down))
+    return native.experts(x, tok, wts, offsets, list(gate_up), list(down))
+
+
+def native_pairs(routing: Routing, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The native expert calls' pair lists: token int32 [P] and weight float32 [P] of every (token, slot) pair
+    grouped by expert, and offsets int32 [E + 1] (expert e's pairs are offsets[e] .. offsets[e + 1])."""
+    tok, wts, counts, starts = group_by_expert(routing, num_experts, pad=0)
+    offsets = jnp.concatenate([starts, (starts[-1] + counts[-1])[None]]).astype(jnp.int32)
+    return tok, wts.astype(jnp.float32), offsets
 
 
 def experts_native_stacked(x: jax.Array, routing: Routing, experts: Any) -> jax.Array:
     """`experts_native` over a `models.quant.experts.StackedQuantExperts`: its three stacked block arrays go to the
     kernel whole (three program parameters per layer, not three per expert); the same kernel and numbers."""
-    tok, wts, counts, starts = group_by_expert(routing, experts.num_experts, pad=0)
-    offsets = jnp.concatenate([starts, (starts[-1] + counts[-1])[None]]).astype(jnp.int32)
-    return native.qexperts_stacked(x, tok, wts.astype(jnp.float32), offsets, *experts.stacks(),
-                                   qgu=experts.gate_up_type, qdown=experts.down_type)
+    tok, wts, offsets = native_pairs(routing, experts.num_experts)
+    return native.qexperts_stacked(x, tok, wts, offsets, *experts.stacks(), qgu=experts.gate_up_type,
+                                   qdown=experts.down_type)
 
 
 def native_reads_stacks(x: jax.Array, experts: Any) -> bool:

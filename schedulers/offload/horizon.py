@@ -310,7 +310,11 @@ class Horizon(PreSched):
         comes_back = (layers - state.layer) % L
         comes_back = np.where(comes_back == 0, L, comes_back)
         lru = self.last_used[layers, experts]
-        return np.lexsort((lru, self.standing(layers, experts) / comes_back))[:need]
+        key = self.standing(layers, experts) / comes_back
+        if need < key.size:  # sort only what can be chosen (as PreSched's order): keys up to the need-th smallest
+            some = np.flatnonzero(key <= np.partition(key, need - 1)[need - 1])
+            return some[np.lexsort((lru[some], key[some]))][:need]
+        return np.lexsort((lru, key))
 
 
 def plan_time(state: LayerState, plan: LayerPlan) -> float:
