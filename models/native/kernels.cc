@@ -1219,6 +1219,7 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // ------------------------------------------------------------------------------------------------
 
 #define MS_INLINE inline __attribute__((always_inline))
+#define MS_INLINE_LAMBDA __attribute__((always_inline))
 #ifndef MS_QPREFETCH
 #define MS_QPREFETCH 2048  // bytes ahead each weight stream is prefetched (AVX-512 block kernels)
 #endif
@@ -1300,7 +1301,8 @@ uint16_t f32_to_f16(float f) {
 //   xs f32 [Kp/4] (d * the lane's sum of q; Q4_K's min term), bs int16 [Kp/16] (the sum of each 16 q: the
 //   K-quant kernels' min / offset terms, as llama.cpp's q8_K bsums), and for the K-quants kx [64 bytes per 256]:
 //   the activation side of the AVX-512 kernels' min / offset term, laid out for their lanes (kq_side).
-//   4 * Kp + bs_bytes(Kp) + kx_bytes(Kp) bytes per row.
+//   4 * Kp + bs_bytes(Kp) + kx_bytes(Kp) bytes per row; the 32-weight types (Q8_0, Q4_0) add ux [ux_bytes(Kp)]: the
+//   same row in the AVX-512 block-unit layout (q32_units).
 struct QRow {
   const int8_t* q;
   const int32_t* nxo;
@@ -1308,23 +1310,45 @@ struct QRow {
   const float* xs;
   const int16_t* bs;
   const uint8_t* kx;
+  const uint8_t* ux;
 };
 
 inline int64_t pad64(int64_t k) { return (k + 63) / 64 * 64; }
 inline int64_t bs_bytes(int64_t kp) { return pad64(kp / 8); }
 inline int64_t kx_bytes(int64_t kp) { return pad64(kp / 4); }
+inline int64_t ux_bytes(int64_t kp) { return (kp + 127) / 128 * 256; }  // 256 bytes per 128 weights
 
 struct QAct {
   const uint8_t* base = nullptr;
   int64_t Kp = 0;
-  int64_t stride = 0;  // bytes from row to row: 4 Kp + bs_bytes + kx_bytes + 64 (rows 4 KiB-multiples apart share L1 sets)
+  int64_t stride = 0;  // bytes from row to row: 4 Kp + bs_bytes + kx_bytes (+ ux_bytes) + 64 (rows 4 KiB-multiples apart share L1 sets)
   QRow row(int64_t m) const {
     const uint8_t* r = base + size_t(m) * size_t(stride);
+    const uint8_t* kx = r + 4 * Kp + bs_bytes(Kp);
     return {reinterpret_cast<const int8_t*>(r), reinterpret_cast<const int32_t*>(r + Kp),
             reinterpret_cast<const float*>(r + 2 * Kp), reinterpret_cast<const float*>(r + 3 * Kp),
-            reinterpret_cast<const int16_t*>(r + 4 * Kp), r + 4 * Kp + bs_bytes(Kp)};
+            reinterpret_cast<const int16_t*>(r + 4 * Kp), kx, kx + kx_bytes(Kp)};
   }
 };
+
+// The block-unit layout of a row for 32-weight blocks (the AVX-512 Q4_0 kernel, qmk512_u), 256 bytes per unit of 4
+// blocks (128 weights), zero past K: qa [64] (128-bit lane b: q of weights 0..15 of block b), qb [64] (weights 16..31),
+// off int32 [16] (dword 4b + l: -o * the sum of the 8 q at weights 4l .. 4l+3 and 16+4l .. 16+4l+3 of block b: the
+// offset term of the 8 products that dword gathers), dx f32 [16] (dword 4b + l: block b's d). Built from the row's
+// q / nxo / dl arrays.
+void q32_units(const int8_t* q, const int32_t* nxo, const float* dl, int64_t K, uint8_t* ux) {
+  for (int64_t blk = 0; blk < K / 32; ++blk) {
+    uint8_t* u = ux + 256 * (blk / 4);
+    const int b = int(blk % 4);
+    std::memcpy(u + 16 * b, q + 32 * blk, 16);
+    std::memcpy(u + 64 + 16 * b, q + 32 * blk + 16, 16);
+    for (int l = 0; l < 4; ++l) {
+      const int32_t off = nxo[8 * blk + l] + nxo[8 * blk + 4 + l];
+      std::memcpy(u + 128 + 4 * (4 * b + l), &off, 4);
+      std::memcpy(u + 192 + 4 * (4 * b + l), dl + 8 * blk, 4);
+    }
+  }
+}
 
 // The activation side of the AVX-512 K-quant kernels' second term, per 256-weight super-block (64 bytes), for
 // lanes where an output owns dwords p = 4k + e (k: 128-bit lane, e: 0..3) with e in {0, 1} or in {2, 3}, the
@@ -1397,6 +1421,11 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
       xs[lane] = d * float(s);
     }
   }
+  if (xb == 32) {
+    uint8_t* ux = dst + 4 * Kp + bs_bytes(Kp) + kx_bytes(Kp);
+    std::memset(ux, 0, size_t(ux_bytes(Kp)));
+    q32_units(q, nxo, dl, K, ux);
+  }
 }
 
 // Quantizes M rows (row m: x + row(m) * ld, bf16 bits if xbf16 else f32; row(m) = rows ? rows[m] : m).
@@ -1404,8 +1433,10 @@ QAct quantize_rows(const QSpec& sp, const void* x, bool xbf16, size_t ld, const 
                    std::vector<float>& buf) {
   QAct a;
   a.Kp = pad64(K);
-  const int64_t Mp = (M + 31) / 32 * 32;  // AMX takes activation rows 32 at a time: zero rows past M
-  a.stride = 4 * a.Kp + bs_bytes(a.Kp) + kx_bytes(a.Kp) + 64;
+  // AMX (calls of kAmxMinRows rows or more) takes activation rows 32 at a time: zero rows past M; smaller calls
+  // never read past M (zeroing 31 padding rows cost a 1-row decode call 20-30 us, more than its Q4_0 matvec at H 2048)
+  const int64_t Mp = M >= kAmxMinRows ? (M + 31) / 32 * 32 : M;
+  a.stride = 4 * a.Kp + bs_bytes(a.Kp) + kx_bytes(a.Kp) + (sp.xblk == 32 ? ux_bytes(a.Kp) : 0) + 64;
   uint8_t* d = static_cast<uint8_t*>(grow_bytes(buf, size_t(Mp * a.stride) + 64));
   d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64;
   std::memset(d + size_t(M * a.stride), 0, size_t((Mp - M) * a.stride));
@@ -1837,6 +1868,76 @@ void qmk512_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, 
   store_acc<R, MR>(accv, vacc, last, y + m0 * ldy, ldy, nc);
 }
 
+// Q4_0 in units of 4 blocks (128 weights, 72 bytes of a weight row): per unit and weight row, the 4 blocks' nibbles
+// gathered into one vector (128-bit lane b: block b's 16 bytes), ua = the low nibbles (weights 0..15 of each block),
+// ub = the high (16..31), and the 4 f16 scales converted at once (VPERMW + VCVTPH2PS: dword 4b + l holds block b's);
+// the activations in the matching layout (QRow::ux, q32_units). Per weight row and activation row: two chained
+// VPDPBUSD from the offset term (off) give 16 exact int32 sums of 8 products each, 4 per block, then one conversion,
+// one multiply (d_w * d_x) and one FMA: 5 vector operations per output and 128 weights, against 8 per 128 in the
+// 64-weight-group kernel (qmk512_rm), whose per-group f16 table look-ups and scale inserts also go. Each dword of an
+// output's accumulator takes its 8-product integer sum times (d_w * d_x) per block in K order, the 16 dwords are
+// summed in one fixed order at the end (hsum512): row m of an M-row call is the 1-row call on that row, bit for bit.
+// |sum| <= 8 * 15 * 127 + 8 * 8 * 127 < 2^24: the conversion is exact.
+MS_INLINE void q4_0_unit(const uint8_t* p, int nb, __m512i& ua, __m512i& ub, __m512& dw) {
+  const __m512i m4 = _mm512_set1_epi8(15);
+  __m512i raw, hdr;
+  if (nb == 4) {
+    raw = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2)));
+    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 20)), 1);
+    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 38)), 2);
+    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 56)), 3);
+    hdr = _mm512_loadu_si512(p);
+  } else {  // the row's last 1-3 blocks: nothing read past them, zero codes and scales in the missing lanes
+    raw = _mm512_setzero_si512();
+    for (int b = 0; b < nb; ++b) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18 * b + 2));
+      raw = _mm512_mask_broadcast_i32x4(raw, __mmask16(0xFu << (4 * b)), v);
+    }
+    hdr = _mm512_maskz_loadu_epi8((uint64_t(1) << (18 * nb)) - 1, p);
+  }
+  ua = _mm512_and_si512(raw, m4);
+  ub = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+  // word 4b + l <- word 9b (block b's f16 d at byte 18b)
+  const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 27, 27, 27, 27, 18, 18, 18, 18,
+                                       9, 9, 9, 9, 0, 0, 0, 0);
+  dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(idx, hdr)));
+}
+
+template <int R, int MR, bool PF>
+void qmk512_u(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K, float* y,
+              size_t ldy, const int* nc, float* vacc, bool first, bool last) {
+  __m512 accv[R][MR];
+  load_acc<R, MR>(accv, vacc, first);
+  const uint8_t* xu[MR];
+  for (int i = 0; i < MR; ++i) xu[i] = a.row(m0 + i).ux;
+  auto unit = [&](int64_t u, int nb) MS_INLINE_LAMBDA {
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      const uint8_t* p = wr[j] + u * 72;
+      if constexpr (PF) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kQPrefetch, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kQPrefetch + 71, _MM_HINT_T1);
+      }
+      __m512i ua, ub;
+      __m512 dw;
+      q4_0_unit(p, nb, ua, ub, dw);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const uint8_t* x = xu[i] + 256 * u;
+        __m512i v = _mm512_dpbusd_epi32(_mm512_load_si512(x + 128), ua, _mm512_load_si512(x));
+        v = _mm512_dpbusd_epi32(v, ub, _mm512_load_si512(x + 64));
+        accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dw, _mm512_load_ps(x + 192)), accv[j][i]);
+      }
+    }
+  };
+  // units [g0 / 2, (g1 + 1) / 2): g0 is even (chunks start at multiples of kQKC groups); the row's last 1-3 blocks
+  // (K % 128) make a unit of their own
+  const int64_t nblk = K / 32, ue = (g1 + 1) / 2, full = std::min(ue, nblk / 4);
+  for (int64_t u = g0 / 2; u < full; ++u) unit(u, 4);
+  if (full < ue) unit(full, int(nblk - 4 * full));
+  store_acc<R, MR>(accv, vacc, last, y + m0 * ldy, ldy, nc);
+}
+
 // K-quants (Q4_K, Q6_K): inside a 256-weight super-block the integer sub-block scales multiply exact integer sums
 // and the float scales are applied once per super-block, as in llama.cpp's q4_K / q6_K x q8_K dot products:
 // d * d_x * (sum_j sc_j sum_k u_k q_k - 32 sum_j sc_j bs_j for Q6_K) - dmin * d_x * sum_j m_j bs_j (Q4_K's mins; bs:
@@ -2030,6 +2131,7 @@ template <int QT, int R, int MR, bool PF>
 MS_INLINE void qmk512_call(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K,
                            float* y, size_t ldy, const int* nc, float* vacc, bool first, bool last) {
   if constexpr (QT == kQ4_K || QT == kQ6_K) qmk512k_rm<QT, R, MR, PF>(wr, a, m0, g0, g1, y, ldy, nc, vacc, first, last);
+  else if constexpr (QT == kQ4_0) qmk512_u<R, MR, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
   else qmk512_rm<QT, R, MR, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
 }
 
