@@ -115,21 +115,24 @@ def test_kquant_extreme_blocks(isa, qtype):
         assert np.all(np.abs(y - ref) <= bound(x[:M], w)), (isa, qtype, M, np.abs(y - ref).max())
 
 
-def test_activation_quantization_as_the_kernels():
-    """The numpy activation rounding is the one the kernels use, bit for bit (ties, zeros, a repeated max)."""
+def test_activation_quantization_as_the_kernels(isa):
+    """The numpy activation rounding is the one the kernels use, bit for bit (ties, zeros, a repeated max), on every
+    ISA path (the AVX-512 paths quantize per-32 blocks with vector code, the others with scalar code)."""
     rng = np.random.default_rng(3)
     lib = native.load()
-    x = rng.standard_normal((5, 512)).astype(np.float32)
+    x = rng.standard_normal((6, 512)).astype(np.float32)
     x[1] = 0.0
     x[2, :256] = np.float32(2.0)
     x[2, 7] = -2.0
     x[3] = (np.arange(512) % 9 - 4) * np.float32(0.5)  # scaled halves
     x[4, 32:64] = np.float32(127 / 2) * np.linspace(-1, 1, 32, dtype=np.float32)
+    x[5] = (np.arange(512) % 64 - 32) * np.float32(0.25)  # with a max of 63.5 per block, d = 0.5: v / d has every
+    x[5, ::32] = np.float32(63.5)  # tie k + 1/2 of both signs from -16 to 15
     for qtype in QTYPES:
         q = np.empty(x.shape, np.int8)
         B = 32 if qtype in ("q8_0", "q4_0") else 256
-        d = np.empty((5, 512 // B), np.float32)
-        assert lib.ms_qquantize(x.ctypes.data, 5, 512, native.QTYPE_IDS[qtype], q.ctypes.data, d.ctypes.data) == 0
+        d = np.empty((6, 512 // B), np.float32)
+        assert lib.ms_qquantize(x.ctypes.data, 6, 512, native.QTYPE_IDS[qtype], q.ctypes.data, d.ctypes.data) == 0
         qn, dn = native.quantize_activations(x, qtype)
         np.testing.assert_array_equal(q, qn, err_msg=qtype)
         np.testing.assert_array_equal(d, dn, err_msg=qtype)

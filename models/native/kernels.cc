@@ -1372,6 +1372,51 @@ void kq_side(int qt, const int16_t* bs, float d, uint8_t* kx) {
 
 inline float roundf_away(float v) { return std::round(v); }
 
+#if MS_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+// quantize_row's per-32 (Q8_0) quantization of the blocks, vectorized: the same values bit for bit (the same amax,
+// the same IEEE division, product and round-half-away-from-zero: trunc, then +-1 where the exact fraction is >= 1/2;
+// a NaN or an out-of-range product gives the scalar conversion's byte). A decode call's activation rounding cost
+// 5-6 ns per element in scalar code (round() is a libm call), ~45 us for 4 rows of 2048: a fifth of a 4-token Q4_0
+// expert at Qwen3-30B-A3B's width.
+void quantize_q32_512(int offset, const float* x, int64_t K, int8_t* q, int32_t* nxo, float* dl, float* xs, int16_t* bs) {
+  const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+  const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
+  const __m256i ones = _mm256_set1_epi8(1), noff = _mm256_set1_epi32(-offset);
+  auto round_away = [&](__m512 y) MS_INLINE_LAMBDA {
+    const __m512 t = _mm512_roundscale_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m512 fr = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(y, t)), absmask));
+    const __m512 sgn = _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(absmask, _mm512_castps_si512(y)),
+                                                           _mm512_castps_si512(one)));
+    return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, _mm512_cmp_ps_mask(fr, half, _CMP_GE_OQ), t, sgn));
+  };
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const __m512 a0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), absmask));
+    const __m512 a1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), absmask));
+    // max(|v|, m) keeps m where |v| is NaN, as std::max(amax, |v|) does
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a1, _mm512_max_ps(a0, _mm512_setzero_ps())));
+    const float dd = amax / 127.0f;
+    const __m512 id = _mm512_set1_ps(dd != 0.0f ? 1.0f / dd : 0.0f);
+    const __m128i q0 = _mm512_cvtepi32_epi8(round_away(_mm512_mul_ps(v0, id)));
+    const __m128i q1 = _mm512_cvtepi32_epi8(round_away(_mm512_mul_ps(v1, id)));
+    const __m256i qv = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), qv);
+    const float d = g_f16[f32_to_f16(dd)];
+    const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, qv);  // each lane's sum of 4 q
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(nxo + 8 * b), _mm256_mullo_epi32(s, noff));
+    _mm256_storeu_ps(dl + 8 * b, _mm256_set1_ps(d));
+    _mm256_storeu_ps(xs + 8 * b, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s)));
+    alignas(32) int32_t sl[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sl), s);
+    bs[2 * b] = int16_t(sl[0] + sl[1] + sl[2] + sl[3]);
+    bs[2 * b + 1] = int16_t(sl[4] + sl[5] + sl[6] + sl[7]);
+  }
+}
+#pragma GCC pop_options
+#endif
+
 void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int64_t Kp) {
   int8_t* q = reinterpret_cast<int8_t*>(dst);
   int32_t* nxo = reinterpret_cast<int32_t*>(dst + Kp);
@@ -1380,7 +1425,13 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
   int16_t* bs = reinterpret_cast<int16_t*>(dst + 4 * Kp);
   std::memset(dst, 0, size_t(4 * Kp + bs_bytes(Kp) + kx_bytes(Kp)));
   const int xb = sp.xblk;
-  for (int64_t b = 0; b < K / xb; ++b) {
+#if MS_X86
+  const bool vec32 = xb == 32 && g_isa.load(std::memory_order_relaxed) >= kAvx512Bf16;
+  if (vec32) quantize_q32_512(sp.offset, x, K, q, nxo, dl, xs, bs);
+#else
+  const bool vec32 = false;
+#endif
+  for (int64_t b = 0; b < (vec32 ? 0 : K / xb); ++b) {
     const float* v = x + b * xb;
     int8_t* o = q + b * xb;
     float d;
