@@ -1932,12 +1932,12 @@ void qmk512_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, 
 MS_INLINE void q4_0_unit(const uint8_t* p, int nb, __m512i& ua, __m512i& ub, __m512& dw) {
   const __m512i m4 = _mm512_set1_epi8(15);
   __m512i raw, hdr;
-  if (nb == 4) {
-    raw = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2)));
-    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 20)), 1);
-    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 38)), 2);
-    raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 56)), 3);
+  if (nb == 4) {  // the unit's 36 words: 0..31 in hdr, 32..35 (bytes 64..71) in the second source; block b's nibbles
+    // are words 9b + 1 .. 9b + 8 (18 is even: one word permute, not three 128-bit inserts)
+    const __m512i nidx = _mm512_set_epi16(35, 34, 33, 32, 31, 30, 29, 28, 26, 25, 24, 23, 22, 21, 20, 19, 17, 16, 15, 14,
+                                          13, 12, 11, 10, 8, 7, 6, 5, 4, 3, 2, 1);
     hdr = _mm512_loadu_si512(p);
+    raw = _mm512_permutex2var_epi16(hdr, nidx, _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 64))));
   } else {  // the row's last 1-3 blocks: nothing read past them, zero codes and scales in the missing lanes
     raw = _mm512_setzero_si512();
     for (int b = 0; b < nb; ++b) {
