@@ -1333,17 +1333,17 @@ struct QAct {
 
 // The block-unit layout of a row for 32-weight blocks (the AVX-512 Q4_0 kernel, qmk512_u), 256 bytes per unit of 4
 // blocks (128 weights), zero past K: qa [64] (128-bit lane b: q of weights 0..15 of block b), qb [64] (weights 16..31),
-// off int32 [16] (dword 4b + l: -o * the sum of the 8 q at weights 4l .. 4l+3 and 16+4l .. 16+4l+3 of block b: the
-// offset term of the 8 products that dword gathers), dx f32 [16] (dword 4b + l: block b's d). Built from the row's
-// q / nxo / dl arrays.
+// off int32 [16] (the 4 dwords of lane b: -o * the sum of block b's 32 q, its offset term), dx f32 [16] (lane b: block
+// b's d). Built from the row's q / nxo / dl arrays.
 void q32_units(const int8_t* q, const int32_t* nxo, const float* dl, int64_t K, uint8_t* ux) {
   for (int64_t blk = 0; blk < K / 32; ++blk) {
     uint8_t* u = ux + 256 * (blk / 4);
     const int b = int(blk % 4);
     std::memcpy(u + 16 * b, q + 32 * blk, 16);
     std::memcpy(u + 64 + 16 * b, q + 32 * blk + 16, 16);
+    int32_t off = 0;
+    for (int l = 0; l < 8; ++l) off += nxo[8 * blk + l];
     for (int l = 0; l < 4; ++l) {
-      const int32_t off = nxo[8 * blk + l] + nxo[8 * blk + 4 + l];
       std::memcpy(u + 128 + 4 * (4 * b + l), &off, 4);
       std::memcpy(u + 192 + 4 * (4 * b + l), dl + 8 * blk, 4);
     }
@@ -1919,21 +1919,24 @@ void qmk512_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, 
   store_acc<R, MR>(accv, vacc, last, y + m0 * ldy, ldy, nc);
 }
 
-// Q4_0 in units of 4 blocks (128 weights, 72 bytes of a weight row): per unit and weight row, the 4 blocks' nibbles
-// gathered into one vector (128-bit lane b: block b's 16 bytes), ua = the low nibbles (weights 0..15 of each block),
-// ub = the high (16..31), and the 4 f16 scales converted at once (VPERMW + VCVTPH2PS: dword 4b + l holds block b's);
-// the activations in the matching layout (QRow::ux, q32_units). Per weight row and activation row: two chained
-// VPDPBUSD from the offset term (off) give 16 exact int32 sums of 8 products each, 4 per block, then one conversion,
-// one multiply (d_w * d_x) and one FMA: 5 vector operations per output and 128 weights, against 8 per 128 in the
-// 64-weight-group kernel (qmk512_rm), whose per-group f16 table look-ups and scale inserts also go. Each dword of an
-// output's accumulator takes its 8-product integer sum times (d_w * d_x) per block in K order, the 16 dwords are
-// summed in one fixed order at the end (hsum512): row m of an M-row call is the 1-row call on that row, bit for bit.
-// |sum| <= 8 * 15 * 127 + 8 * 8 * 127 < 2^24: the conversion is exact.
-MS_INLINE void q4_0_unit(const uint8_t* p, int nb, __m512i& ua, __m512i& ub, __m512& dw) {
+// Q4_0 in units of 4 blocks (128 weights, 72 bytes of a weight row), four outputs per vector. Per unit and weight
+// row, the 4 blocks' nibbles are gathered by one word permute (128-bit lane b: block b's 16 bytes; 18 is even), ua =
+// the low nibbles (weights 0..15 of each block), ub = the high (16..31); the activations come in the matching layout
+// (QRow::ux, q32_units). For weight rows j0..j3 and one activation row: two chained VPDPBUSD per weight row give 16
+// dwords of 8 products each (4 per block, |sum| <= 8 * 15 * 127 < 2^15); VPACKSSDW + VPMADDWD by ones pair the rows
+// (j0, j1) and (j2, j3) (2 dwords per block and row, |sum| < 2^15: nothing saturates), and VPACKSSDW + VPDPWSSD by
+// ones, accumulating onto the block's offset term (-8 * the sum of its 32 q), leave one exact int32 per block and
+// weight row: 128-bit lane b holds block b's sums of j0, j1, j2, j3. Then one conversion, one multiply (d_w x d_x,
+// the four rows' f16 scales permuted into that layout and converted together) and one FMA serve four outputs. Per
+// unit of 4 weight rows: 4 word permutes, 4 shifts, 8 ANDs and 3 scale permutes / blends + 1 conversion, and per
+// activation row 8 VPDPBUSD + 6 packs / madds + 3 float operations: 17 vector operations where the per-output
+// kernel (qmk512_rm, 64 weights a step) took 32 and its scale look-ups. An output's terms, block by block, go into
+// its own 4 lanes (one per block position of a unit) in K order, and the lanes are summed in one fixed order at the
+// end (qsum4): whatever rows share the call, row m of an M-row call is the 1-row call on that row, bit for bit.
+MS_INLINE void q4_0_codes(const uint8_t* p, int nb, __m512i& ua, __m512i& ub, __m512i& hdr) {
   const __m512i m4 = _mm512_set1_epi8(15);
-  __m512i raw, hdr;
-  if (nb == 4) {  // the unit's 36 words: 0..31 in hdr, 32..35 (bytes 64..71) in the second source; block b's nibbles
-    // are words 9b + 1 .. 9b + 8 (18 is even: one word permute, not three 128-bit inserts)
+  __m512i raw;
+  if (nb == 4) {  // the unit's 36 words: 0..31 in hdr, 32..35 (bytes 64..71) in the second source
     const __m512i nidx = _mm512_set_epi16(35, 34, 33, 32, 31, 30, 29, 28, 26, 25, 24, 23, 22, 21, 20, 19, 17, 16, 15, 14,
                                           13, 12, 11, 10, 8, 7, 6, 5, 4, 3, 2, 1);
     hdr = _mm512_loadu_si512(p);
@@ -1948,45 +1951,88 @@ MS_INLINE void q4_0_unit(const uint8_t* p, int nb, __m512i& ua, __m512i& ub, __m
   }
   ua = _mm512_and_si512(raw, m4);
   ub = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-  // word 4b + l <- word 9b (block b's f16 d at byte 18b)
-  const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 27, 27, 27, 27, 18, 18, 18, 18,
-                                       9, 9, 9, 9, 0, 0, 0, 0);
-  dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(idx, hdr)));
 }
 
+// The f16 scales of four weight rows' units (hdr: each unit's first 64 bytes; block b's d is word 9b) as f32, dword
+// 4b + k = row k's block b.
+MS_INLINE __m512 q4_0_scales4(const __m512i* hdr) {
+  const __m512i i01 = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 59, 27, 0, 0, 50, 18, 0, 0,
+                                       41, 9, 0, 0, 32, 0);
+  const __m512i i23 = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 59, 27, 0, 0, 50, 18, 0, 0, 41, 9,
+                                       0, 0, 32, 0, 0, 0);
+  const __m512i w = _mm512_mask_blend_epi16(0xCCCC, _mm512_permutex2var_epi16(hdr[0], i01, hdr[1]),
+                                            _mm512_permutex2var_epi16(hdr[2], i23, hdr[3]));
+  return _mm512_cvtph_ps(_mm512_castsi512_si256(w));
+}
+
+// Block sums of weight rows j0..j3 (codes ua[k], ub[k]) against one activation row's unit x: lane b = [j0 .. j3] of
+// block b, plus the block's offset term.
+MS_INLINE __m512i q4_0_sums4(const __m512i* ua, const __m512i* ub, const uint8_t* x) {
+  const __m512i ones = _mm512_set1_epi16(1);
+  const __m512i qa = _mm512_load_si512(x), qb = _mm512_load_si512(x + 64);
+  __m512i v[4];
+  for (int k = 0; k < 4; ++k) v[k] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ua[k], qa), ub[k], qb);
+  const __m512i p01 = _mm512_madd_epi16(_mm512_packs_epi32(v[0], v[1]), ones);
+  const __m512i p23 = _mm512_madd_epi16(_mm512_packs_epi32(v[2], v[3]), ones);
+  return _mm512_dpwssd_epi32(_mm512_load_si512(x + 128), _mm512_packs_epi32(p01, p23), ones);
+}
+
+// Output k of a four-output vector: ((block 0 + block 2) + (block 1 + block 3)) of its lanes, for k = 0..3 at once.
+MS_INLINE __m128 qsum4(__m512 v) {
+  const __m512 t = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  return _mm_add_ps(_mm512_castps512_ps128(t), _mm512_extractf32x4_ps(t, 1));
+}
+
+// R weight rows (in quads; rows past R are zero codes, their outputs dropped) x MR activation rows over groups
+// [g0, g1) (g0 even: chunks start at multiples of kQKC groups). vacc: the quads' vectors between K chunks.
 template <int R, int MR, bool PF>
 void qmk512_u(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K, float* y,
               size_t ldy, const int* nc, float* vacc, bool first, bool last) {
-  __m512 accv[R][MR];
-  load_acc<R, MR>(accv, vacc, first);
+  constexpr int NQ = (R + 3) / 4;
+  __m512 acc[NQ][MR];
+  for (int q = 0; q < NQ; ++q)
+    for (int i = 0; i < MR; ++i) acc[q][i] = first ? _mm512_setzero_ps() : _mm512_load_ps(vacc + (q * MR + i) * 16);
   const uint8_t* xu[MR];
   for (int i = 0; i < MR; ++i) xu[i] = a.row(m0 + i).ux;
   auto unit = [&](int64_t u, int nb) MS_INLINE_LAMBDA {
-#pragma GCC unroll 8
-    for (int j = 0; j < R; ++j) {
-      const uint8_t* p = wr[j] + u * 72;
-      if constexpr (PF) {
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kQPrefetch, _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kQPrefetch + 71, _MM_HINT_T1);
+#pragma GCC unroll 2
+    for (int q = 0; q < NQ; ++q) {
+      __m512i ua[4], ub[4], hdr[4];
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        if (4 * q + k >= R) {
+          ua[k] = ub[k] = hdr[k] = _mm512_setzero_si512();
+          continue;
+        }
+        const uint8_t* p = wr[4 * q + k] + u * 72;
+        if constexpr (PF) {
+          _mm_prefetch(reinterpret_cast<const char*>(p) + kQPrefetch, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(p) + kQPrefetch + 71, _MM_HINT_T1);
+        }
+        q4_0_codes(p, nb, ua[k], ub[k], hdr[k]);
       }
-      __m512i ua, ub;
-      __m512 dw;
-      q4_0_unit(p, nb, ua, ub, dw);
+      const __m512 dw = q4_0_scales4(hdr);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const uint8_t* x = xu[i] + 256 * u;
-        __m512i v = _mm512_dpbusd_epi32(_mm512_load_si512(x + 128), ua, _mm512_load_si512(x));
-        v = _mm512_dpbusd_epi32(v, ub, _mm512_load_si512(x + 64));
-        accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dw, _mm512_load_ps(x + 192)), accv[j][i]);
+        acc[q][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_sums4(ua, ub, x)), _mm512_mul_ps(dw, _mm512_load_ps(x + 192)),
+                                    acc[q][i]);
       }
     }
   };
-  // units [g0 / 2, (g1 + 1) / 2): g0 is even (chunks start at multiples of kQKC groups); the row's last 1-3 blocks
-  // (K % 128) make a unit of their own
   const int64_t nblk = K / 32, ue = (g1 + 1) / 2, full = std::min(ue, nblk / 4);
   for (int64_t u = g0 / 2; u < full; ++u) unit(u, 4);
   if (full < ue) unit(full, int(nblk - 4 * full));
-  store_acc<R, MR>(accv, vacc, last, y + m0 * ldy, ldy, nc);
+  for (int q = 0; q < NQ; ++q)
+    for (int i = 0; i < MR; ++i) {
+      if (!last) {
+        _mm512_store_ps(vacc + (q * MR + i) * 16, acc[q][i]);
+        continue;
+      }
+      alignas(16) float o[4];
+      _mm_store_ps(o, qsum4(acc[q][i]));
+      for (int k = 0; k < 4 && 4 * q + k < R; ++k) y[(m0 + i) * ldy + nc[4 * q + k]] = o[k];
+    }
 }
 
 // K-quants (Q4_K, Q6_K): inside a 256-weight super-block the integer sub-block scales multiply exact integer sums
@@ -2189,7 +2235,7 @@ MS_INLINE void qmk512_call(const uint8_t* const* wr, const QAct& a, int64_t m0, 
 template <int QT, int R, bool PF>
 void qmk512_mr(int mr, const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K, float* y,
                size_t ldy, const int* nc, float* vacc, bool first, bool last) {
-  if constexpr (QT == kQ8_0 || QT == kQ4_0) {  // at most 4 rows a call (kQGroup)
+  if constexpr (QT == kQ8_0) {  // at most 4 rows a call (kQGroup)
     switch (mr) {
       case 1: return qmk512_call<QT, R, 1, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
       case 2: return qmk512_call<QT, R, 2, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
@@ -2235,12 +2281,13 @@ void qmk512_any(bool pf, int r, int mr, const uint8_t* const* wr, const QAct& a,
 // y[m, n] for n in [n0, n1), all M rows, on the AVX-512 path. Up to kQOnePass rows: one pass over the weights,
 // every weight row unpacked once for all rows, prefetched. More rows: blocks of R weight rows x kQKC groups (in
 // L1) taken by every group of kQGroup rows in turn, prefetched by the first. The K-quants' integer sums leave
-// registers for 8 rows x 2 weight rows; Q8_0 / Q4_0 measured faster in 4-row groups x 4 weight rows (their
-// per-row float work is larger: 1-thread A/B at 14336 x 4096, m = 8, weights from memory: 8 x 2 0.82x of 4 x 4).
+// registers for 8 rows x 2 weight rows; Q8_0 measured faster in 4-row groups x 4 weight rows (its per-row float
+// work is larger: 1-thread A/B at 14336 x 4096, m = 8, weights from memory: 8 x 2 0.82x of 4 x 4). Q4_0 (qmk512_u:
+// one vector per activation row and 4 weight rows) takes 8 rows x 4 weight rows.
 template <int QT>
-constexpr int kQOnePass = QT == kQ4_K || QT == kQ6_K ? 8 : 4;
+constexpr int kQOnePass = QT == kQ8_0 ? 4 : 8;
 template <int QT>
-constexpr int kQGroup = QT == kQ4_K || QT == kQ6_K ? 8 : 4;
+constexpr int kQGroup = QT == kQ8_0 ? 4 : 8;
 
 template <int QT>
 void qgemm_range_512(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
@@ -2262,7 +2309,7 @@ void qgemm_range_512(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size
     });
   };
   if (M <= kQOnePass<QT>) {
-    const int R = qstreams(int(M));
+    const int R = QT == kQ4_0 ? 4 : qstreams(int(M));
     auto rows = [&](auto&& block) {
       if (R == kQRBig) for_blocks<kQRBig>(n0, n1, block);
       else if (R == 4) for_blocks<4>(n0, n1, block);
@@ -2270,7 +2317,7 @@ void qgemm_range_512(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size
     };
     return pass(R, 0, M, G, int(M), rows);
   }
-  constexpr int R = MG == 8 ? 2 : 4;
+  constexpr int R = MG == 8 && QT != kQ4_0 ? 2 : 4;
   for (int64_t mb = 0; mb < M; mb += kmb)
     pass(R, mb, std::min(M, mb + kmb), kc, MG, [&](auto&& block) { for_blocks<R>(n0, n1, block); });
 }
