@@ -1751,9 +1751,43 @@ void qmk_avx2_k(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int 
     for (int i = 0; i < mr; ++i) put(y + (m0 + i) * ldy + nc[j], hsum256(accv[j][i]), acc);
 }
 
+// Q4_0 on AVX2, per 32-weight block: the 16 nibble bytes widened in registers (low nibbles weights 0..15, high
+// 16..31, the activations' order), VPMADDUBSW (pairs of products, at most 2 * 15 * 127: nothing saturates) and
+// VPMADDWD by ones into one exact int32 lane per 4 weights, plus the lane's offset term, then the same f32 lane
+// terms as the generic path: cvt(v) * (d_w * d_x) per lane, in block order, lanes summed by hsum256. The generic
+// path unpacked every 64 weights through memory with scalar code (1.3-1.4 G weights/s, ~4 % of a core's read rate).
+void qmk_avx2_q4_0(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1,
+                   int64_t K, float* y, size_t ldy, const int* nc, bool acc) {
+  __m256 accv[kQR][kQMR];
+  for (int j = 0; j < kQR; ++j)
+    for (int i = 0; i < kQMR; ++i) accv[j][i] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  QRow xr[kQMR];
+  for (int i = 0; i < mr; ++i) xr[i] = a.row(m0 + i);
+  const int64_t b1 = std::min<int64_t>(2 * g1, K / 32);
+  for (int64_t b = 2 * g0; b < b1; ++b)
+    for (int j = 0; j < r; ++j) {
+      const uint8_t* blk = wr[j] + b * 18;
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+      const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
+      const __m256 dw = _mm256_set1_ps(f16_at(blk));
+      for (int i = 0; i < mr; ++i) {
+        const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(xr[i].q + 32 * b));
+        __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
+        v = _mm256_add_epi32(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(xr[i].nxo + 8 * b)));
+        const __m256 sd = _mm256_mul_ps(dw, _mm256_load_ps(xr[i].dl + 8 * b));
+        accv[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sd, accv[j][i]);
+      }
+    }
+  for (int j = 0; j < r; ++j)
+    for (int i = 0; i < mr; ++i) put(y + (m0 + i) * ldy + nc[j], hsum256(accv[j][i]), acc);
+}
+
 void qmk_avx2(QMK_ARGS) {
   if (qt == kQ4_K) return qmk_avx2_k<kQ4_K>(r, wr, a, m0, mr, g0, g1, y, ldy, nc, acc);
   if (qt == kQ6_K) return qmk_avx2_k<kQ6_K>(r, wr, a, m0, mr, g0, g1, y, ldy, nc, acc);
+  if (qt == kQ4_0) return qmk_avx2_q4_0(r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
   __m256 accv[kQR][kQMR];
   for (int j = 0; j < kQR; ++j)
     for (int i = 0; i < kQMR; ++i) accv[j][i] = _mm256_setzero_ps();
