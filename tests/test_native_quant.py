@@ -115,6 +115,31 @@ def test_kquant_extreme_blocks(isa, qtype):
         assert np.all(np.abs(y - ref) <= bound(x[:M], w)), (isa, qtype, M, np.abs(y - ref).max())
 
 
+def test_q4_0_extreme_blocks(isa):
+    """Q4_0 blocks at the ends of their range (every code 15 or 0, scales of both signs) against activations of one
+    sign, of alternating sign and in steps, so the AVX-512 kernel's 8-product sums (8 x 15 x 127) and their pair sums
+    (packed into 16 bits twice on the way to one int32 per block and weight row) are at their largest; 9 weight rows
+    leave a weight-row quad with one row, K = 608 a last unit of 3 blocks, and M = 1..9 every row count."""
+    rows, K = 9, 608
+    data = np.zeros((rows, K // 32, 18), np.uint8)
+    data[:, :, 2:] = 0xFF
+    data[1::3, :, 2:] = 0x00  # codes 0: weights -8 d
+    data[2::3, :, 2:] = 0xF0  # codes 0 (weights 0..15) and 15 (16..31)
+    data[:, :, 0:2] = np.array([1e-3], np.float16).view(np.uint8)
+    data[::2, 1::2, 0:2] = np.array([-2.5e-3], np.float16).view(np.uint8)
+    w = QuantArray(data.reshape(rows, -1), "q4_0", (rows, K))
+    x = np.ones((9, K), np.float32)
+    x[1] = -1.0
+    x[2] = np.where(np.arange(K) % 2 == 0, 1.0, -1.0)
+    x[3] = np.where((np.arange(K) // 16) % 2 == 0, 3.0, -1.0)
+    x[4] = np.linspace(-1.0, 1.0, K, dtype=np.float32)
+    x[5:] = np.random.default_rng(5).standard_normal((4, K)).astype(np.float32)
+    for M in range(1, 10):
+        y = native.linear_host(x[:M], w, threads=1)
+        ref = native.qlinear_reference(x[:M], w)
+        assert np.all(np.abs(y - ref) <= bound(x[:M], w)), (isa, M, np.abs(y - ref).max())
+
+
 def test_activation_quantization_as_the_kernels(isa):
     """The numpy activation rounding is the one the kernels use, bit for bit (ties, zeros, a repeated max), on every
     ISA path (the AVX-512 paths quantize per-32 blocks with vector code, the others with scalar code)."""

@@ -1213,8 +1213,9 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // So each output equals "dequantize the blocks, dequantize the quantized activation, f32 matmul" up to f32
 // summation error. On the AVX-512 path an output does not depend on the other rows of the call: row m of an M-row
 // call is the 1-row call on that row, bit for bit (qgemm_range_512); the AMX path (>= 16 rows; Q6_K >= 32) sums in its own order.
-// Paths: AVX512-VNNI (VPDPBUSD; the K-quants with integer sub-block scales, two outputs per vector), AVX2 (16-bit madd; the K-quants likewise,
-// qmk_avx2_k), portable scalar, and AMX-INT8 tiles for calls of 16 rows or more (Q6_K: 32, amx_min_rows; the same integer sums per scale
+// Paths: AVX512-VNNI (VPDPBUSD; the K-quants with integer sub-block scales, two outputs per vector; Q4_0 with exact
+// per-block sums, four outputs per vector, qmk512_u), AVX2 (16-bit madd; the K-quants likewise, qmk_avx2_k; Q4_0
+// qmk_avx2_q4_0), portable scalar, and AMX-INT8 tiles for calls of 16 rows or more (Q6_K: 32, amx_min_rows; the same integer sums per scale
 // group, so the same terms up to the summation order).
 // ------------------------------------------------------------------------------------------------
 
