@@ -1214,7 +1214,7 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // summation error. On the AVX-512 path an output does not depend on the other rows of the call: row m of an M-row
 // call is the 1-row call on that row, bit for bit (qgemm_range_512); the AMX path (>= 16 rows; Q6_K >= 32) sums in its own order.
 // Paths: AVX512-VNNI (VPDPBUSD; the K-quants with integer sub-block scales, two outputs per vector; Q4_0 with exact
-// per-block sums, four outputs per vector, qmk512_u), AVX2 (16-bit madd; the K-quants likewise, qmk_avx2_k; Q4_0
+// per-block sums, four outputs per vector, qmk512_u; Q8_0 in the same 4-block units, qmk512_u8), AVX2 (16-bit madd; the K-quants likewise, qmk_avx2_k; Q4_0
 // qmk_avx2_q4_0), portable scalar, and AMX-INT8 tiles for calls of 16 rows or more (Q6_K: 32, amx_min_rows; the same integer sums per scale
 // group, so the same terms up to the summation order).
 // ------------------------------------------------------------------------------------------------
@@ -1334,17 +1334,19 @@ struct QAct {
 
 // The block-unit layout of a row for 32-weight blocks (the AVX-512 Q4_0 kernel, qmk512_u), 256 bytes per unit of 4
 // blocks (128 weights), zero past K: qa [64] (128-bit lane b: q of weights 0..15 of block b), qb [64] (weights 16..31),
-// off int32 [16] (the 4 dwords of lane b: -o * the sum of block b's 32 q, its offset term), dx f32 [16] (lane b: block
-// b's d). Built from the row's q / nxo / dl arrays.
-void q32_units(const int8_t* q, const int32_t* nxo, const float* dl, int64_t K, uint8_t* ux) {
+// off int32 [16] (Q4_0, per_block: the 4 dwords of lane b: -o * the sum of block b's 32 q, its offset term; Q8_0:
+// dword 4b + l: -o * the sum of the 8 q at weights 4l .. 4l+3 and 16+4l .. 16+4l+3 of block b, the offset of the 8
+// products that dword gathers), dx f32 [16] (lane b: block b's d). Built from the row's q / nxo / dl arrays.
+void q32_units(const int8_t* q, const int32_t* nxo, const float* dl, int64_t K, bool per_block, uint8_t* ux) {
   for (int64_t blk = 0; blk < K / 32; ++blk) {
     uint8_t* u = ux + 256 * (blk / 4);
     const int b = int(blk % 4);
     std::memcpy(u + 16 * b, q + 32 * blk, 16);
     std::memcpy(u + 64 + 16 * b, q + 32 * blk + 16, 16);
-    int32_t off = 0;
-    for (int l = 0; l < 8; ++l) off += nxo[8 * blk + l];
+    int32_t all = 0;
+    for (int l = 0; l < 8; ++l) all += nxo[8 * blk + l];
     for (int l = 0; l < 4; ++l) {
+      const int32_t off = per_block ? all : nxo[8 * blk + l] + nxo[8 * blk + 4 + l];
       std::memcpy(u + 128 + 4 * (4 * b + l), &off, 4);
       std::memcpy(u + 192 + 4 * (4 * b + l), dl + 8 * blk, 4);
     }
@@ -1476,7 +1478,7 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
   if (xb == 32) {
     uint8_t* ux = dst + 4 * Kp + bs_bytes(Kp) + kx_bytes(Kp);
     std::memset(ux, 0, size_t(ux_bytes(Kp)));
-    q32_units(q, nxo, dl, K, ux);
+    q32_units(q, nxo, dl, K, sp.offset == 8, ux);
   }
 }
 
@@ -1867,38 +1869,8 @@ inline __m512i codes512(const uint8_t* row, int64_t g, int n) {
   }
 }
 
-// Per-lane scales of group g in registers (group_scales' values; building them through memory would make
-// each vector load wait on 16 scalar stores).
-template <int QT>
-MS_INLINE void scales512(const uint8_t* row, int64_t g, int n, __m512& s, __m512& c) {
-  if constexpr (QT == kQ8_0 || QT == kQ4_0) {
-    constexpr int bytes = QT == kQ8_0 ? 34 : 18;
-    const float d0 = f16_at(row + 2 * g * bytes), d1 = n > 32 ? f16_at(row + (2 * g + 1) * bytes) : 0.0f;
-    s = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
-    c = _mm512_setzero_ps();
-  } else if constexpr (QT == kQ4_K) {
-    const uint8_t* sb = row + (g / 4) * 144;
-    const int j = int(g % 4);
-    const float d = f16_at(sb), dmin = f16_at(sb + 2);
-    uint8_t sc0, m0, sc1, m1;
-    scale_min_k4(2 * j, sb + 4, sc0, m0);
-    scale_min_k4(2 * j + 1, sb + 4, sc1, m1);
-    s = _mm512_insertf32x8(_mm512_set1_ps(d * float(sc0)), _mm256_set1_ps(d * float(sc1)), 1);
-    c = _mm512_insertf32x8(_mm512_set1_ps(-(dmin * float(m0))), _mm256_set1_ps(-(dmin * float(m1))), 1);
-  } else {
-    const uint8_t* sb = row + (g / 4) * 210;
-    const int j = int(g % 4);
-    int32_t sc4;
-    std::memcpy(&sc4, sb + 192 + 8 * (j / 2) + 4 * (j % 2), 4);
-    const __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(sc4))), _mm_set1_ps(f16_at(sb + 208)));
-    s = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(v));
-    c = _mm512_setzero_ps();
-  }
-}
-
-// R weight rows x MR activation rows, both compile-time: the accumulators stay in registers. Each weight row's
-// group is unpacked once and applied to all MR activation rows (Q8_0 / Q4_0: up to 4, the R rows' codes and
-// scales in registers, then each activation row's vectors once for all of them). PF: prefetch every stream
+// The micro-kernels take R weight rows x MR activation rows, both compile-time: the accumulators stay in registers.
+// Each weight row's block is unpacked once and applied to all MR activation rows. PF: prefetch every stream
 // kQPrefetch bytes ahead into L2 (the weights come from memory): with MR rows' work per line the out-of-order
 // window alone no longer keeps enough lines in flight.
 constexpr int kQPrefetch = MS_QPREFETCH;
@@ -1923,37 +1895,6 @@ MS_INLINE void store_acc(const __m512 (&accv)[R][MR], float* vacc, bool last, fl
     }
 }
 
-template <int QT, int R, int MR, bool PF>
-void qmk512_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K, float* y,
-               size_t ldy, const int* nc, float* vacc, bool first, bool last) {
-  static_assert(QT == kQ8_0 || QT == kQ4_0, "the K-quants take qmk512k_rm");
-  constexpr int gbytes = QT == kQ8_0 ? 68 : 36;  // bytes of one 64-weight group (two blocks)
-  __m512 accv[R][MR];
-  load_acc<R, MR>(accv, vacc, first);
-  QRow xr[MR];
-  for (int i = 0; i < MR; ++i) xr[i] = a.row(m0 + i);
-  for (int64_t g = g0; g < g1; ++g) {
-    const int n = int(std::min<int64_t>(64, K - 64 * g));
-    const int64_t lane = 16 * g;
-    __m512i u[R];
-    __m512 sv[R];
-    for (int j = 0; j < R; ++j) {
-      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + g * gbytes) + kQPrefetch, _MM_HINT_T1);
-      u[j] = codes512<QT>(wr[j], g, n);
-      __m512 cv;
-      scales512<QT>(wr[j], g, n, sv[j], cv);
-    }
-    for (int i = 0; i < MR; ++i) {  // each activation row's vectors loaded once for the R weight rows
-      const __m512i nxo = _mm512_load_si512(xr[i].nxo + lane), q = _mm512_load_si512(xr[i].q + 64 * g);
-      const __m512 dl = _mm512_load_ps(xr[i].dl + lane);
-      for (int j = 0; j < R; ++j)
-        accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(nxo, u[j], q)), _mm512_mul_ps(sv[j], dl),
-                                     accv[j][i]);
-    }
-  }
-  store_acc<R, MR>(accv, vacc, last, y + m0 * ldy, ldy, nc);
-}
-
 // Q4_0 in units of 4 blocks (128 weights, 72 bytes of a weight row), four outputs per vector. Per unit and weight
 // row, the 4 blocks' nibbles are gathered by one word permute (128-bit lane b: block b's 16 bytes; 18 is even), ua =
 // the low nibbles (weights 0..15 of each block), ub = the high (16..31); the activations come in the matching layout
@@ -1965,7 +1906,7 @@ void qmk512_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, 
 // the four rows' f16 scales permuted into that layout and converted together) and one FMA serve four outputs. Per
 // unit of 4 weight rows: 4 word permutes, 4 shifts, 8 ANDs and 3 scale permutes / blends + 1 conversion, and per
 // activation row 8 VPDPBUSD + 6 packs / madds + 3 float operations: 17 vector operations where the per-output
-// kernel (qmk512_rm, 64 weights a step) took 32 and its scale look-ups. An output's terms, block by block, go into
+// kernel it replaced (64 weights a step) took 32 and its scale look-ups. An output's terms, block by block, go into
 // its own 4 lanes (one per block position of a unit) in K order, and the lanes are summed in one fixed order at the
 // end (qsum4): whatever rows share the call, row m of an M-row call is the 1-row call on that row, bit for bit.
 MS_INLINE void q4_0_codes(const uint8_t* p, int nb, __m512i& ua, __m512i& ub, __m512i& hdr) {
@@ -2068,6 +2009,78 @@ void qmk512_u(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, i
       _mm_store_ps(o, qsum4(acc[q][i]));
       for (int k = 0; k < 4 && 4 * q + k < R; ++k) y[(m0 + i) * ldy + nc[4 * q + k]] = o[k];
     }
+}
+
+// Q8_0 in the same units of 4 blocks (136 bytes of a weight row): ua = each block's codes 0..15, ub = 16..31 (128-bit
+// lane b: block b), gathered by word permutes (34-byte blocks are word-aligned) and made unsigned (xor 0x80, the offset
+// of 128 in the activations' off), the 4 f16 scales converted at once. Per weight row and activation row: two chained
+// VPDPBUSD from off give 16 exact int32 sums of 8 products each (|sum| <= 8 * 255 * 127 + 8 * 128 * 127 < 2^24: the
+// conversion is exact), then one conversion, one multiply (d_w * d_x) and one FMA per 128 weights, where the
+// per-group kernel took 8 and unpacked 64 weights at a time with 128-bit inserts and scalar scale look-ups. Q8_0's
+// 8-product sums need 18 bits, so they are not packed into 16 as Q4_0's are. Each dword of an output's accumulator
+// takes its 8-product sum times (d_w * d_x) per block in K order; the 16 dwords are summed in one fixed order (hsum512):
+// row m of an M-row call is the 1-row call on that row, bit for bit.
+MS_INLINE void q8_0_unit(const uint8_t* p, int nb, __m512i& ua, __m512i& ub, __m512& dw) {
+  // words of the unit: block b's d is word 17b, its codes 0..15 words 17b+1 .. 17b+8, codes 16..31 17b+9 .. 17b+16
+  const __m512i ia = _mm512_set_epi16(59, 58, 57, 56, 55, 54, 53, 52, 42, 41, 40, 39, 38, 37, 36, 35, 25, 24, 23, 22, 21,
+                                      20, 19, 18, 8, 7, 6, 5, 4, 3, 2, 1);
+  // ub from bytes 8..71 (words 4..35: blocks 0, 1's words 9..16, 26..33) and 72..135 (words 36..67: blocks 2, 3's
+  // 43..50, 60..67; + 32 for the second source)
+  const __m512i ib = _mm512_set_epi16(63, 62, 61, 60, 59, 58, 57, 56, 46, 45, 44, 43, 42, 41, 40, 39, 29, 28, 27, 26, 25,
+                                      24, 23, 22, 12, 11, 10, 9, 8, 7, 6, 5);
+  const __m512i id = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 51, 51, 51, 51, 34, 34, 34, 34, 17,
+                                      17, 17, 17, 0, 0, 0, 0);
+  __m512i s0, s1, s8, s2;
+  if (nb == 4) {
+    s0 = _mm512_loadu_si512(p);
+    s1 = _mm512_loadu_si512(p + 64);
+    s8 = _mm512_loadu_si512(p + 8);
+    s2 = _mm512_loadu_si512(p + 72);
+  } else {  // the row's last 1-3 blocks: nothing read past them, zero scales in the missing lanes
+    const int n = 34 * nb;
+    auto upto = [](int c) { return c <= 0 ? uint64_t(0) : c >= 64 ? ~uint64_t(0) : (uint64_t(1) << c) - 1; };
+    s0 = _mm512_maskz_loadu_epi8(upto(n), p);
+    s1 = _mm512_maskz_loadu_epi8(upto(n - 64), p + 64);
+    s8 = _mm512_maskz_loadu_epi8(upto(n - 8), p + 8);
+    s2 = _mm512_maskz_loadu_epi8(upto(n - 72), p + 72);
+  }
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  ua = _mm512_xor_si512(_mm512_permutex2var_epi16(s0, ia, s1), flip);
+  ub = _mm512_xor_si512(_mm512_permutex2var_epi16(s8, ib, s2), flip);
+  // d words: 0, 17 in s0; 34, 51 are words 2, 19 of s1 (index 32 + 2, 32 + 19)
+  dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(s0, id, s1)));
+}
+
+template <int R, int MR, bool PF>
+void qmk512_u8(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K, float* y,
+               size_t ldy, const int* nc, float* vacc, bool first, bool last) {
+  __m512 accv[R][MR];
+  load_acc<R, MR>(accv, vacc, first);
+  const uint8_t* xu[MR];
+  for (int i = 0; i < MR; ++i) xu[i] = a.row(m0 + i).ux;
+  auto unit = [&](int64_t u, int nb) MS_INLINE_LAMBDA {
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      const uint8_t* p = wr[j] + u * 136;
+      if constexpr (PF)
+        for (int off = 0; off < 136; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(p) + kQPrefetch + off, _MM_HINT_T1);
+      __m512i ua, ub;
+      __m512 dw;
+      q8_0_unit(p, nb, ua, ub, dw);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const uint8_t* x = xu[i] + 256 * u;
+        __m512i v = _mm512_dpbusd_epi32(_mm512_load_si512(x + 128), ua, _mm512_load_si512(x));
+        v = _mm512_dpbusd_epi32(v, ub, _mm512_load_si512(x + 64));
+        accv[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dw, _mm512_load_ps(x + 192)), accv[j][i]);
+      }
+    }
+  };
+  const int64_t nblk = K / 32, ue = (g1 + 1) / 2, full = std::min(ue, nblk / 4);
+  for (int64_t u = g0 / 2; u < full; ++u) unit(u, 4);
+  if (full < ue) unit(full, int(nblk - 4 * full));
+  store_acc<R, MR>(accv, vacc, last, y + m0 * ldy, ldy, nc);
 }
 
 // K-quants (Q4_K, Q6_K): inside a 256-weight super-block the integer sub-block scales multiply exact integer sums
@@ -2264,7 +2277,7 @@ MS_INLINE void qmk512_call(const uint8_t* const* wr, const QAct& a, int64_t m0, 
                            float* y, size_t ldy, const int* nc, float* vacc, bool first, bool last) {
   if constexpr (QT == kQ4_K || QT == kQ6_K) qmk512k_rm<QT, R, MR, PF>(wr, a, m0, g0, g1, y, ldy, nc, vacc, first, last);
   else if constexpr (QT == kQ4_0) qmk512_u<R, MR, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
-  else qmk512_rm<QT, R, MR, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+  else qmk512_u8<R, MR, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
 }
 
 template <int QT, int R, bool PF>
