@@ -868,34 +868,11 @@ void* grow_bytes(std::vector<float>& v, size_t bytes) { return grow(v, (bytes + 
 inline float to_f32(uint16_t v) { return bf16_to_f32(v); }
 inline float to_f32(float v) { return v; }
 
-// The activations of an AMX-BF16 call as its B tiles, built once for every part of the call: rows (row(m) = rows ?
-// rows[m] : m, `ld` elements apart; bf16 bits, or f32 rounded to bf16, nearest even) padded with zeros to a multiple
-// of 32, K to a multiple of 32; tile (t, kb) = rows 16t .. 16t + 15, k 32kb .. 32kb + 31 as 16 k-pairs x 16 rows x 2
-// (1 KiB); tiles [Mp / 16][KB]. a.ld: KB.
-template <class SRC>
-Act amx_bf16_panel(const SRC* src, size_t ld, const int32_t* rows, int64_t M, int64_t K, std::vector<float>& buf) {
-  const int64_t Mp = (M + 31) / 32 * 32, KB = (K + 31) / 32, words = 16 * KB;
-  uint32_t* d = static_cast<uint32_t*>(grow_bytes(buf, size_t(Mp * words) * 4 + 64));
-  d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64 / 4;
-  std::memset(d, 0, size_t(Mp * words) * 4);
-  std::vector<uint32_t> tmp(static_cast<size_t>(words));
-  for (int64_t m = 0; m < M; ++m) {
-    std::fill(tmp.begin(), tmp.end(), 0u);
-    const SRC* s = src + (rows ? int64_t(rows[m]) : m) * int64_t(ld);
-    if constexpr (std::is_same<SRC, uint16_t>::value) {
-      std::memcpy(tmp.data(), s, size_t(K) * 2);
-    } else {
-      uint16_t* h = reinterpret_cast<uint16_t*>(tmp.data());
-      for (int64_t k = 0; k < K; ++k) h[k] = f32_to_bf16(s[k]);
-    }
-    uint32_t* t = d + (m / 16) * KB * 256 + m % 16;
-    for (int64_t i = 0; i < words; ++i) t[(i / 16) * 256 + (i % 16) * 16] = tmp[size_t(i)];
-  }
-  Act a;
-  a.x = d;
-  a.ld = size_t(KB);
-  return a;
-}
+#if MS_X86
+// The activations of an AMX-BF16 call as its B tiles (defined with the AMX kernels).
+Act amx_bf16_panel(const uint16_t* src, size_t ld, const int32_t* rows, int64_t M, int64_t K, std::vector<float>& buf);
+Act amx_bf16_panel(const float* src, size_t ld, const int32_t* rows, int64_t M, int64_t K, std::vector<float>& buf);
+#endif
 
 // Prepares M rows of K elements for the ISA path: row m is src + row(m) * ld, row(m) = rows ? rows[m] : m;
 // SRC is uint16_t (bf16 bits) or float, the weights' type.
@@ -921,7 +898,9 @@ Act prepare(int isa, int wt, const SRC* src, size_t ld, const int32_t* rows, int
   }
   constexpr int64_t kE = 64 / int64_t(sizeof(SRC));
   const int64_t Kp = (K + kE - 1) / kE * kE;
+#if MS_X86
   if (std::is_same<SRC, uint16_t>::value && amx_bf16_rows(isa, wt, M)) return amx_bf16_panel(src, ld, rows, M, K, buf);
+#endif
   if (M == 1) {
     if (!rows) {
       a.x = src;
@@ -2254,9 +2233,63 @@ inline void transpose16x16(__m512i* r) {
 }
 
 struct AmxScratch {
-  std::vector<float> panel, cb;
+  std::vector<float> panel, cb, rows;
 };
 thread_local AmxScratch t_amx;
+
+// The activations of an AMX-BF16 call as its B tiles, built once for every part of the call: rows (row(m) = rows ?
+// rows[m] : m, `ld` elements apart; bf16 bits as they are, or f32 rounded to bf16 by VCVTNE2PS2BF16: nearest even,
+// f32 subnormals as zero) padded with zeros to a multiple of 32, K to a multiple of 32; tile (t, kb) = rows 16t ..
+// 16t + 15, k 32kb .. 32kb + 31 as 16 k-pairs x 16 rows x 2 (1 KiB), by a 16 x 16 transpose of 32-bit words per
+// tile; tiles [Mp / 16][KB]. a.ld: KB.
+template <class SRC>
+Act amx_bf16_panel_t(const SRC* src, size_t ld, const int32_t* rows, int64_t M, int64_t K, std::vector<float>& buf) {
+  const int64_t Mp = (M + 31) / 32 * 32, KB = (K + 31) / 32, words = 16 * KB;
+  uint32_t* d = static_cast<uint32_t*>(grow_bytes(buf, size_t(Mp * words) * 4 + 64));
+  d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64 / 4;
+  uint32_t* tmp = static_cast<uint32_t*>(grow_bytes(t_amx.rows, size_t(16 * words) * 4 + 64));
+  tmp += (64 - reinterpret_cast<uintptr_t>(tmp) % 64) % 64 / 4;
+  for (int64_t t = 0; t < Mp / 16; ++t) {
+    for (int i = 0; i < 16; ++i) {  // 16 rows as bf16, zero padded
+      const int64_t m = 16 * t + i;
+      uint16_t* h = reinterpret_cast<uint16_t*>(tmp + i * words);
+      if (m >= M) {
+        std::memset(h, 0, size_t(words) * 4);
+        continue;
+      }
+      const SRC* sr = src + (rows ? int64_t(rows[m]) : m) * int64_t(ld);
+      if constexpr (std::is_same<SRC, uint16_t>::value) {
+        std::memcpy(h, sr, size_t(K) * 2);
+        std::memset(h + K, 0, size_t(32 * KB - K) * 2);
+      } else {
+        for (int64_t k = 0; k < 32 * KB; k += 32) {
+          const int64_t n = K - k;
+          const __mmask16 m0 = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1);
+          const __mmask16 m1 = n >= 32 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n - 16, 0)) - 1);
+          const __m512 lo = _mm512_maskz_loadu_ps(m0, sr + k), hi = _mm512_maskz_loadu_ps(m1, sr + k + 16);
+          _mm512_store_si512(h + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      }
+    }
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(tmp + i * words + 16 * kb);
+      transpose16x16(r);
+      for (int c = 0; c < 16; ++c) _mm512_store_si512(d + ((t * KB + kb) * 16 + c) * 16, r[c]);
+    }
+  }
+  Act a;
+  a.x = d;
+  a.ld = size_t(KB);
+  return a;
+}
+
+Act amx_bf16_panel(const uint16_t* src, size_t ld, const int32_t* rows, int64_t M, int64_t K, std::vector<float>& buf) {
+  return amx_bf16_panel_t(src, ld, rows, M, K, buf);
+}
+Act amx_bf16_panel(const float* src, size_t ld, const int32_t* rows, int64_t M, int64_t K, std::vector<float>& buf) {
+  return amx_bf16_panel_t(src, ld, rows, M, K, buf);
+}
 
 #pragma GCC pop_options
 #endif  // MS_X86
@@ -2535,11 +2568,14 @@ QIn qprepare(int isa, int qt, const QSpec& sp, const void* x, bool xbf16, size_t
              int64_t K, std::vector<float>& buf) {
   QIn in;
   in.path = qpath(isa, qt, M);
-  if (in.path == kQAmxBf16)
+#if MS_X86
+  if (in.path == kQAmxBf16) {
     in.b = xbf16 ? amx_bf16_panel(static_cast<const uint16_t*>(x), ld, rows, M, K, buf)
                  : amx_bf16_panel(static_cast<const float*>(x), ld, rows, M, K, buf);
-  else
-    in.q = quantize_rows(sp, x, xbf16, ld, rows, M, K, buf);
+    return in;
+  }
+#endif
+  in.q = quantize_rows(sp, x, xbf16, ld, rows, M, K, buf);
   return in;
 }
 
