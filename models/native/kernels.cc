@@ -5,7 +5,7 @@
 // moescope_qswiglu, moescope_qexperts, and moescope_take_rows) and from Python through ctypes (ms_linear,
 // ms_experts, ms_qlinear, ms_qexperts; models/native/__init__.py). Built by models/native/build.py with plain
 // -O3: the ISA-specific code is compiled under `#pragma GCC target` and chosen once at load time (AMX-BF16 tiles
-// for calls of >= 16 activation rows, 8-16 for block types, where the CPU has AMX and the kernel grants the tile state,
+// for calls of >= 16 activation rows, 8-12 for block types, where the CPU has AMX and the kernel grants the tile state,
 // AVX512-BF16 + VNNI, AVX2+FMA, or portable scalar code; MOESCOPE_NATIVE_ISA or ms_set_isa force a slower one).
 //
 // Layout. Every weight is [N, K] row-major with contiguous rows (HF/torch [out, in]):
@@ -1205,7 +1205,7 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // call is the 1-row call on that row, bit for bit (qgemm_range_512).
 // Paths: AVX512-VNNI (VPDPBUSD; the K-quants with integer sub-block scales, two outputs per vector), AVX2 (16-bit madd;
 // the K-quants likewise, qmk_avx2_k), portable scalar -- all with the Q8 activations above -- and, on the amx ISA path
-// for calls of at least amx_rows_default(type) rows (Q4_0 8, Q8_0 / Q4_K 12, Q6_K 16), AMX-BF16 tiles over the
+// for calls of at least amx_rows_default(type) rows (Q4_0 8, the others 12), AMX-BF16 tiles over the
 // weights dequantized to bf16 (qgemm_amx_bf16_t). That path rounds differently, stated here:
 //   * weights: ggml's f32 dequantized value (d * q; Q4_K (d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32)), rounded
 //     to bf16, nearest even (a relative error of at most 2^-9 per weight; the other paths use the weights exactly);
@@ -2540,17 +2540,10 @@ constexpr int kNoRows = 1 << 30;
 std::atomic<int> g_amx_rows[16] = {};  // by ggml type id; 0: amx_rows_default
 
 // Measured (bench_qlinear_ab --isa avx512bf16 --new-isa amx --new-amx-rows=1, 1 thread, one [14336, 4096] matrix
-// cached and 512 MiB from memory, under load): AMX / AVX-512 at 8 / 12 / 16 rows Q8_0 1.09-1.16x / 1.51-1.65x / 1.9-2.1x,
-// Q4_0 1.59-1.83x / 2.3-2.6x / 2.9-3.4x, Q4_K 0.89-0.99x / 1.29-1.54x / 1.8-2.0x, Q6_K 0.65-0.70x / 0.99-1.04x /
-// 1.23-1.42x. A type takes the tiles from the first count where they win clearly.
-inline int64_t amx_rows_default(int qt) {
-  switch (qt) {
-    case kQ4_0: return 8;
-    case kQ8_0:
-    case kQ4_K: return 12;
-    default: return kAmxMinRows;
-  }
-}
+// cached and 512 MiB from memory, under load): AMX / AVX-512 at 8 / 12 / 16 rows Q8_0 1.09-1.16x / 1.51-1.65x / 1.9-2.3x,
+// Q4_0 1.59-1.83x / 2.3-2.6x / 2.9-3.4x, Q4_K 0.89-0.99x / 1.29-1.54x / 1.8-2.1x, Q6_K 0.86-0.96x / 1.25-1.49x /
+// 1.94-1.95x. A type takes the tiles from the first count where they win clearly.
+inline int64_t amx_rows_default(int qt) { return qt == kQ4_0 ? 8 : 12; }
 
 inline int qpath(int isa, int qt, int64_t M) {
   if (isa != kAmx) return kQVec;
