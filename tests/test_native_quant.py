@@ -1,13 +1,14 @@
 """models.native on block-quantized weights (ggml's Q8_0, Q4_0, Q4_K, Q6_K blocks, byte for byte) and the AMX
-paths: every kernel against "quantize the activations as llama.cpp does, dequantize both, matmul in float64"
-(`qlinear_reference`: gguf.quants.dequantize for the blocks), on every ISA path this CPU has (AMX, AVX512-VNNI,
-AVX2, scalar; the others skip), at random shapes that cover the tails (K % 64 == 32 for the 32-weight types,
-activation rows 1..40 across the 4-row micro-kernels and the 32-row AMX tiles, odd N).
+paths: every kernel against "round the operands as the kernels do, matmul in float64" (`qlinear_reference`: the
+activations quantized as llama.cpp does and gguf.quants.dequantize for the blocks on the vector paths; weights
+dequantized then both rounded to bf16 on the AMX tiles, `native.block_rounding` says which), on every ISA path this
+CPU has (AMX, AVX512-VNNI, AVX2, scalar; the others skip), at random shapes that cover the tails (K % 64 == 32 for
+the 32-weight types, activation rows 1..40 across the 4-row micro-kernels and the AMX thresholds, odd N).
 
 Tolerance: f32 summation error, 1e-5 of the sum of |products| of the rounded operands per output. One wrong
 nibble, scale or offset moves an output by a large fraction of that sum (checked by swapping Q4_K's nibble
-order in the AVX-512 / AMX unpacker: test_qlinear_host[q4_k-avx512bf16/amx] fail).
-"""
+order in the AVX-512 unpacker: test_qlinear_host[q4_k-avx512bf16] fails; the AMX tiles' mutations are named at
+test_amx_block_tiles)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,11 @@ BF16 = ml_dtypes.bfloat16
 QTYPES = ["q8_0", "q4_0", "q4_k", "q6_k"]
 
 
-def bound(x: np.ndarray, w: QuantArray) -> np.ndarray:
-    """1e-5 of sum |x'| |w'| per output (x' rounded as the kernels round it): the f32 summation tolerance."""
-    q, d = native.quantize_activations(np.asarray(x, np.float32).reshape(-1, w.shape[1]), w.qtype)
-    B = 32 if w.qtype in ("q8_0", "q4_0") else 256
-    xr = (q.astype(np.float64).reshape(q.shape[0], -1, B) * d[..., None]).reshape(q.shape)
-    return 1e-5 * (np.abs(xr) @ np.abs(native.dequantize(w).astype(np.float64)).T) + 1e-30
+def bound(x: np.ndarray, w: QuantArray, rounding: str | None = None) -> np.ndarray:
+    """1e-5 of sum |x'| |w'| per output (x', w' rounded as the kernels round them: `native.rounded_operands`): the f32
+    summation tolerance."""
+    xr, wr = native.rounded_operands(np.asarray(x, np.float32).reshape(-1, w.shape[1]), w, rounding)
+    return 1e-5 * (np.abs(xr.astype(np.float64)) @ np.abs(wr.astype(np.float64)).T) + 1e-30
 
 
 def cols_for(qtype: str, rng: np.random.Generator) -> int:
@@ -82,8 +82,8 @@ def test_qlinear_rows_independent_of_call_size(qtype):
             np.testing.assert_array_equal(native.linear_host(x[:M], w, threads=2), single[:M], err_msg=f"M={M}")
     finally:
         native.set_isa(None)
-    ref = native.qlinear_reference(x, w)
-    assert np.all(np.abs(single - ref) <= bound(x, w)), np.abs(single - ref).max()
+    ref = native.qlinear_reference(x, w, "q8")  # the AVX-512 path's rounding (the default path may be AMX's)
+    assert np.all(np.abs(single - ref) <= bound(x, w, "q8")), np.abs(single - ref).max()
 
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
@@ -181,7 +181,8 @@ def quant_experts(rng, E, H, F, qgu, qdn):
 def experts_bound(x, gates, ups, downs, offsets, tokens, pw):
     """Per-output tolerance of a layer: 1e-5 of sum_p |pw| (|h_p| |down|), h from the reference, plus a
     one-step change of any rounded h element (the kernels' g, u differ from the reference's by f32 error,
-    so an h element may quantize one step apart: d_h * |down| per element, summed)."""
+    so an h element may round one step apart: a Q8 step d_h, or a bf16 step <= 2^-7 |h| on the AMX tiles, times
+    |down| per element, summed)."""
     T, H = x.shape
     tol = np.zeros((T, H))
     for e in range(len(gates)):
@@ -192,11 +193,12 @@ def experts_bound(x, gates, ups, downs, offsets, tokens, pw):
         g = native.qlinear_reference(x[tok], gates[e])
         u = native.qlinear_reference(x[tok], ups[e])
         h = (g / (1 + np.exp(-g)) * u).astype(np.float32)
-        q, d = native.quantize_activations(h, downs[e].qtype)
-        B = h.shape[1] // d.shape[1]
-        step = np.abs(np.repeat(d, B, axis=1).astype(np.float64))  # one quantization step of each h element
-        dn = np.abs(native.dequantize(downs[e]).astype(np.float64))
-        hr = np.abs(q.astype(np.float64) * step)
+        hr, dn = (np.abs(v.astype(np.float64)) for v in native.rounded_operands(h, downs[e]))
+        if native.block_rounding(downs[e].qtype, len(tok)) == "bf16":
+            step = np.abs(h.astype(np.float64)) * 2.0**-7
+        else:
+            q, d = native.quantize_activations(h, downs[e].qtype)
+            step = np.abs(np.repeat(d, h.shape[1] // d.shape[1], axis=1).astype(np.float64))
         t = 1e-5 * (hr @ dn.T) + 2 * step @ dn.T
         np.add.at(tol, tok, np.abs(pw[lo:hi, None]) * t)
     return tol + 1e-30
@@ -275,6 +277,93 @@ def test_bf16_amx_matches_avx512():
             b = native.linear_host(x, w)
             tol = 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T)
             assert np.all(np.abs(a - b) <= tol)
+    finally:
+        native.set_isa(None)
+
+
+def _need_amx():
+    if native.best_isa() != "amx":
+        pytest.skip(f"this CPU (or kernel) has no AMX: best path {native.best_isa()}")
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_amx_block_tiles(qtype):
+    """The block types' AMX path (weights dequantized to bf16 per 16-row strip and 256 weights, double-buffered; bf16
+    tiles over up to 64 activation rows) taken at every row count: against the bf16-rounding reference at 1..71 rows
+    (one and two 64-row passes, partial tiles), 37 outputs (a partial strip) and K over several 256-weight chunks
+    (Q8_0 / Q4_0: a short last chunk ending in half a 64-weight group); thread counts bit-identical. Mutations that
+    fail it: the next chunk dequantized only while two more follow (the last chunk stale), Q4_K's two sub-block
+    tables swapped, Q4_0's nibbles both read as low ones."""
+    _need_amx()
+    rng = np.random.default_rng(21 + QTYPES.index(qtype))
+    K = 32 * 19 if qtype in ("q8_0", "q4_0") else 256 * 3
+    w = native.random_blocks(rng, qtype, 37, K)
+    native.set_isa("amx")
+    native.set_amx_rows(qtype, 1)
+    try:
+        for M in (1, 5, 16, 33, 71):
+            assert native.block_rounding(qtype, M) == "bf16"
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            y = native.linear_host(x, w, threads=2)
+            np.testing.assert_array_equal(y, native.linear_host(x, w, threads=1))
+            ref = native.qlinear_reference(x, w, "bf16")
+            assert np.all(np.abs(y - ref) <= bound(x, w, "bf16")), (qtype, M, np.abs(y - ref).max())
+    finally:
+        native.set_amx_rows(qtype, None)
+        native.set_isa(None)
+
+
+def test_amx_block_tiles_in_experts():
+    """Layers of experts whose every projection takes the AMX tiles (thresholds at 1 row), Q4_K_M's mix (Q4_K gate /
+    up, Q6_K down) and Q8_0 / Q4_0: against the references (which round each projection as the kernels do), the
+    three thread plans bit-identical."""
+    _need_amx()
+    rng = np.random.default_rng(13)
+    E, H, F, T, k = 3, 256, 512, 24, 2
+    native.set_isa("amx")
+    for q in QTYPES:
+        native.set_amx_rows(q, 1)
+    try:
+        for qgu, qdn in (("q4_k", "q6_k"), ("q8_0", "q4_0")):
+            gates, ups, downs = quant_experts(rng, E, H, F, qgu, qdn)
+            x = rng.standard_normal((T, H)).astype(np.float32)
+            offsets, tokens, pw = make_routing(rng, T, E, k)
+            ref = native.qexperts_host_reference(np.zeros((T, H), np.float32), x, gates, ups, downs, offsets, tokens, pw)
+            tol = experts_bound(x, gates, ups, downs, offsets, tokens, pw)
+            packed = native.pack_experts(gates, ups, downs)
+            outs = []
+            for strategy in ("rows", "experts", "auto"):
+                out = np.zeros((T, H), np.float32)
+                native.experts_host(out, x, packed, None, None, offsets, tokens, pw, threads=2, strategy=strategy)
+                outs.append(out)
+            np.testing.assert_array_equal(outs[0], outs[1])
+            np.testing.assert_array_equal(outs[0], outs[2])
+            assert np.all(np.abs(outs[0] - ref) <= tol), (qgu, qdn, np.abs(outs[0] - ref).max())
+    finally:
+        for q in QTYPES:
+            native.set_amx_rows(q, None)
+        native.set_isa(None)
+
+
+def test_bf16_tiles_error_below_q8_activations():
+    """The AMX tiles' rounding (weights and activations to bf16) against the vector paths' (activations to Q8_0 /
+    Q8_K, weights exact), each measured from the kernels' outputs against the exact f64 product of the f32
+    activations and the dequantized weights: the tiles' RMS error is the smaller for every type (measured 0.3-0.5x
+    of the Q8 activations' on these shapes)."""
+    _need_amx()
+    rng = np.random.default_rng(17)
+    try:
+        for qtype in QTYPES:
+            w = native.random_blocks(rng, qtype, 96, 1024)
+            x = rng.standard_normal((32, 1024)).astype(np.float32)
+            exact = x.astype(np.float64) @ native.dequantize(w).astype(np.float64).T
+            native.set_isa("amx")
+            assert native.block_rounding(qtype, 32) == "bf16"
+            tiles = native.linear_host(x, w)
+            native.set_isa("avx512bf16")
+            q8 = native.linear_host(x, w)
+            rms = [float(np.sqrt(np.mean((y - exact) ** 2))) for y in (tiles, q8)]
+            assert rms[0] < 0.75 * rms[1], (qtype, rms)
     finally:
         native.set_isa(None)
 

@@ -4,6 +4,8 @@
     python -m engine.bench.bench_qlinear_ab OLD.so NEW.so --types q4_k,q6_k --rows 14336 --cols 4096
     python -m engine.bench.bench_qlinear_ab OLD.so NEW.so --m 1,2,4,8 --mib 768      # weights from memory
     python -m engine.bench.bench_qlinear_ab OLD.so NEW.so --m 16,64 --isa amx --types bf16,q8_0   # AMX on both
+    python -m engine.bench.bench_qlinear_ab A.so B.so --isa avx512bf16 --new-isa amx --new-amx-rows=1 --m 4,8,12,16
+        # the block types' AVX-512 path against their AMX tiles at every row count: one build under two file names
 
 Each library (`models/native/_build/moescope_native-<hash>.so`: build the old source once, keep its file) is loaded
 with ctypes and its `ms_qlinear` (one thread unless `--threads`, AVX512-VNNI path unless `--isa`) timed on the same
@@ -39,7 +41,9 @@ def random_weights(rng: np.random.Generator, qtype: str, rows: int, cols: int):
     return native.random_blocks(rng, qtype, rows, cols)
 
 
-def open_library(path: str, isa: str) -> ctypes.CDLL:
+def open_library(path: str, isa: str, amx_rows: int | None = None) -> ctypes.CDLL:
+    """The library at `path` on ISA path `isa`; amx_rows: rows from which every block type takes the AMX tiles on the
+    amx path (ms_set_amx_rows: > 0 from there, 0 the build's default, < 0 never)."""
     lib = ctypes.CDLL(path)
     c = ctypes
     lib.ms_qlinear.restype = c.c_int
@@ -50,6 +54,12 @@ def open_library(path: str, isa: str) -> ctypes.CDLL:
     lib.ms_set_isa.argtypes = [c.c_char_p]
     if lib.ms_set_isa(isa.encode()) != 0:
         raise SystemExit(f"{path}: ISA path {isa!r} unavailable")
+    if amx_rows is not None:
+        if not hasattr(lib, "ms_set_amx_rows"):
+            raise SystemExit(f"{path}: this build has no ms_set_amx_rows (AMX thresholds are fixed)")
+        lib.ms_set_amx_rows.argtypes = [ctypes.c_int, ctypes.c_int]
+        for qid in native.QTYPE_IDS.values():
+            lib.ms_set_amx_rows(qid, amx_rows)
     return lib
 
 
@@ -92,9 +102,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--isa", default="avx512bf16", help="ISA path forced on both builds (amx: tiles for m >= 16)")
     ap.add_argument("--new-isa", help="another path for NEW (default --isa): with a copy of one build under two file "
                     "names, the two paths of that build A/B (e.g. --isa avx512bf16 --new-isa amx)")
+    ap.add_argument("--old-amx-rows", type=int, help="rows from which OLD's block types take the AMX tiles on the amx "
+                    "path (> 0 from there, 0 the build's default, < 0 never)")
+    ap.add_argument("--new-amx-rows", type=int, help="the same for NEW")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
-    libs = {"old": open_library(a.old, a.isa), "new": open_library(a.new, a.new_isa or a.isa)}
+    libs = {"old": open_library(a.old, a.isa, a.old_amx_rows),
+            "new": open_library(a.new, a.new_isa or a.isa, a.new_amx_rows)}
     rng = np.random.default_rng(0)
     print(f"ISA {a.isa}{' / ' + a.new_isa if a.new_isa else ''}, {a.threads} thread(s), {'weights from memory' if a.mib else 'one matrix (cached)'}")
     print("type | m | old G weights/s (GB/s) | new G weights/s (GB/s) | new/old | max |diff|")

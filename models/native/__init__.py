@@ -4,8 +4,10 @@ Block-quantized weights (ggml's Q8_0, Q4_0, Q4_K, Q6_K blocks byte for byte, as 
 go through the same entry points: `linear(x, w)`, `swiglu(x, gate_up, down)` and `experts(...)` in JAX
 (`qlinear`, `qswiglu`, `qexperts`), `linear_host`, `pack_experts` and `experts_host` on the host; activations
 are quantized as llama.cpp does (Q8_0 per 32 for Q8_0 / Q4_0, Q8_K per 256 for Q4_K / Q6_K), integer dot
-products (VNNI VPDPBUSD, AVX2 VPMADDWD, scalar, AMX TDPBSSD for calls of >= 16 rows, Q6_K >= 32), scales applied per
-group; references: `qlinear_reference` (numpy, gguf's dequantizer), `qlinear_jax_reference` (XLA).
+products (VNNI VPDPBUSD, AVX2 VPMADDWD, scalar), scales applied per group; on the "amx" path, calls of enough rows
+(Q4_0 >= 8, the others >= 12) instead dequantize the weights to bf16 and run AMX-BF16 tiles on bf16
+activations (`block_rounding` says which, `rounded_operands` gives the rounded operands); references:
+`qlinear_reference` (numpy, gguf's dequantizer, either rounding), `qlinear_jax_reference` (XLA, Q8).
 
 XLA:CPU converts a whole bf16 weight to f32 on every bf16 dot (a matvec runs far below the memory
 read rate), and torch's bf16 linear also stays well below it; these kernels stream bf16 weights at close
@@ -36,8 +38,8 @@ Without a compiler every entry point still works (pure XLA in JAX; `experts_host
 raise, check `available()` first); `load()` warns once, naming the cause.
 
 Environment: `MOESCOPE_NATIVE_DISABLE=1` skips the library; `MOESCOPE_NATIVE_ISA=amx|avx512bf16|avx2|scalar`
-chooses a path (also `set_isa`); "amx" -- AMX-BF16 / AMX-INT8 tiles for calls of >= 16 rows (Q6_K: 32), AVX-512 below
-that, where the CPU has it and the kernel grants the tile state -- is the default where present (see `default_isa`); `MOESCOPE_NATIVE_DIR` chooses the build folder; `CXX` the compiler;
+chooses a path (also `set_isa`); "amx" -- AMX-BF16 tiles for calls of >= 16 rows (block types: 8-12, see above), AVX-512
+below that, where the CPU has it and the kernel grants the tile state -- is the default where present (see `default_isa`); `MOESCOPE_NATIVE_DIR` chooses the build folder; `CXX` the compiler;
 `MOESCOPE_NATIVE_EP_MAX_MB` (default 64) the largest expert (MiB of weights) a layer call shares out whole
 to a thread; `MOESCOPE_NATIVE_XLA_POOL=0` keeps FFI calls on the library's own threads instead of
 borrowing XLA's intra-op pool.
@@ -62,7 +64,8 @@ __all__ = [
     "linear", "swiglu", "linear_reference", "swiglu_reference", "take_rows", "take_rows_reference",
     "experts", "experts_reference", "available_experts",
     "ExpertWeights", "pack_experts", "experts_host", "linear_host", "stream_read", "count_nonfinite", "native_or",
-    "QTYPE_IDS", "quantize_activations", "dequantize", "qlinear_reference", "qswiglu_reference", "qexperts_host_reference",
+    "QTYPE_IDS", "quantize_activations", "dequantize", "block_rounding", "set_amx_rows", "rounded_operands",
+    "qlinear_reference", "qswiglu_reference", "qexperts_host_reference",
     "dequantize_jax", "qlinear_jax_reference", "qlinear", "qswiglu", "qexperts", "qexperts_reference", "random_blocks",
 ]
 
@@ -119,6 +122,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_qlinear.argtypes = [vp, i32, i64, i64, vp, i32, i64, vp, i32]
     lib.ms_qquantize.restype = i32
     lib.ms_qquantize.argtypes = [vp, i64, i64, i32, vp, vp]
+    lib.ms_qpath.restype = i32
+    lib.ms_qpath.argtypes = [i32, i64]
+    lib.ms_set_amx_rows.restype = i32
+    lib.ms_set_amx_rows.argtypes = [i32, i32]
     lib.ms_qexperts.restype = i32
     lib.ms_qexperts.argtypes = [vp, i32, i64, i64, i64, i32, i32, i32, i64, vp, vp, vp, vp, i64, vp, vp, vp, i32, vp, i32]
     lib.ms_read.restype = c.c_double
@@ -823,23 +830,56 @@ def dequantize(w: Any) -> np.ndarray:
     return np.asarray(gguf_dequantize(np.asarray(w.data), t), np.float32).reshape(w.shape)
 
 
-def _rounded_x(x: Any, qtype: str) -> np.ndarray:
+def block_rounding(qtype: str, rows: int) -> str:
+    """How the kernels round a call of `rows` activation rows on block weights of `qtype` on the current ISA path:
+    "q8" (activations quantized to Q8_0 / Q8_K as llama.cpp does, weights exact: the vector paths) or "bf16" (the
+    AMX tiles, from a per-type row count: weights dequantized then rounded to bf16, activations rounded to bf16)."""
+    lib = load()
+    qid = _qtype_id(qtype, "block_rounding")
+    return "bf16" if lib is not None and lib.ms_qpath(qid, int(rows)) == 2 else "q8"
+
+
+def set_amx_rows(qtype: str, rows: Optional[int]) -> None:
+    """Rows from which block type `qtype` takes the AMX tiles on the "amx" path (None: the measured default; a
+    negative count: never). Process-wide; meant for tests and benchmarks."""
+    lib = _need()
+    if lib.ms_set_amx_rows(_qtype_id(qtype, "set_amx_rows"), 0 if rows is None else int(rows)) != 0:
+        raise ValueError(lib.ms_last_error().decode())
+
+
+def _bf16_f32(v: np.ndarray) -> np.ndarray:
+    return np.asarray(v, np.float32).astype(_BF16).astype(np.float32)
+
+
+def rounded_operands(x: Any, w: Any, rounding: Optional[str] = None) -> tuple[np.ndarray, np.ndarray]:
+    """The operands the kernels multiply for x [..., K] and block weights w [N, K], as f32 arrays (x's shape,
+    [N, K]): `rounding` "q8" -- x quantized for w's type (`quantize_activations`), w dequantized (`dequantize`) --
+    or "bf16" -- both rounded to bf16 (nearest even) after that dequantization; None: what the kernels do for that
+    many rows on the current ISA path (`block_rounding`)."""
     xf = np.asarray(x, np.float32)
-    q, d = quantize_activations(xf.reshape(-1, xf.shape[-1]), qtype)
-    B = _XBLK[qtype]
-    return (q.astype(np.float32).reshape(q.shape[0], -1, B) * d[..., None]).reshape(xf.shape)
+    rows = int(np.prod(xf.shape[:-1]))
+    rounding = rounding or block_rounding(w.qtype, rows)
+    wd = dequantize(w)
+    if rounding == "bf16":
+        return _bf16_f32(xf), _bf16_f32(wd)
+    if rounding != "q8":
+        raise ValueError(f"rounded_operands: rounding must be 'q8' or 'bf16', not {rounding!r}")
+    q, d = quantize_activations(xf.reshape(-1, xf.shape[-1]), w.qtype)
+    B = _XBLK[w.qtype]
+    return (q.astype(np.float32).reshape(q.shape[0], -1, B) * d[..., None]).reshape(xf.shape), wd
 
 
-def qlinear_reference(x: Any, w: Any) -> np.ndarray:
-    """What `linear_host(x, w)` computes for a QuantArray w, in numpy: x's activation rounding for w's block
-    type (`quantize_activations`), dequantized, times `dequantize(w)`^T, summed in f64, returned f32 [..., N]."""
-    xr = _rounded_x(x, w.qtype)
-    return (xr.astype(np.float64) @ dequantize(w).astype(np.float64).T).astype(np.float32)
+def qlinear_reference(x: Any, w: Any, rounding: Optional[str] = None) -> np.ndarray:
+    """What `linear_host(x, w)` computes for a QuantArray w, in numpy: x and w rounded as the kernels round them
+    (`rounded_operands`: Q8 activations, or bf16 weights and activations on the AMX tiles), multiplied and summed in
+    f64, returned f32 [..., N]."""
+    xr, wr = rounded_operands(x, w, rounding)
+    return (xr.astype(np.float64) @ wr.astype(np.float64).T).astype(np.float32)
 
 
 def qswiglu_reference(x: Any, gate: Any, up: Any, down: Any) -> np.ndarray:
     """A block-quantized SwiGLU expert in numpy: g, u = `qlinear_reference` (f32), h = silu(g) * u (f32), then
-    `qlinear_reference(h, down)`: f32 [..., H]."""
+    `qlinear_reference(h, down)`: f32 [..., H] (each projection rounded as the kernels round its rows)."""
     g = qlinear_reference(x, gate)
     u = qlinear_reference(x, up)
     h = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)

@@ -4,8 +4,8 @@
 // (moescope_linear, moescope_swiglu, moescope_experts, each with an _f32 variant, moescope_qlinear,
 // moescope_qswiglu, moescope_qexperts, and moescope_take_rows) and from Python through ctypes (ms_linear,
 // ms_experts, ms_qlinear, ms_qexperts; models/native/__init__.py). Built by models/native/build.py with plain
-// -O3: the ISA-specific code is compiled under `#pragma GCC target` and chosen once at load time (AMX tiles
-// for calls of >= 16 activation rows where the CPU has AMX-BF16/INT8 and the kernel grants the tile state,
+// -O3: the ISA-specific code is compiled under `#pragma GCC target` and chosen once at load time (AMX-BF16 tiles
+// for calls of >= 16 activation rows, 8-12 for block types, where the CPU has AMX and the kernel grants the tile state,
 // AVX512-BF16 + VNNI, AVX2+FMA, or portable scalar code; MOESCOPE_NATIVE_ISA or ms_set_isa force a slower one).
 //
 // Layout. Every weight is [N, K] row-major with contiguous rows (HF/torch [out, in]):
@@ -868,6 +868,12 @@ void* grow_bytes(std::vector<float>& v, size_t bytes) { return grow(v, (bytes + 
 inline float to_f32(uint16_t v) { return bf16_to_f32(v); }
 inline float to_f32(float v) { return v; }
 
+#if MS_X86
+// The activations of an AMX-BF16 call as its B tiles (defined with the AMX kernels).
+Act amx_bf16_panel(const uint16_t* src, size_t ld, const int32_t* rows, int64_t M, int64_t K, std::vector<float>& buf);
+Act amx_bf16_panel(const float* src, size_t ld, const int32_t* rows, int64_t M, int64_t K, std::vector<float>& buf);
+#endif
+
 // Prepares M rows of K elements for the ISA path: row m is src + row(m) * ld, row(m) = rows ? rows[m] : m;
 // SRC is uint16_t (bf16 bits) or float, the weights' type.
 template <class SRC>
@@ -892,25 +898,9 @@ Act prepare(int isa, int wt, const SRC* src, size_t ld, const int32_t* rows, int
   }
   constexpr int64_t kE = 64 / int64_t(sizeof(SRC));
   const int64_t Kp = (K + kE - 1) / kE * kE;
-  if (std::is_same<SRC, uint16_t>::value && amx_bf16_rows(isa, wt, M)) {
-    // AMX: the activations are the B tiles, built here once for every part of the call: rows padded with zeros
-    // to a multiple of 32, K to a multiple of 32; tile (t, kb) = rows 16t .. 16t + 15, k 32kb .. 32kb + 31 as 16
-    // k-pairs x 16 rows x 2 (1 KiB); tiles [Mp / 16][KB]. a.ld: KB.
-    const int64_t Mp = (M + 31) / 32 * 32, KB = (K + 31) / 32, words = 16 * KB;
-    uint32_t* d = static_cast<uint32_t*>(grow_bytes(buf, size_t(Mp * words) * 4 + 64));
-    d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64 / 4;
-    std::memset(d, 0, size_t(Mp * words) * 4);
-    std::vector<uint32_t> tmp(static_cast<size_t>(words));
-    for (int64_t m = 0; m < M; ++m) {
-      std::fill(tmp.begin(), tmp.end(), 0u);
-      std::memcpy(tmp.data(), row(m), size_t(K) * sizeof(SRC));
-      uint32_t* t = d + (m / 16) * KB * 256 + m % 16;
-      for (int64_t i = 0; i < words; ++i) t[(i / 16) * 256 + (i % 16) * 16] = tmp[size_t(i)];
-    }
-    a.x = d;
-    a.ld = size_t(KB);
-    return a;
-  }
+#if MS_X86
+  if (std::is_same<SRC, uint16_t>::value && amx_bf16_rows(isa, wt, M)) return amx_bf16_panel(src, ld, rows, M, K, buf);
+#endif
   if (M == 1) {
     if (!rows) {
       a.x = src;
@@ -1212,11 +1202,22 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // -dmin * m_j * d_x * sum_k q_k; those f32 terms are summed per lane, then the lanes in a fixed order.
 // So each output equals "dequantize the blocks, dequantize the quantized activation, f32 matmul" up to f32
 // summation error. On the AVX-512 path an output does not depend on the other rows of the call: row m of an M-row
-// call is the 1-row call on that row, bit for bit (qgemm_range_512); the AMX path (>= 16 rows; Q6_K >= 32) sums in its own order.
+// call is the 1-row call on that row, bit for bit (qgemm_range_512).
 // Paths: AVX512-VNNI (VPDPBUSD; the K-quants with integer sub-block scales, two outputs per vector; Q4_0 with exact
-// per-block sums, four outputs per vector, qmk512_u; Q8_0 in the same 4-block units, qmk512_u8), AVX2 (16-bit madd; the K-quants likewise, qmk_avx2_k; Q4_0
-// qmk_avx2_q4_0), portable scalar, and AMX-INT8 tiles for calls of 16 rows or more (Q6_K: 32, amx_min_rows; the same integer sums per scale
-// group, so the same terms up to the summation order).
+// per-block sums, four outputs per vector, qmk512_u; Q8_0 in the same 4-block units, qmk512_u8), AVX2 (16-bit madd;
+// the K-quants likewise, qmk_avx2_k; Q4_0 qmk_avx2_q4_0), portable scalar -- all with the Q8 activations above -- and, on the amx ISA path
+// for calls of at least amx_rows_default(type) rows (Q4_0 8, the others 12), AMX-BF16 tiles over the
+// weights dequantized to bf16 (qgemm_amx_bf16_t). That path rounds differently, stated here:
+//   * weights: ggml's f32 dequantized value (d * q; Q4_K (d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32)), rounded
+//     to bf16, nearest even (a relative error of at most 2^-9 per weight; the other paths use the weights exactly);
+//   * activations: x rounded to bf16, nearest even (bf16 input unchanged) instead of Q8_0 / Q8_K (relative 2^-9
+//     per element against Q8's absolute step of amax / 127 per block: smaller for all but the block's largest
+//     values);
+//   * products of bf16 exact in f32, summed in f32 in tile order.
+// So each output of that path equals "dequantize the blocks, round weights and activations to bf16, f32 matmul" up
+// to f32 summation error (numpy: qlinear_reference(x, w, rounding="bf16")). Against the exact product of the f32
+// activations and the dequantized weights its error is smaller than the Q8 activations' (measured on random
+// shapes, tests/test_native_quant.py::test_bf16_tiles_error_below_q8_activations; README "AMX, block types").
 // ------------------------------------------------------------------------------------------------
 
 #define MS_INLINE inline __attribute__((always_inline))
@@ -1487,13 +1488,10 @@ QAct quantize_rows(const QSpec& sp, const void* x, bool xbf16, size_t ld, const 
                    std::vector<float>& buf) {
   QAct a;
   a.Kp = pad64(K);
-  // AMX (calls of kAmxMinRows rows or more) takes activation rows 32 at a time: zero rows past M; smaller calls
-  // never read past M (zeroing 31 padding rows cost a 1-row decode call 20-30 us, more than its Q4_0 matvec at H 2048)
-  const int64_t Mp = M >= kAmxMinRows ? (M + 31) / 32 * 32 : M;
+  // only the vector paths read these rows, never past M (the AMX path takes bf16 tiles, amx_bf16_panel)
   a.stride = 4 * a.Kp + bs_bytes(a.Kp) + kx_bytes(a.Kp) + (sp.xblk == 32 ? ux_bytes(a.Kp) : 0) + 64;
-  uint8_t* d = static_cast<uint8_t*>(grow_bytes(buf, size_t(Mp * a.stride) + 64));
+  uint8_t* d = static_cast<uint8_t*>(grow_bytes(buf, size_t(M * a.stride) + 64));
   d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64;
-  std::memset(d + size_t(M * a.stride), 0, size_t((Mp - M) * a.stride));
   std::vector<float> tmp(xbf16 ? size_t(K) : 0);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t r = rows ? int64_t(rows[m]) : m;
@@ -2414,19 +2412,17 @@ void qgemm_range_vec(int isa, int qt, const QAct& a, int64_t M, int64_t K, const
   }
 }
 
-// ---- AMX (tiles of 16 rows x 64 bytes; TDPBSSD int8 / TDPBF16PS bf16) --------------------------------------
-// Calls of at least kAmxMinRows activation rows. The weights are the A tiles (16 output rows x 64 bytes of k),
-// the activations the B tiles (k-pair / k-quad interleaved: B[k / 2][m][k % 2] bf16, B[k / 4][m][k % 4] int8, built
-// once per call by a 16 x 16 transpose of 32-bit words), so C tiles are [n][m] and are transposed into y. bf16
-// weights are tile-loaded where they are (rows ldw apart) and each tile serves up to 64 activation rows: the
-// weights are read once per 64 rows, with no rewrite. Block weights are unpacked to signed codes (u - o) per 16
-// rows into a staging block (rows Kp + 64 bytes apart: a 4 KiB stride put all 16 rows in one L1 set) with their
-// per-group scales; one TDPBSSD per weight-scale group (32 weights; Q6_K 16), 4 groups in flight, the int32 tiles
-// then scaled into f32 sums (weight scale x activation scale, plus Q4_K's min term): the same exact integer sums
-// per group as the vector paths, summed in group order. bf16: the tiles accumulate in f32 over K (products exact,
-// f32 sums; VDPBF16PS-like). Single-core A/B against the earlier panel kernels (bench_qlinear_ab --isa amx, one
-// [14336, 4096] matrix, under load): bf16 1.45x at m = 16, 1.38x at m = 64; Q8_0 1.60x / 1.39x; Q4_K 1.77x /
-// 1.48x; Q6_K 1.77x / 1.26x.
+// ---- AMX (tiles of 16 rows x 64 bytes; TDPBF16PS bf16) -----------------------------------------------------
+// Calls of at least kAmxMinRows activation rows (block types: amx_rows_default). The weights are the A tiles (16
+// output rows x 32 k), the activations the B tiles (k-pair interleaved: B[k / 2][m][k % 2], built once per call by
+// amx_bf16_panel), so C tiles are [n][m] and are transposed into y. bf16 weights are tile-loaded where they are (rows
+// ldw apart); block weights are dequantized to bf16 per 16-row strip and 256 weights into a small staging block
+// (qgemm_amx_bf16_t). Each A tile serves up to 64 activation rows (4 C tiles), so weights are read (and block weights
+// dequantized) once per 64 rows. The tiles accumulate in f32 over K (bf16 products exact, f32 sums).
+// Single-core A/B against the earlier panel kernels (bench_qlinear_ab --isa amx, one [14336, 4096] matrix, under
+// load): bf16 1.45x at m = 16, 1.38x at m = 64. The block types' earlier AMX-INT8 kernel (one TDPBSSD per 32-weight
+// scale group, each int32 tile then scaled into f32) lost to the bf16-dequantized tiles at every row count (1.3-1.8x
+// at m = 8 / 16 / 32, every type) and was removed.
 
 #if MS_X86
 #pragma GCC push_options
@@ -2481,177 +2477,63 @@ inline void transpose16x16(__m512i* r) {
   }
 }
 
-template <int QT>
-inline __m512i signed_codes(const uint8_t* row, int64_t g, int n) {
-  const __m512i u = codes512<QT>(row, g, n);
-  if constexpr (QT == kQ8_0) return _mm512_xor_si512(u, _mm512_set1_epi8(-128));
-  else if constexpr (QT == kQ4_0) return _mm512_sub_epi8(u, _mm512_set1_epi8(8));
-  else if constexpr (QT == kQ6_K) return _mm512_sub_epi8(u, _mm512_set1_epi8(32));
-  else return u;
-}
-
 struct AmxScratch {
-  std::vector<float> panel, bpanel, sw, cw, dxg, xsg, cb, acc;
+  std::vector<float> panel, cb, rows;
 };
 thread_local AmxScratch t_amx;
 
-// The scale of each of a row's GS weight-scale groups (w = s * (u - o) + c): s into sw[g * ld], c (Q4_K's
-// -dmin * m_j; else 0) into cw[g * ld] -- group_scales' values, a group at a time instead of 16 lanes per 64.
-template <int QT>
-MS_INLINE void row_group_scales(const uint8_t* row, int64_t GS, float* sw, float* cw, int ld) {
-  if constexpr (QT == kQ8_0 || QT == kQ4_0) {
-    constexpr int bytes = QT == kQ8_0 ? 34 : 18;
-    for (int64_t g = 0; g < GS; ++g) {
-      sw[g * ld] = f16_at(row + g * bytes);
-      cw[g * ld] = 0.0f;
-    }
-  } else if constexpr (QT == kQ4_K) {
-    for (int64_t b = 0; b < GS / 8; ++b) {
-      const uint8_t* sb = row + b * 144;
-      const float d = f16_at(sb), dmin = f16_at(sb + 2);
-      for (int j = 0; j < 8; ++j) {
-        uint8_t sc, m;
-        scale_min_k4(j, sb + 4, sc, m);
-        sw[(8 * b + j) * ld] = d * float(sc);
-        cw[(8 * b + j) * ld] = -(dmin * float(m));
+// The activations of an AMX-BF16 call as its B tiles, built once for every part of the call: rows (row(m) = rows ?
+// rows[m] : m, `ld` elements apart; bf16 bits as they are, or f32 rounded to bf16 by VCVTNE2PS2BF16: nearest even,
+// f32 subnormals as zero) padded with zeros to a multiple of 32, K to a multiple of 32; tile (t, kb) = rows 16t ..
+// 16t + 15, k 32kb .. 32kb + 31 as 16 k-pairs x 16 rows x 2 (1 KiB), by a 16 x 16 transpose of 32-bit words per
+// tile; tiles [Mp / 16][KB]. a.ld: KB.
+template <class SRC>
+Act amx_bf16_panel_t(const SRC* src, size_t ld, const int32_t* rows, int64_t M, int64_t K, std::vector<float>& buf) {
+  const int64_t Mp = (M + 31) / 32 * 32, KB = (K + 31) / 32, words = 16 * KB;
+  uint32_t* d = static_cast<uint32_t*>(grow_bytes(buf, size_t(Mp * words) * 4 + 64));
+  d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64 / 4;
+  uint32_t* tmp = static_cast<uint32_t*>(grow_bytes(t_amx.rows, size_t(16 * words) * 4 + 64));
+  tmp += (64 - reinterpret_cast<uintptr_t>(tmp) % 64) % 64 / 4;
+  for (int64_t t = 0; t < Mp / 16; ++t) {
+    for (int i = 0; i < 16; ++i) {  // 16 rows as bf16, zero padded
+      const int64_t m = 16 * t + i;
+      uint16_t* h = reinterpret_cast<uint16_t*>(tmp + i * words);
+      if (m >= M) {
+        std::memset(h, 0, size_t(words) * 4);
+        continue;
+      }
+      const SRC* sr = src + (rows ? int64_t(rows[m]) : m) * int64_t(ld);
+      if constexpr (std::is_same<SRC, uint16_t>::value) {
+        std::memcpy(h, sr, size_t(K) * 2);
+        std::memset(h + K, 0, size_t(32 * KB - K) * 2);
+      } else {
+        for (int64_t k = 0; k < 32 * KB; k += 32) {
+          const int64_t n = K - k;
+          const __mmask16 m0 = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1);
+          const __mmask16 m1 = n >= 32 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n - 16, 0)) - 1);
+          const __m512 lo = _mm512_maskz_loadu_ps(m0, sr + k), hi = _mm512_maskz_loadu_ps(m1, sr + k + 16);
+          _mm512_store_si512(h + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
       }
     }
-  } else {
-    for (int64_t b = 0; b < GS / 16; ++b) {
-      const uint8_t* sb = row + b * 210;
-      const float d = f16_at(sb + 208);
-      for (int j = 0; j < 16; ++j) {
-        sw[(16 * b + j) * ld] = d * float(reinterpret_cast<const int8_t*>(sb + 192)[j]);
-        cw[(16 * b + j) * ld] = 0.0f;
-      }
-    }
-  }
-}
-
-// Block weights on AMX-INT8: the weights are the A tiles (one weight-scale group of S codes x 16 output rows,
-// unpacked to signed codes u - o once per 16 rows into a staging block), the activations the B tiles (their int8
-// codes in the quad layout, built once per call part); per group one TDPBSSD gives the exact integer sums of a
-// 16 x 16 tile, which are scaled (weight scale x activation scale, plus Q4_K's min term) into 16 f32 accumulator
-// vectors kept in registers over all groups, then transposed into y. Per output: the same integer group sums as
-// the vector paths, summed in group order.
-template <int QT>
-void qgemm_amx_t(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
-                 float* y, size_t ldy) {
-  constexpr int S = QT == kQ6_K ? 16 : 32;  // weights per scale group: one TDPBSSD step
-  const int64_t Kp = a.Kp, G64 = (K + 63) / 64, GS = K / S;
-  const int64_t Mp = (M + 31) / 32 * 32, MT = (M + 15) / 16;  // quantize_rows pads the rows with zeros to Mp
-  AmxScratch& s = t_amx;
-  auto align64 = [](void* p) { return reinterpret_cast<uint8_t*>(p) + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64; };
-  int8_t* bp = reinterpret_cast<int8_t*>(align64(grow_bytes(s.bpanel, size_t(MT * G64 * 1024) + 64)));
-  int8_t* stage = reinterpret_cast<int8_t*>(align64(grow_bytes(s.panel, size_t(2 * 16 * (Kp + 64)) + 64)));
-  float* sw = grow(s.sw, size_t(2 * GS * 16));
-  float* cw = grow(s.cw, size_t(2 * GS * 16));
-  float* dxT = reinterpret_cast<float*>(align64(grow(s.dxg, size_t(GS * Mp) + 16)));
-  float* xsT = reinterpret_cast<float*>(align64(grow(s.xsg, size_t(GS * Mp) + 16)));
-  int32_t* cb = reinterpret_cast<int32_t*>(align64(grow(s.cb, 4 * 256 + 16)));
-  for (int64_t t = 0; t < MT; ++t)  // B panel: tile (t, g) = 16 k-quads x 16 rows x 4 codes
-    for (int64_t g = 0; g < G64; ++g) {
+    for (int64_t kb = 0; kb < KB; ++kb) {
       __m512i r[16];
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(a.row(16 * t + i).q + 64 * g);
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(tmp + i * words + 16 * kb);
       transpose16x16(r);
-      for (int c = 0; c < 16; ++c) _mm512_store_si512(bp + ((t * G64 + g) * 16 + c) * 64, r[c]);
-    }
-  for (int64_t m = 0; m < Mp; ++m) {
-    const QRow x = a.row(m);
-    for (int64_t g = 0; g < GS; ++g) {
-      dxT[g * Mp + m] = x.dl[g * S / 4];
-      float t = 0.0f;
-      if (QT == kQ4_K)
-        for (int l = 0; l < S / 4; ++l) t += x.xs[g * S / 4 + l];
-      xsT[g * Mp + m] = t;
+      for (int c = 0; c < 16; ++c) _mm512_store_si512(d + ((t * KB + kb) * 16 + c) * 16, r[c]);
     }
   }
-  amx_config(S);
-  for (int64_t nb = n0; nb < n1; nb += 32) {
-    int nr[2];
-    for (int h = 0; h < 2; ++h) {  // stage the codes and scales of rows nb + 16h ..
-      nr[h] = int(std::max<int64_t>(0, std::min<int64_t>(16, n1 - nb - 16 * h)));
-      int8_t* sh = stage + size_t(h) * size_t(16 * (Kp + 64));
-      for (int i = 0; i < 16; ++i) {
-        float* swr = sw + size_t(h * GS * 16 + i);
-        float* cwr = cw + size_t(h * GS * 16 + i);
-        if (i >= nr[h]) {
-          for (int64_t g = 0; g < GS; ++g) swr[g * 16] = cwr[g * 16] = 0.0f;
-          continue;
-        }
-        const uint8_t* wr = w + size_t(nb + 16 * h + i) * row_bytes;
-        for (int64_t g = 0; g < G64; ++g)
-          _mm512_store_si512(sh + i * (Kp + 64) + 64 * g, signed_codes<QT>(wr, g, int(std::min<int64_t>(64, K - 64 * g))));
-        row_group_scales<QT>(wr, GS, swr, cwr, 16);
-      }
-    }
-    for (int h = 0; h < 2; ++h) {
-      if (nr[h] == 0) continue;
-      const int8_t* sh = stage + size_t(h) * size_t(16 * (Kp + 64));
-      for (int64_t t = 0; t < MT; ++t) {
-        __m512 accv[16];
-        for (int i = 0; i < 16; ++i) accv[i] = _mm512_setzero_ps();
-        // 4 groups at a time: 4 independent TDPBSSD into C tiles 0-3, stored, then scaled into the accumulators
-        // (one group at a time would wait on each tile's multiply and store)
-        for (int64_t g0 = 0; g0 < GS; g0 += 4) {
-          const int ng = int(std::min<int64_t>(4, GS - g0));
-          for (int q = 0; q < ng; ++q) {
-            const int64_t g = g0 + q;
-            switch (q) {  // tile numbers are immediates
-              case 0: _tile_zero(0); break;
-              case 1: _tile_zero(1); break;
-              case 2: _tile_zero(2); break;
-              default: _tile_zero(3); break;
-            }
-            if (q % 2 == 0) {
-              _tile_loadd(4, sh + g * S, size_t(Kp + 64));
-              _tile_loadd(6, bp + ((t * G64 + g * S / 64) * 16 + (g * S % 64) / 4) * 64, 64);
-              if (q == 0) _tile_dpbssd(0, 4, 6); else _tile_dpbssd(2, 4, 6);
-            } else {
-              _tile_loadd(5, sh + g * S, size_t(Kp + 64));
-              _tile_loadd(7, bp + ((t * G64 + g * S / 64) * 16 + (g * S % 64) / 4) * 64, 64);
-              if (q == 1) _tile_dpbssd(1, 5, 7); else _tile_dpbssd(3, 5, 7);
-            }
-          }
-          _tile_stored(0, cb, 64);
-          if (ng > 1) _tile_stored(1, cb + 256, 64);
-          if (ng > 2) _tile_stored(2, cb + 512, 64);
-          if (ng > 3) _tile_stored(3, cb + 768, 64);
-          for (int q = 0; q < ng; ++q) {
-            const int64_t g = g0 + q;
-            const int32_t* c = cb + 256 * q;
-            const __m512 dx = _mm512_load_ps(dxT + g * Mp + 16 * t);
-            const float* swg = sw + size_t((h * GS + g) * 16);
-            for (int i = 0; i < 16; ++i)
-              accv[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * i)),
-                                        _mm512_mul_ps(_mm512_set1_ps(swg[i]), dx), accv[i]);
-            if constexpr (QT == kQ4_K) {
-              const __m512 xs = _mm512_load_ps(xsT + g * Mp + 16 * t);
-              const float* cwg = cw + size_t((h * GS + g) * 16);
-              for (int i = 0; i < 16; ++i) accv[i] = _mm512_fmadd_ps(_mm512_set1_ps(cwg[i]), xs, accv[i]);
-            }
-          }
-        }
-        __m512i r[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(accv[i]);
-        transpose16x16(r);
-        const __mmask16 mask = __mmask16((1u << nr[h]) - 1);
-        for (int i = 0; i < 16 && 16 * t + i < M; ++i)
-          _mm512_mask_storeu_ps(y + size_t(16 * t + i) * ldy + nb + 16 * h, mask, _mm512_castsi512_ps(r[i]));
-      }
-    }
-  }
-  _tile_release();
+  Act a;
+  a.x = d;
+  a.ld = size_t(KB);
+  return a;
 }
 
-void qgemm_range_amx(int qt, const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0,
-                     int64_t n1, float* y, size_t ldy) {
-  switch (qt) {
-    case kQ8_0: return qgemm_amx_t<kQ8_0>(a, M, K, w, row_bytes, n0, n1, y, ldy);
-    case kQ4_0: return qgemm_amx_t<kQ4_0>(a, M, K, w, row_bytes, n0, n1, y, ldy);
-    case kQ4_K: return qgemm_amx_t<kQ4_K>(a, M, K, w, row_bytes, n0, n1, y, ldy);
-    default: return qgemm_amx_t<kQ6_K>(a, M, K, w, row_bytes, n0, n1, y, ldy);
-  }
+Act amx_bf16_panel(const uint16_t* src, size_t ld, const int32_t* rows, int64_t M, int64_t K, std::vector<float>& buf) {
+  return amx_bf16_panel_t(src, ld, rows, M, K, buf);
+}
+Act amx_bf16_panel(const float* src, size_t ld, const int32_t* rows, int64_t M, int64_t K, std::vector<float>& buf) {
+  return amx_bf16_panel_t(src, ld, rows, M, K, buf);
 }
 
 #pragma GCC pop_options
@@ -2660,6 +2542,62 @@ void qgemm_range_amx(int qt, const QAct& a, int64_t M, int64_t K, const uint8_t*
 #if MS_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-int8,amx-bf16")
+
+// C tiles 0 .. nt - 1 (activation rows 16 (t0 + t) .. 16 (t0 + t) + 15 against a 16-row weight strip) stored and
+// transposed into y's columns [0, nr) (y: the strip's first column).
+MS_INLINE void amx_c_to_y(float* cb, int64_t t0, int nt, int64_t M, int nr, float* y, size_t ldy) {
+  _tile_stored(0, cb, 64);
+  _tile_stored(1, cb + 256, 64);
+  _tile_stored(2, cb + 512, 64);
+  _tile_stored(3, cb + 768, 64);
+  const __mmask16 mask = __mmask16((1u << nr) - 1);
+  for (int t = 0; t < nt; ++t) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(_mm512_load_ps(cb + 256 * t + 16 * i));
+    transpose16x16(r);
+    for (int i = 0; i < 16 && 16 * (t0 + t) + i < M; ++i)
+      _mm512_mask_storeu_ps(y + size_t(16 * (t0 + t) + i) * ldy, mask, _mm512_castsi512_ps(r[i]));
+  }
+}
+
+// One 32-k tile step of amx_bf16_steps (A: the strip's 16 rows at this step, lda bytes apart).
+MS_INLINE void amx_bf16_step(const uint16_t* A, size_t lda, const uint16_t* b, int64_t KB, int64_t kb, int nt) {
+  _tile_loadd(4, A, lda);
+  _tile_loadd(6, b + kb * 512, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  if (nt > 1) {
+    _tile_loadd(7, b + (KB + kb) * 512, 64);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  if (nt > 2) {
+    _tile_loadd(6, b + (2 * KB + kb) * 512, 64);
+    _tile_dpbf16ps(2, 4, 6);
+  }
+  if (nt > 3) {
+    _tile_loadd(7, b + (3 * KB + kb) * 512, 64);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+}
+
+// C tiles 0 .. nt - 1 += the 16-row bf16 strip A (k-steps kb0 .. kb1 - 1 of 32; step kb at A + 32 (kb - kb0), rows
+// lda bytes apart) x the B tiles b[t][kb] (b: the panel's tiles of activation rows 16 t0 .., rows of KB tiles).
+// pf: prefetch A's next lines into L2 (weights read from memory).
+MS_INLINE void amx_bf16_steps(const uint16_t* A, size_t lda, const uint16_t* b, int64_t KB, int64_t kb0, int64_t kb1,
+                              int nt, bool pf) {
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
+    const uint16_t* at = A + 32 * (kb - kb0);
+    if (pf && kb + 8 < kb1)  // the weights' next lines into L2 (16 rows a multiple of 4 KiB apart share an L1 set)
+      for (int i = 0; i < 16; ++i) _mm_prefetch(reinterpret_cast<const char*>(at) + i * lda + 8 * 64, _MM_HINT_T1);
+    amx_bf16_step(at, lda, b, KB, kb, nt);
+  }
+}
+
+MS_INLINE void amx_zero_c() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
 
 // bf16 weights on AMX: the weights are the A tiles, read where they are (16 rows x 32 k, the rows ldw apart), the
 // activations the B tiles of prepare()'s panel: each 16-row weight tile is loaded once per 32-k step for up to 64
@@ -2688,70 +2626,211 @@ void gemm_range_amx_bf16(const Act& a, int64_t M, int64_t K, const uint16_t* w, 
     }
     for (int64_t t0 = 0; t0 < MT; t0 += 4) {
       const int nt = int(std::min<int64_t>(4, MT - t0));
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      const uint16_t* b = panel + t0 * KB * 512;
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        if (t0 == 0 && kb + 8 < KB)  // the weights' next lines into L2 (16 rows a multiple of 4 KiB apart share an L1 set)
-          for (int i = 0; i < 16; ++i)
-            _mm_prefetch(reinterpret_cast<const char*>(A) + i * lda + (kb + 8) * 64, _MM_HINT_T1);
-        _tile_loadd(4, A + 32 * kb, lda);
-        _tile_loadd(6, b + kb * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (nt > 1) {
-          _tile_loadd(7, b + (KB + kb) * 512, 64);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-        if (nt > 2) {
-          _tile_loadd(6, b + (2 * KB + kb) * 512, 64);
-          _tile_dpbf16ps(2, 4, 6);
-        }
-        if (nt > 3) {
-          _tile_loadd(7, b + (3 * KB + kb) * 512, 64);
-          _tile_dpbf16ps(3, 4, 7);
-        }
-      }
-      _tile_stored(0, cb, 64);
-      _tile_stored(1, cb + 256, 64);
-      _tile_stored(2, cb + 512, 64);
-      _tile_stored(3, cb + 768, 64);
-      const __mmask16 mask = __mmask16((1u << nr) - 1);
-      for (int t = 0; t < nt; ++t) {
-        __m512i r[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(_mm512_load_ps(cb + 256 * t + 16 * i));
-        transpose16x16(r);
-        for (int i = 0; i < 16 && 16 * (t0 + t) + i < M; ++i)
-          _mm512_mask_storeu_ps(y + size_t(16 * (t0 + t) + i) * ldy + nb, mask, _mm512_castsi512_ps(r[i]));
-      }
+      amx_zero_c();
+      amx_bf16_steps(A, lda, panel + t0 * KB * 512, KB, 0, KB, nt, t0 == 0);
+      amx_c_to_y(cb, t0, nt, M, nr, y + nb, ldy);
     }
   }
   _tile_release();
 }
 
+// Block weights dequantized to bf16, then the bf16 tiles (qpath kQAmxBf16). For each 16-row strip of weights and up
+// to 64 activation rows, the strip's K is taken 256 weights at a time: its 16 rows are dequantized into a small
+// L1-resident staging block (w = s (u - o) + c in f32, as ggml's dequantize_row_* computes it: (d * sc) * q, Q4_K
+// minus dmin * m; then rounded to bf16, nearest even), and 8 tile steps of 32 k run over it against the activations'
+// bf16 B tiles (amx_bf16_panel: x rounded to bf16). Products of bf16 are exact in f32 and summed in f32, so each
+// output is "dequantize the blocks, round weights and activations to bf16, f32 matmul" up to f32 summation error.
+// The dequantization is paid once per weight and 64 activation rows, the tile products then as bf16 weights'.
+// 16 f32 rounded to bf16 (nearest even) in both 256-bit halves: a 32-entry VPERMW table whose index bit 4 is a
+// don't-care, so a code byte's zero-extended word indexes its low nibble directly.
+MS_INLINE __m512i bf16_table16(__m512 v) { return _mm512_broadcast_i64x4((__m256i)_mm512_cvtneps_pbh(v)); }
+
+// 32 values (two 16-lane f32 vectors, int8 codes times a scale) rounded to bf16 and stored.
+MS_INLINE void store_bf16x32(uint16_t* dst, __m512 lo, __m512 hi) {
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+MS_INLINE __m512 i8x16_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
+
+// Weights [k0, k1) of one row (k0 a multiple of 256; k1 - k0 <= 256, a multiple of the block) dequantized to bf16
+// into dst: the 4-bit types through a 16-entry bf16 table per scale group (VPERMW by the codes), Q8_0 / Q6_K by
+// converting the codes. Each value is ggml's f32 dequantized weight rounded to bf16, nearest even.
+template <int QT>
+MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, uint16_t* dst) {
+  if constexpr (QT == kQ8_0) {
+    for (int64_t b = k0 / 32; b < k1 / 32; ++b, dst += 32) {
+      const uint8_t* blk = row + b * 34;
+      const __m512 d = _mm512_set1_ps(f16_at(blk));
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+      store_bf16x32(dst, _mm512_mul_ps(i8x16_ps(_mm256_castsi256_si128(q)), d),
+                    _mm512_mul_ps(i8x16_ps(_mm256_extracti128_si256(q, 1)), d));
+    }
+  } else if constexpr (QT == kQ4_0) {
+    const __m512 iota = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);  // u - 8
+    for (int64_t b = k0 / 32; b < k1 / 32; ++b, dst += 32) {
+      const uint8_t* blk = row + b * 18;
+      const __m512i tab = bf16_table16(_mm512_mul_ps(_mm512_set1_ps(f16_at(blk)), iota));
+      const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+      const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(w), _mm256_srli_epi16(w, 4), 1);
+      _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, tab));
+    }
+  } else if constexpr (QT == kQ4_K) {
+    const uint8_t* sb = row + (k0 / 256) * 144;
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    uint64_t sc, mn;
+    q4k_scales_mins(sb, sc, mn);
+    alignas(32) float s8[8], c8[8];  // d * sc_j and -(dmin * m_j)
+    const __m256 sv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc))));
+    const __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn))));
+    _mm256_store_ps(s8, _mm256_mul_ps(sv, _mm256_set1_ps(f16_at(sb))));
+    _mm256_store_ps(c8, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(mv, _mm256_set1_ps(f16_at(sb + 2)))));
+    for (int g = 0; g < 4; ++g, dst += 64) {
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * g)));
+      const __m512i ta = bf16_table16(_mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s8[2 * g])), _mm512_set1_ps(c8[2 * g])));
+      const __m512i tb = bf16_table16(_mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s8[2 * g + 1])), _mm512_set1_ps(c8[2 * g + 1])));
+      _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(w, ta));
+      _mm512_storeu_si512(dst + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), tb));
+    }
+  } else {
+    const uint8_t* sb = row + (k0 / 256) * 210;
+    alignas(64) float s16[16];  // d * sc_j of the 16 sub-blocks, broadcast from memory below (1.1-1.3x over scalars)
+    _mm512_store_ps(s16, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192))),
+                                       _mm512_set1_ps(f16_at(sb + 208))));
+    __m512i u[4];
+    kcodes<kQ6_K>(sb, u);
+    for (int g = 0; g < 4; ++g, dst += 64) {
+      const __m512i v = _mm512_sub_epi8(u[g], _mm512_set1_epi8(32));
+      __m512 f[4];
+      f[0] = _mm512_mul_ps(i8x16_ps(_mm512_castsi512_si128(v)), _mm512_set1_ps(s16[4 * g]));
+      f[1] = _mm512_mul_ps(i8x16_ps(_mm512_extracti32x4_epi32(v, 1)), _mm512_set1_ps(s16[4 * g + 1]));
+      f[2] = _mm512_mul_ps(i8x16_ps(_mm512_extracti32x4_epi32(v, 2)), _mm512_set1_ps(s16[4 * g + 2]));
+      f[3] = _mm512_mul_ps(i8x16_ps(_mm512_extracti32x4_epi32(v, 3)), _mm512_set1_ps(s16[4 * g + 3]));
+      store_bf16x32(dst, f[0], f[1]);
+      store_bf16x32(dst + 32, f[2], f[3]);
+    }
+  }
+}
+
+// The chunks of 256 weights are double-buffered: while the tiles run over chunk c, two of chunk c + 1's 16 rows are
+// dequantized after each tile step, so the vector units and the tile unit work at the same time.
+template <int QT>
+void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
+                      float* y, size_t ldy) {
+  constexpr int64_t kSteps = 8;                 // 32-k tile steps per staged chunk (256 weights)
+  constexpr int64_t kLds = 32 * kSteps + 32;    // staged row stride, elements (576 bytes: rows in distinct L1 sets)
+  const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16, NC = (KB + kSteps - 1) / kSteps;
+  const uint16_t* panel = static_cast<const uint16_t*>(a.x);
+  AmxScratch& s = t_amx;
+  uint16_t* stage = reinterpret_cast<uint16_t*>(grow_bytes(s.panel, size_t(2 * 16 * kLds * 2) + 64));
+  stage += (64 - reinterpret_cast<uintptr_t>(stage) % 64) % 64 / 2;
+  uint16_t* const bufs[2] = {stage, stage + 16 * kLds};
+  float* cb = grow(s.cb, 4 * 256 + 16);
+  cb += (16 - reinterpret_cast<uintptr_t>(cb) / 4 % 16) % 16;
+  QSpec sp;
+  qspec(QT, sp);
+  const size_t chunk_bytes = size_t(256 / sp.blk) * size_t(sp.bytes);
+  amx_config(64);
+  for (int64_t nb = n0; nb < n1; nb += 16) {
+    const int nr = int(std::min<int64_t>(16, n1 - nb));
+    if (nr < 16) std::memset(stage, 0, size_t(2 * 16 * kLds * 2));  // rows past nr stay zero
+    const uint8_t* wb = w + size_t(nb) * row_bytes;
+    for (int64_t t0 = 0; t0 < MT; t0 += 4) {
+      const int nt = int(std::min<int64_t>(4, MT - t0));
+      const bool pf = t0 == 0;  // the first pass over the strip reads it from memory: prefetch two chunks ahead
+      auto deq = [&](int64_t c, int i) {
+        if (i >= nr) return;
+        const uint8_t* row = wb + size_t(i) * row_bytes;
+        if (pf)
+          for (size_t o = 0; o < chunk_bytes; o += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(row + size_t(c + 2) * chunk_bytes + o), _MM_HINT_T1);
+        dequant_chunk_bf16<QT>(row, 256 * c, std::min(K, 256 * c + 256), bufs[c & 1] + size_t(i) * kLds);
+      };
+      amx_zero_c();
+      for (int i = 0; i < 16; ++i) deq(0, i);
+      const uint16_t* b = panel + t0 * KB * 512;
+      for (int64_t c = 0; c < NC; ++c) {
+        const int64_t kb0 = c * kSteps, kb1 = std::min(KB, kb0 + kSteps);
+        for (int64_t kb = kb0; kb < kb1; ++kb) {
+          amx_bf16_step(bufs[c & 1] + 32 * (kb - kb0), size_t(kLds * 2), b, KB, kb, nt);
+          if (c + 1 < NC) {  // chunk c has all 8 steps when another follows
+            deq(c + 1, int(2 * (kb - kb0)));
+            deq(c + 1, int(2 * (kb - kb0) + 1));
+          }
+        }
+      }
+      amx_c_to_y(cb, t0, nt, M, nr, y + nb, ldy);
+    }
+  }
+  _tile_release();
+}
+
+void qgemm_range_amx_bf16(int qt, const Act& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0,
+                          int64_t n1, float* y, size_t ldy) {
+  switch (qt) {
+    case kQ8_0: return qgemm_amx_bf16_t<kQ8_0>(a, M, K, w, row_bytes, n0, n1, y, ldy);
+    case kQ4_0: return qgemm_amx_bf16_t<kQ4_0>(a, M, K, w, row_bytes, n0, n1, y, ldy);
+    case kQ4_K: return qgemm_amx_bf16_t<kQ4_K>(a, M, K, w, row_bytes, n0, n1, y, ldy);
+    default: return qgemm_amx_bf16_t<kQ6_K>(a, M, K, w, row_bytes, n0, n1, y, ldy);
+  }
+}
+
 #pragma GCC pop_options
 #endif
 
-// Activation rows from which a block type takes the AMX tiles: Q6_K's 16-weight scale groups cost a tile product
-// and a scaling pass per 16 weights, so against the paired AVX-512 kernel its tiles win only from 32 rows (1-thread
-// A/B, one [14336, 4096] matrix, under load: AMX / AVX-512 0.86x at 16 rows, 0.95x at 24, 1.25x at 32; Q4_K 1.24x
-// at 16).
-inline int64_t amx_min_rows(int qt) { return qt == kQ6_K ? 32 : kAmxMinRows; }
+// Which path block weights of type qt take for a call of M activation rows on ISA path isa: kQVec (AVX-512 / AVX2 /
+// scalar, Q8 activations) or kQAmxBf16 (the weights dequantized to bf16 per 16-row strip, AMX-BF16 tiles, bf16
+// activations: qgemm_amx_bf16_t), from a threshold of rows per type. ms_set_amx_rows changes it (A/B, tests).
+enum QPath { kQVec = 0, kQAmxBf16 = 2 };
+constexpr int kNoRows = 1 << 30;
+std::atomic<int> g_amx_rows[16] = {};  // by ggml type id; 0: amx_rows_default
 
-void qgemm_range(int isa, int qt, const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes,
+// Measured (bench_qlinear_ab --isa avx512bf16 --new-isa amx --new-amx-rows=1, 1 thread, one [14336, 4096] matrix
+// cached and 512 MiB from memory, under load): AMX / AVX-512 at 8 / 12 / 16 rows Q8_0 1.09-1.16x / 1.51-1.65x / 1.9-2.3x,
+// Q4_0 1.59-1.83x / 2.3-2.6x / 2.9-3.4x, Q4_K 0.89-0.99x / 1.29-1.54x / 1.8-2.1x, Q6_K 0.86-0.96x / 1.25-1.49x /
+// 1.94-1.95x. A type takes the tiles from the first count where they win clearly.
+inline int64_t amx_rows_default(int qt) { return qt == kQ4_0 ? 8 : 12; }
+
+inline int qpath(int isa, int qt, int64_t M) {
+  if (isa != kAmx) return kQVec;
+  const int v = g_amx_rows[qt & 15].load(std::memory_order_relaxed);
+  return M >= (v > 0 ? v : amx_rows_default(qt)) ? kQAmxBf16 : kQVec;
+}
+
+// The activations of a block-weight call, prepared for its path.
+struct QIn {
+  int path = kQVec;
+  QAct q;  // kQVec: the rows quantized for the weight type (quantize_rows)
+  Act b;   // kQAmxBf16: the rows' bf16 B tiles (amx_bf16_panel)
+};
+
+QIn qprepare(int isa, int qt, const QSpec& sp, const void* x, bool xbf16, size_t ld, const int32_t* rows, int64_t M,
+             int64_t K, std::vector<float>& buf) {
+  QIn in;
+  in.path = qpath(isa, qt, M);
+#if MS_X86
+  if (in.path == kQAmxBf16) {
+    in.b = xbf16 ? amx_bf16_panel(static_cast<const uint16_t*>(x), ld, rows, M, K, buf)
+                 : amx_bf16_panel(static_cast<const float*>(x), ld, rows, M, K, buf);
+    return in;
+  }
+#endif
+  in.q = quantize_rows(sp, x, xbf16, ld, rows, M, K, buf);
+  return in;
+}
+
+void qgemm_range(int isa, int qt, const QIn& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes,
                  int64_t n0, int64_t n1, float* y, size_t ldy) {
   if (n1 <= n0 || M <= 0) return;
   if (K == 0) return zero_cols(M, n0, n1, y, ldy);
 #if MS_X86
-  if (isa == kAmx && M >= amx_min_rows(qt)) return qgemm_range_amx(qt, a, M, K, w, row_bytes, n0, n1, y, ldy);
+  if (a.path == kQAmxBf16) return qgemm_range_amx_bf16(qt, a.b, M, K, w, row_bytes, n0, n1, y, ldy);
 #endif
-  qgemm_range_vec(isa, qt, a, M, K, w, row_bytes, n0, n1, y, ldy);
+  qgemm_range_vec(isa, qt, a.q, M, K, w, row_bytes, n0, n1, y, ldy);
 }
 
 // y f32 [M, N] = x W^T for block weights w [N, row_bytes] of type qt; then epi(n0, n1) on each part's columns.
 template <class Epi>
-void qgemm(int isa, int qt, const QAct& a, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, size_t ldy,
+void qgemm(int isa, int qt, const QIn& a, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, size_t ldy,
            int threads, Epi&& epi) {
   QSpec sp;
   qspec(qt, sp);
@@ -2778,8 +2857,10 @@ void qswiglu_expert(int isa, int qg, int qu, int qd, const void* x, bool xbf16, 
   qspec(qg, sg);
   qspec(qu, su);
   qspec(qd, sd);
-  const QAct ag = quantize_rows(sg, x, xbf16, size_t(H), rows, M, H, s.xa);
-  const QAct au = (su.xblk == sg.xblk && su.offset == sg.offset) ? ag : quantize_rows(su, x, xbf16, size_t(H), rows, M, H, s.xb);
+  const QIn ag = qprepare(isa, qg, sg, x, xbf16, size_t(H), rows, M, H, s.xa);
+  const int pu = qpath(isa, qu, M);  // up shares gate's activations where both paths read them alike
+  const QIn au = (pu == ag.path && (pu == kQAmxBf16 || (su.xblk == sg.xblk && su.offset == sg.offset)))
+                     ? ag : qprepare(isa, qu, su, x, xbf16, size_t(H), rows, M, H, s.xb);
   float* G = grow(s.g, size_t(M * F));
   float* U = grow(s.u, size_t(M * F));
   float* Hf = grow(s.h, size_t(M * F));
@@ -2796,7 +2877,7 @@ void qswiglu_expert(int isa, int qg, int qu, int qd, const void* x, bool xbf16, 
     };
     parallel(nparts, th, part);
   }
-  const QAct ah = quantize_rows(sd, Hf, false, size_t(F), nullptr, M, F, s.ha);
+  const QIn ah = qprepare(isa, qd, sd, Hf, false, size_t(F), nullptr, M, F, s.ha);
   qgemm(isa, qd, ah, M, F, down, H, y, size_t(H), threads, [&](int64_t n0, int64_t n1) { sink(n0, n1); });
 }
 
@@ -2933,8 +3014,26 @@ int ms_qlinear(const void* x, int xbf16, int64_t M, int64_t K, const void* w, in
   QSpec sp;
   qspec(qtype, sp);
   const int isa = g_isa.load();
-  const QAct a = quantize_rows(sp, x, xbf16 != 0, size_t(K), nullptr, M, K, t_scratch.xa);
+  const QIn a = qprepare(isa, qtype, sp, x, xbf16 != 0, size_t(K), nullptr, M, K, t_scratch.xa);
   qgemm(isa, qtype, a, M, K, static_cast<const uint8_t*>(w), N, y, size_t(N), threads, [](int64_t, int64_t) {});
+  return 0;
+}
+
+// The path (0: vector kernels with Q8 activations, 2: bf16-dequantized weights on AMX-BF16 with bf16 activations;
+// qpath) that ms_qlinear takes for M rows of weight type qtype on the current ISA
+// path; -1 for an unknown type.
+int ms_qpath(int qtype, int64_t M) {
+  QSpec sp;
+  if (!qspec(qtype, sp)) return fail("ms_qpath: unsupported block type id " + std::to_string(qtype));
+  return qpath(g_isa.load(), qtype, M);
+}
+
+// Rows from which block type qtype takes the bf16-dequantized AMX path on the amx ISA path: > 0 sets, 0 restores
+// the measured default, < 0 never. For A/B of the paths and for tests.
+int ms_set_amx_rows(int qtype, int rows) {
+  QSpec sp;
+  if (!qspec(qtype, sp)) return fail("ms_set_amx_rows: unsupported block type id " + std::to_string(qtype));
+  g_amx_rows[qtype & 15].store(rows < 0 ? kNoRows : rows);
   return 0;
 }
 
@@ -3265,7 +3364,7 @@ ffi::Error qlinear_impl(ffi::AnyBuffer x, ffi::Buffer<ffi::DataType::U8, 2> w, f
   QSpec sp;
   qspec(qtype, sp);
   const int isa = g_isa.load();
-  const QAct a = quantize_rows(sp, x.untyped_data(), xbf16, size_t(K), nullptr, M, K, t_scratch.xa);
+  const QIn a = qprepare(isa, qtype, sp, x.untyped_data(), xbf16, size_t(K), nullptr, M, K, t_scratch.xa);
   qgemm(isa, qtype, a, M, K, w.typed_data(), N, y->typed_data(), size_t(N), 0, [](int64_t, int64_t) {});
   return ffi::Error::Success();
 }
