@@ -1206,7 +1206,7 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // Paths: AVX512-VNNI (VPDPBUSD; the K-quants with integer sub-block scales, two outputs per vector; Q4_0 with exact
 // per-block sums, four outputs per vector, qmk512_u; Q8_0 in the same 4-block units, qmk512_u8), AVX2 (16-bit madd;
 // the K-quants likewise, qmk_avx2_k; Q4_0 qmk_avx2_q4_0), portable scalar -- all with the Q8 activations above -- and, on the amx ISA path
-// for calls of at least amx_rows_default(type) rows (Q4_0 8, the others 12), AMX-BF16 tiles over the
+// for calls of at least amx_rows_default(type) rows (12), AMX-BF16 tiles over the
 // weights dequantized to bf16 (qgemm_amx_bf16_t). That path rounds differently, stated here:
 //   * weights: ggml's f32 dequantized value (d * q; Q4_K (d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32)), rounded
 //     to bf16, nearest even (a relative error of at most 2^-9 per weight; the other paths use the weights exactly);
@@ -2788,7 +2788,9 @@ std::atomic<int> g_amx_rows[16] = {};  // by ggml type id; 0: amx_rows_default
 // cached and 512 MiB from memory, under load): AMX / AVX-512 at 8 / 12 / 16 rows Q8_0 1.09-1.16x / 1.51-1.65x / 1.9-2.3x,
 // Q4_0 1.59-1.83x / 2.3-2.6x / 2.9-3.4x, Q4_K 0.89-0.99x / 1.29-1.54x / 1.8-2.1x, Q6_K 0.86-0.96x / 1.25-1.49x /
 // 1.94-1.95x. A type takes the tiles from the first count where they win clearly.
-inline int64_t amx_rows_default(int qt) { return qt == kQ4_0 ? 8 : 12; }
+// from 12 rows for every type: Q4_0's tiles won from 8 rows against its old AVX-512 kernel, the 4-block one wins up
+// to 10 (AMX / AVX-512 0.74x / 0.90x / 0.95x / 1.03x / 1.10x at 8-12 rows, README "AMX, block types")
+inline int64_t amx_rows_default(int) { return 12; }
 
 inline int qpath(int isa, int qt, int64_t M) {
   if (isa != kAmx) return kQVec;
