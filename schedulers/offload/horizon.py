@@ -21,7 +21,7 @@ Per MoE layer, after its gate:
    time (one that loads more leaves none: PreSched's count then delays the next layer's loads behind
    prefetches; one that computes more on the CPU leaves more than eq. 5 counted). So for every candidate split
    and every count k = 0..4 of the next layer's hottest forecast experts not cached (its E_next), the plan adds
-   to the split's `layer_time` the next layer's time as the forecast shows it (`next_layer_time`: its cached
+   to the split's `layer_time` the next layer's time as the forecast shows it (`next_layer_times`: its cached
    predicted experts in one call, the k prefetched ones landing behind the link time this layer's loads and
    prefetches leave owed at its gate, the rest split the best way between the CPU, coldest first, and loads),
    and runs the pair that ends both layers soonest (ties: fewer prefetches, PreSched's split). Where the next
@@ -64,7 +64,7 @@ import numpy as np
 from schedulers.base import LayerPlan, LayerState, Phase, register
 from schedulers.offload.hybrimoe import hybrid_scheduling
 from schedulers.offload.layerwise import greedy_split
-from schedulers.offload.presched import PreSched, PreSchedSettings
+from schedulers.offload.presched import Lookahead, PreSched, PreSchedSettings
 from schedulers.policy import by_tokens, split_by_availability
 
 
@@ -115,7 +115,7 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
     shared + resident experts in one call, landing ones at arrival, loads serial on the link behind `alpha`
     (behind the held prefetches too), each computed on landing; the CPU experts one after another."""
     cost = state.cost
-    landing, shared, _, tok = _layer_parts(state)
+    landing, shared, _, tok, t_g = _layer_parts(state)
     gpu = shared
     if split.gpu:
         ready = len(split.gpu) - len(split.loads)
@@ -127,7 +127,7 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
         gpu = shared + group_time(state, now)
     if landing:
         for e in sorted((e for e in split.gpu if e in landing), key=landing.__getitem__):
-            gpu = max(gpu, landing[e]) + float(cost.t_g(tok[e]))
+            gpu = max(gpu, landing[e]) + t_g[e]
     # the held prefetches, then the loads, land one t_io apart behind alpha; each is computed on landing:
     # g_k = max(g_{k-1}, link_k) + t_k unrolls to max(g_0 + sum t, max_k(link_k + sum_{j >= k} t_j))
     queue = [e for e in split.gpu if e in held] + list(split.loads) if held else split.loads
@@ -135,7 +135,7 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
         alpha, t_io = state.alpha_s, state.t_io_s
         tail, last = 0.0, -math.inf
         for k in range(len(queue) - 1, -1, -1):  # tail sums from the last load back, as a reversed cumsum adds
-            tail += cost.t_g(tok[queue[k]])
+            tail += t_g[queue[k]]
             last = max(last, alpha + t_io * (k + 1) + tail)
         gpu = max(gpu + tail, last)
     cpu = cost.t_c_sum([tok[e] for e in split.cpu])
@@ -143,14 +143,20 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
     return max(cpu + s * gpu, gpu + s * cpu) if s > 0 else max(cpu, gpu)
 
 
-def _layer_parts(state: LayerState) -> tuple[dict[int, float], float, dict[tuple[int, ...], float], list[int]]:
+def _layer_parts(state: LayerState
+                 ) -> tuple[dict[int, float], float, dict[tuple[int, ...], float], list[int], list[float]]:
     """(this layer's landing experts -> seconds to arrival, the shared experts' time, the memo of `group_time`, the
-    tokens per expert as a list), built once per layer state: the candidate splits of one plan share them."""
+    tokens per expert as a list, each expert's `cost.t_g` in a call of its own as a list), built once per layer state:
+    the candidate splits of one plan share them. The `t_g` of all E experts is one numpy call (the same values as
+    the scalar calls, `t_g` computes both alike), where the splits' loads asked for it expert by expert (~100 calls
+    a plan)."""
     parts = state.__dict__.get("_horizon_parts")
     if parts is None:
+        cost = state.cost
+        t_g = np.atleast_1d(cost.t_g(state.tokens.astype(np.float64))).tolist()
         landing = {t.expert: t.remaining_s for t in state.inflight if t.layer == state.layer}
-        parts = state.__dict__["_horizon_parts"] = (landing, state.cost.t_shared(state.batch_tokens), {},
-                                                    state.tokens.tolist())
+        parts = state.__dict__["_horizon_parts"] = (landing, cost.t_shared(state.batch_tokens), {},
+                                                    state.tokens.tolist(), t_g)
     return parts
 
 
@@ -204,9 +210,11 @@ class NextLayer:
     ready_s: float
 
 
-def next_layer(state: LayerState) -> Optional[NextLayer]:
+def next_layer(state: LayerState, e_next: Optional[tuple[Sequence[int], Sequence[float]]] = None
+               ) -> Optional[NextLayer]:
     """Layer l+1 from its forecast (`LayerState.predicted`, the predictor PreSched reads); None at the last layer or
-    without a forecast."""
+    without a forecast. `e_next`: PreSched's E_next of l+1 (`Lookahead.candidates`: the predicted experts neither
+    resident nor landing, ascending predicted tokens, ties lower id first) where its plan built it already."""
     target = state.layer + 1
     if target >= state.num_layers or target not in state.predicted:
         return None
@@ -214,40 +222,53 @@ def next_layer(state: LayerState) -> Optional[NextLayer]:
     pred = state.predicted[target]
     some = np.flatnonzero(pred > 0)
     avail = state.available(target)[some]
-    missing = some[~avail]
-    order = missing[np.argsort(pred[missing], kind="stable")]  # ties: lower id first, as PreSched's E_next
-    m = pred[order]
+    if e_next is None:
+        missing = some[~avail]
+        order = missing[np.argsort(pred[missing], kind="stable")]  # ties: lower id first, as PreSched's E_next
+        experts, m = tuple(order.tolist()), pred[order].tolist()
+    else:
+        experts, m = tuple(e_next[0]), list(e_next[1])
     ready = pred[some[avail]]
     ready_s = cost.t_shared(state.batch_tokens) + (float(np.sum(cost.t_g_group(ready))) if ready.size else 0.0)
-    return NextLayer(target, tuple(order.tolist()), np.concatenate([[0.0], cost.t_c_prefix(m.tolist())]),
-                     np.atleast_1d(cost.t_g(m)).astype(np.float64), ready_s)
+    return NextLayer(target, experts, np.concatenate([[0.0], cost.t_c_prefix(m)]),
+                     np.atleast_1d(cost.t_g(np.asarray(m, dtype=np.float64))).astype(np.float64), ready_s)
 
 
-def next_layer_time(state: LayerState, nxt: NextLayer, prefetched: int, alpha: float | np.ndarray) -> np.ndarray:
-    """Seconds from layer l+1's gate until it is done, as `layer_time` plays it, when its `prefetched` hottest missing
-    experts come from this plan's prefetches and the link owes `alpha` at its gate (those prefetches included): the
-    best of its coldest j on the CPU and the rest loaded behind alpha, hottest first, for every j. `alpha` may be an
-    array (one per candidate split): float64 [S] out."""
-    alpha = np.atleast_1d(np.asarray(alpha, dtype=np.float64))[:, None]  # [S, 1]
-    n = len(nxt.experts) - prefetched  # the coldest n stay missing
-    gpu = np.full_like(alpha, nxt.ready_s)
-    if prefetched:  # the prefetched experts land by alpha at the latest
-        gpu = np.maximum(gpu, alpha) + float(nxt.gpu_each[n:].sum())
-    cpu = nxt.cpu_prefix[:n + 1]
-    each = nxt.gpu_each[:n]
-    tail = np.concatenate([np.cumsum(each[::-1])[::-1], [0.0]])  # GPU time of the loaded ones, j..n-1
-    loads = n - np.arange(n + 1)
-    last = np.append(each, 0.0)  # the last load (the coldest loaded, E[j]) is computed on landing
-    g = np.where(loads > 0, np.maximum(gpu + tail, alpha + loads * state.t_io_s + last), gpu)  # [S, n + 1]
+def next_layer_times(state: LayerState, nxt: NextLayer, owed: np.ndarray, counts: int) -> np.ndarray:
+    """float64 [S, K]: seconds from layer l+1's gate until it is done, as `layer_time` plays it, when its k hottest
+    missing experts come from this plan's prefetches (k = 0..K-1, K = min(counts, |E_next|) + 1) and the link owes
+    max(owed + k t_io, 0) at its gate (`owed` float64 [S]: one per candidate split; the prefetches included): the best
+    of its coldest j on the CPU and the rest loaded behind that, hottest first, for every j. Every split and count in
+    one array pass ([S, K, j]); each (split, count) is computed with the same float operations, in the same order, as
+    one count at a time would (the reversed running sums over a count's missing experts are one row's cumsum behind
+    leading zeros), so the plans do not change."""
+    t_io = state.t_io_s
+    total = len(nxt.experts)
+    ks = np.arange(min(total, counts) + 1)
+    alpha = np.maximum(owed[:, None] + ks * t_io, 0.0)[:, :, None]  # [S, K, 1]
+    n = total - ks  # the coldest n stay missing
+    landed = np.array([0.0] + [float(nxt.gpu_each[total - k:].sum()) for k in ks[1:]])  # the prefetched ones' GPU time
+    # the prefetched experts land by alpha at the latest
+    gpu = np.where(ks[:, None] > 0, np.maximum(nxt.ready_s, alpha) + landed[:, None], nxt.ready_s)  # [S, K, 1]
+    each = nxt.gpu_each
+    rows = np.zeros((ks.size, total))
+    for k in ks.tolist():
+        rows[k, k:] = each[:total - k][::-1]
+    tail = np.concatenate([np.cumsum(rows, axis=1)[:, ::-1], np.zeros((ks.size, 1))], axis=1)  # [K, total + 1]
+    j = np.arange(total + 1)
+    loads = n[:, None] - j  # [K, total + 1]: loaded experts when the coldest j run on the CPU
+    last = np.where(j < n[:, None], np.append(each, 0.0), 0.0)  # the last load (the coldest loaded) on landing
+    g = np.where(loads > 0, np.maximum(gpu + tail, alpha + loads * t_io + last), gpu)  # [S, K, total + 1]
+    cpu = nxt.cpu_prefix
     s = state.cost.device_cpu_share
     t = np.maximum(cpu + s * g, g + s * cpu) if s > 0 else np.maximum(cpu, g)
-    return t.min(axis=1)
+    return np.where(loads >= 0, t, np.inf).min(axis=2)
 
 
 def choose(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer], counts: int
            ) -> tuple[Split, Optional[int]]:
     """The split, and how many of the next layer's hottest forecast experts to prefetch (None: PreSched's own
-    prefetches), that end this layer and the next soonest: `layer_time` of the split plus `next_layer_time` with the
+    prefetches), that end this layer and the next soonest: `layer_time` of the split plus `next_layer_times` with the
     link time its loads and the prefetches leave owed at the next gate. Without a forecast of the next layer (or none
     of its experts missing) the fastest split alone (first minimum: PreSched's split keeps ties)."""
     if nxt is None or not nxt.experts or counts <= 0:
@@ -255,9 +276,8 @@ def choose(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer],
     t_io = state.t_io_s
     t = np.array([layer_time(state, split) for split in splits])
     owed = state.alpha_s + np.array([len(split.loads) for split in splits]) * t_io - t - state.t_attn_next_s
-    ks = range(min(len(nxt.experts), counts) + 1)
-    # [k, split]: every split's two-layer time per prefetch count, all splits at once (one array pass per count)
-    totals = np.array([t + next_layer_time(state, nxt, k, np.maximum(owed + k * t_io, 0.0)) for k in ks]).T.tolist()
+    # [split, k]: every split's two-layer time per prefetch count, in one array pass
+    totals = (t[:, None] + next_layer_times(state, nxt, owed, counts)).tolist()
     best, best_t = (splits[0], 0), math.inf
     for split, row in zip(splits, totals):
         for k, total in enumerate(row):
@@ -275,7 +295,8 @@ class Horizon(PreSched):
         return max(1, self.settings.micro_batches)
 
     def finish(self, state: LayerState, cpu: tuple[int, ...], gpu: tuple[int, ...], loads: tuple[int, ...],
-               prefetch: list[tuple[int, int]], keep_working_set: bool) -> LayerPlan:
+               prefetch: list[tuple[int, int]], keep_working_set: bool, ahead: Optional[Lookahead] = None
+               ) -> LayerPlan:
         """PreSched's split and prefetches (its bookkeeping already done) -> the chosen split and prefetches, with
         the cache slots for them."""
         names = [n for n in self.settings.candidates if n != "presched"]
@@ -288,7 +309,9 @@ class Horizon(PreSched):
         # the two-layer estimate plays a DMA link; where a copy takes host cores (`link_cpu_share`, the CPU backend)
         # PreSched's prefetch rules, which charge the copies to the CPU side, stay
         sized = self.settings.use_predictor and self.settings.prefetch_counts > 0 and state.cost.link_cpu_share <= 0
-        nxt = next_layer(state) if sized else None
+        e_next = ahead.candidates(state.layer + 1) if sized and ahead is not None and ahead.forecast(state.layer + 1) \
+            else None  # PreSched's E_next of l+1, built by its plan or now (one build either way)
+        nxt = next_layer(state, e_next) if sized else None
         best, count = choose(state, splits, nxt, self.settings.prefetch_counts)
         if count is not None:
             assert nxt is not None
@@ -323,4 +346,4 @@ def plan_time(state: LayerState, plan: LayerPlan) -> float:
 
 
 __all__ = ["Horizon", "HorizonSettings", "NextLayer", "Split", "choose", "candidate_splits", "layer_time", "next_layer",
-           "next_layer_time", "plan_time"]
+           "next_layer_times", "plan_time"]
