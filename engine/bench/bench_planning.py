@@ -14,13 +14,27 @@ The budget: one decode MoE layer of the model with every expert in GPU memory, f
 the routed experts' tokens from the same synthetic routing), at batch 1 and 64. A plan that takes longer than that
 layer costs more than the layer itself would on a GPU that held the model; an offloaded layer (transfers, CPU
 experts) is longer, so the plan is paid for only where it saves more than it costs.
+
+The charged study (`--study`): each policy's own planning time charged on the simulated host per MoE layer
+(`simulate.planning`, `engine.sim.pipeline.PlanningCharge`: mode `measured_cpu`, each plan call's thread CPU time, so
+the host's other jobs do not inflate it; `--charge measured` for wall time), against the same run uncharged, at
+Figure-11 sweep points (seed 0, transition-table forecasts), on the profile as fitted and on its roofline variant
+(every per-call overhead 0: `gpu.kernel_overhead_us`, `gpu.call_overhead_us`, `cpu.expert_overhead_us`,
+`cpu.dispatch_us`; `layer_overhead_us` and `pass_overhead_us` are 0 on the GPU profiles already). Printed per point:
+Horizon against the best other policy, uncharged and charged, and Horizon's charged plan time:
+
+    python engine/bench/bench_planning.py --study [--study-models mixtral_8x7b,qwen3_30b_a3b,deepseek_v2_lite]
+        [--study-batches 4,16,64] [--study-systems horizon,presched,hybrimoe,klotski,dali,layerwise] [--workers 2]
+        [--json /tmp/plan/study.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,9 +45,11 @@ import numpy as np  # noqa: E402
 
 from engine.bench.bench_horizon_study import Point, point_spec  # noqa: E402
 from engine.bench.bench_simulate_sweep import scheduler_settings  # noqa: E402
-from engine.sim.run import PreparedRouting, RunSpec, build_sim, prepare_routing  # noqa: E402
+from engine.sim.pipeline import PlanningCharge  # noqa: E402
+from engine.sim.run import PreparedRouting, RunSpec, build_sim, prepare_routing, simulate  # noqa: E402
 from schedulers.base import LayerPlan, LayerState, Phase  # noqa: E402
 from schedulers.cost import CostModel  # noqa: E402
+from schedulers.hardware import HardwareProfile  # noqa: E402
 
 
 def timed_run(spec: RunSpec, routing: PreparedRouting) -> tuple[list[float], list[LayerPlan]]:
@@ -82,6 +98,77 @@ def gpu_layer_s(model: str, batch: int, machine: str, roofline: bool = False) ->
     return float(np.mean(times))
 
 
+def roofline(hw: HardwareProfile) -> HardwareProfile:
+    """`hw` with every per-call overhead 0 (the GPU's kernel and call dispatch, the CPU's per-expert call and
+    per-layer hand-over, the executor's per-layer and per-pass host time): a GPU engine and a CPU kernel that cost
+    only their FLOPs and bytes."""
+    gpu = replace(hw.gpu, kernel_overhead_us=0.0, call_overhead_us=0.0, layer_overhead_us=0.0, pass_overhead_us=0.0)
+    return replace(hw, gpu=gpu, cpu=replace(hw.cpu, expert_overhead_us=0.0, dispatch_us=0.0))
+
+
+def charged_group(job: tuple[str, int, str, bool, tuple[str, ...], str]) -> list[dict[str, Any]]:
+    """Every system at one (model, batch, machine, profile) point, uncharged and with its planning charged."""
+    model, batch, machine, at_roofline, systems, mode = job
+    rows = []
+    routings: dict[int, PreparedRouting] = {}
+    for system in systems:
+        spec = point_run_spec(model, batch, machine, system, gen_len=64)
+        if at_roofline:
+            spec = replace(spec, hardware=roofline(spec.hardware))
+        routing = routings.setdefault(spec.sequences, prepare_routing(spec))
+        for charge in (PlanningCharge(), PlanningCharge(mode)):
+            t0 = time.process_time()
+            out = simulate(replace(spec, planning=charge), routing)
+            rows.append({"model": model, "batch": batch, "machine": machine, "roofline": at_roofline, "system": system,
+                         "charge": charge.mode, "throughput_tok_s": out.summary["throughput_tok_s"],
+                         "plan_median_us": out.summary.get("planning_charged_median_us_decode"),
+                         "plan_p99_us": out.summary.get("planning_charged_p99_us_decode"),
+                         "sim_cpu_s": time.process_time() - t0})
+    return rows
+
+
+def charged_table(rows: list[dict[str, Any]], mode: str) -> list[str]:
+    """Per point: Horizon and the best other policy, uncharged and charged (tok/s), Horizon's lead each way."""
+    lines = ["| point | profile | Horizon | best other | lead | Horizon charged | best other charged | lead charged | "
+             "Horizon plan median µs (charged) | best other's |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["model"], r["batch"], r["machine"], r["roofline"]) for r in rows},
+                  key=lambda k: (k[0], k[3], k[1]))
+    for model, batch, machine, at_roofline in keys:
+        at = [r for r in rows if (r["model"], r["batch"], r["machine"], r["roofline"]) == (model, batch, machine,
+                                                                                          at_roofline)]
+        cells = []
+        for charge in ("off", mode):
+            mine = next(r for r in at if r["system"] == "horizon" and r["charge"] == charge)
+            best = max((r for r in at if r["system"] != "horizon" and r["charge"] == charge),
+                       key=lambda r: r["throughput_tok_s"])
+            lead = mine["throughput_tok_s"] / best["throughput_tok_s"] - 1
+            cells.append((mine, best, lead))
+        (h0, b0, l0), (h1, b1, l1) = cells
+        lines.append(f"| {model} {machine} b{batch} | {'roofline' if at_roofline else 'as fitted'} | "
+                     f"{h0['throughput_tok_s']:.2f} | {b0['throughput_tok_s']:.2f} ({b0['system']}) | {l0:+.1%} | "
+                     f"{h1['throughput_tok_s']:.2f} | {b1['throughput_tok_s']:.2f} ({b1['system']}) | "
+                     f"{'**' if l1 < 0 else ''}{l1:+.1%}{'**' if l1 < 0 else ''} | {h1['plan_median_us']:.0f} | "
+                     f"{b1['plan_median_us']:.0f} |")
+    return lines
+
+
+def charged_study(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The charged study's groups, `--workers` at a time; prints the table and the wall time."""
+    systems = tuple(args.study_systems.split(","))
+    jobs = [(m, int(b), args.machine, at_roofline, systems, args.charge) for m in args.study_models.split(",")
+            for b in args.study_batches.split(",") for at_roofline in (False, True)]
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        rows = [r for group in pool.map(charged_group, jobs) for r in group]
+    print("\n".join(charged_table(rows, args.charge)))
+    print(f"{len(rows)} runs, wall {time.perf_counter() - t0:.0f} s with {args.workers} workers, "
+          f"simulated CPU {sum(r['sim_cpu_s'] for r in rows):.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="mixtral_8x7b:64,qwen3_30b_a3b:8")
@@ -89,7 +176,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--machine", default="a100_pcie4")
     ap.add_argument("--gen-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--study", action="store_true", help="the charged-planning study instead (see the docstring)")
+    ap.add_argument("--study-models", default="mixtral_8x7b,qwen3_30b_a3b,deepseek_v2_lite")
+    ap.add_argument("--study-batches", default="4,16,64")
+    ap.add_argument("--study-systems", default="horizon,presched,hybrimoe,klotski,dali,layerwise")
+    ap.add_argument("--charge", default="measured_cpu", help="planning.mode of the charged runs")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--json", default=None, help="write the study's rows here")
     args = ap.parse_args(argv)
+    if args.study:
+        return {"rows": charged_study(args)}
     points = [(p.split(":")[0], int(p.split(":")[1])) for p in args.points.split(",")]
     systems = args.systems.split(",")
     out: dict[str, Any] = {}
