@@ -113,6 +113,25 @@ def test_horizon_sizes_its_prefetches_for_the_split_it_runs(cost: CostModel) -> 
     assert plan.prefetch == ((1, 4),)
 
 
+def test_horizon_skips_its_search_on_a_layer_shorter_than_the_search(cost: CostModel) -> None:
+    """`search_cost_us`: the layer of the test above, whose PreSched split ends in 13 ms (E0, E6 on the CPU, E7 loaded
+    meanwhile). A search dearer than that keeps PreSched's plan, prefetches included; a cheaper one searches."""
+    tokens = np.zeros(8, dtype=np.int64)
+    tokens[[0, 6, 7]] = [3, 8, 8]
+    predicted = {1: np.array([0, 0, 0, 0, 6, 3, 0, 0], dtype=np.float64)}
+    s = LayerState(layer=0, num_layers=4, phase=Phase.decode, tokens=tokens, scores=tokens * 0.5, predicted=predicted,
+                   resident=np.zeros((4, 8), dtype=bool), inflight=(), queued=(), alpha_s=0.0, cache_slots=16,
+                   free_slots=16, batch_tokens=19, context_len=512, hit_rate={1: 0.8}, cost=cost, t_io_s=cost.t_io,
+                   t_attn_next_s=1 * MS)
+    assert layer_time(s, Split("presched", (0, 6), (7,), (7,))) == pytest.approx(13 * MS)
+    skipped = build(HorizonSettings(hot_table=False, search_cost_us=13.5e3), cost).plan(copy.deepcopy(s))
+    assert skipped.cpu == (0, 6) and skipped.ondemand == (7,) and skipped.prefetch == ((1, 4), (1, 5))
+    searched = build(HorizonSettings(hot_table=False, search_cost_us=12.5e3), cost).plan(copy.deepcopy(s))
+    assert searched.cpu == (0,) and set(searched.ondemand) == {6, 7} and searched.prefetch == ((1, 4),)
+    with pytest.raises(ValueError, match="search_cost_us"):
+        HorizonSettings(search_cost_us=-1.0)
+
+
 def test_horizon_evicts_the_expert_whose_layer_comes_back_last(cost: CostModel) -> None:
     """At layer 2 of 4 the cache holds E1 of layers 1 and 3: layer 3 runs next in this pass (comes back in 1 layer),
     layer 1 only in the next one (in 3), so layer 1's expert goes first (usage per layer to its next use 0.25 / 3

@@ -156,11 +156,14 @@ def charged_table(rows: list[dict[str, Any]], mode: str) -> list[str]:
 def charged_study(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The charged study's groups, `--workers` at a time; prints the table and the wall time."""
     systems = tuple(args.study_systems.split(","))
-    jobs = [(m, int(b), args.machine, at_roofline, systems, args.charge) for m in args.study_models.split(",")
-            for b in args.study_batches.split(",") for at_roofline in (False, True)]
+    jobs = [(m, int(b), args.machine, at_roofline, systems, args.charge) for b in args.study_batches.split(",")
+            for m in args.study_models.split(",") for at_roofline in (False, True)]
     t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        rows = [r for group in pool.map(charged_group, jobs) for r in group]
+        for group in pool.map(charged_group, jobs):  # in job order, each group's table as it comes
+            rows += group
+            print("\n".join(charged_table(group, args.charge)[2:]), flush=True)
     print("\n".join(charged_table(rows, args.charge)))
     print(f"{len(rows)} runs, wall {time.perf_counter() - t0:.0f} s with {args.workers} workers, "
           f"simulated CPU {sum(r['sim_cpu_s'] for r in rows):.0f} s")

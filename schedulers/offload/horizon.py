@@ -81,11 +81,18 @@ class HorizonSettings(PreSchedSettings):
     # with the split over this layer and the next); 0: PreSched's eq. 5-6 prefetches, whatever split wins
     prefetch_counts: int = 4
     evict_next_use: bool = True  # evict the cached expert whose layer comes back last first (else PreSched's order)
+    # host µs the candidate splits and the two-layer search cost per decode plan beyond PreSched's plan; a decode layer
+    # that PreSched's split ends sooner than this (the cost model's `layer_time`) keeps PreSched's plan, unsearched:
+    # another split cannot save more than that layer lasts (the prefetch sizing could save some of the next layer's
+    # time: given up there). 0: always search
+    search_cost_us: float = 0.0
 
     def __post_init__(self) -> None:
         unknown = set(self.candidates) - set(SPLITS)
         if unknown or not self.candidates:
             raise ValueError(f"scheduler.candidates: {sorted(unknown) or '[]'} not among {sorted(SPLITS)}")
+        if not self.search_cost_us >= 0:
+            raise ValueError(f"scheduler.search_cost_us ({self.search_cost_us}) must be >= 0")
         if self.prefetch_counts < 0:
             raise ValueError(f"scheduler.prefetch_counts ({self.prefetch_counts}) must be >= 0")
         if self.batches_in_flight < 1 or self.micro_batches < 1:
@@ -302,6 +309,10 @@ class Horizon(PreSched):
         names = [n for n in self.settings.candidates if n != "presched"]
         if state.phase is Phase.prefill and "presched" in self.settings.candidates:
             # PreSched's prefill split is already eq. 1's optimum with the GPU's work counted
+            return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
+        budget = self.settings.search_cost_us * 1e-6
+        if budget > 0 and layer_time(state, Split("presched", cpu, gpu, loads)) < budget:
+            # the layer is shorter than the search: no other split could save what the search costs
             return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
         splits = candidate_splits(state, names, not self.resident_on_device)
         if "presched" in self.settings.candidates:
