@@ -90,6 +90,17 @@ def test_horizon_prefetches_within_the_slots(cost: CostModel) -> None:
     assert all(target == 1 for target, _ in plan.prefetch)
 
 
+def sizing_state(cost: CostModel) -> LayerState:
+    """Layer 0 of 4, nothing resident: E0 (3 tokens), E6 (8), E7 (8); the forecast of layer 1: E4 (6), E5 (3)."""
+    tokens = np.zeros(8, dtype=np.int64)
+    tokens[[0, 6, 7]] = [3, 8, 8]
+    predicted = {1: np.array([0, 0, 0, 0, 6, 3, 0, 0], dtype=np.float64)}
+    return LayerState(layer=0, num_layers=4, phase=Phase.decode, tokens=tokens, scores=tokens * 0.5,
+                      predicted=predicted, resident=np.zeros((4, 8), dtype=bool), inflight=(), queued=(), alpha_s=0.0,
+                      cache_slots=16, free_slots=16, batch_tokens=19, context_len=512, hit_rate={1: 0.8}, cost=cost,
+                      t_io_s=cost.t_io, t_attn_next_s=1 * MS)
+
+
 def test_horizon_sizes_its_prefetches_for_the_split_it_runs(cost: CostModel) -> None:
     """Layer 0 of 4, nothing resident: E0 (3 tokens), E6 (8), E7 (8); the forecast of layer 1: E4 (6), E5 (3).
     PreSched: eq. 4 passes at i' = 2 (4 + t_g < t_c(3, 8) = 13), so E0, E6 on the CPU (13 ms) and E7 loaded; eq. 5's
@@ -98,13 +109,7 @@ def test_horizon_sizes_its_prefetches_for_the_split_it_runs(cost: CostModel) -> 
     next gate is at 9.5 ms, so with k prefetches (landing at 12, 16) layer 1 takes
     k = 0: E4 loaded (4 + t_g), E5 on the CPU (4): ~4.5 ms; k = 1: E4 lands 2.5 ms after the gate, E5 on the CPU: 4 ms;
     k = 2: E5 lands at 6.5 ms: ~7 ms. One prefetch, not PreSched's two."""
-    tokens = np.zeros(8, dtype=np.int64)
-    tokens[[0, 6, 7]] = [3, 8, 8]
-    predicted = {1: np.array([0, 0, 0, 0, 6, 3, 0, 0], dtype=np.float64)}
-    s = LayerState(layer=0, num_layers=4, phase=Phase.decode, tokens=tokens, scores=tokens * 0.5, predicted=predicted,
-                   resident=np.zeros((4, 8), dtype=bool), inflight=(), queued=(), alpha_s=0.0, cache_slots=16,
-                   free_slots=16, batch_tokens=19, context_len=512, hit_rate={1: 0.8}, cost=cost, t_io_s=cost.t_io,
-                   t_attn_next_s=1 * MS)
+    s = sizing_state(cost)
     presched = build(scheduler_settings("presched"), cost).plan(copy.deepcopy(s))
     assert presched.cpu == (0, 6) and presched.ondemand == (7,) and presched.prefetch == ((1, 4), (1, 5))
     plan = build(HorizonSettings(hot_table=False), cost).plan(copy.deepcopy(s))
@@ -116,13 +121,7 @@ def test_horizon_sizes_its_prefetches_for_the_split_it_runs(cost: CostModel) -> 
 def test_horizon_skips_its_search_on_a_layer_shorter_than_the_search(cost: CostModel) -> None:
     """`search_cost_us`: the layer of the test above, whose PreSched split ends in 13 ms (E0, E6 on the CPU, E7 loaded
     meanwhile). A search dearer than that keeps PreSched's plan, prefetches included; a cheaper one searches."""
-    tokens = np.zeros(8, dtype=np.int64)
-    tokens[[0, 6, 7]] = [3, 8, 8]
-    predicted = {1: np.array([0, 0, 0, 0, 6, 3, 0, 0], dtype=np.float64)}
-    s = LayerState(layer=0, num_layers=4, phase=Phase.decode, tokens=tokens, scores=tokens * 0.5, predicted=predicted,
-                   resident=np.zeros((4, 8), dtype=bool), inflight=(), queued=(), alpha_s=0.0, cache_slots=16,
-                   free_slots=16, batch_tokens=19, context_len=512, hit_rate={1: 0.8}, cost=cost, t_io_s=cost.t_io,
-                   t_attn_next_s=1 * MS)
+    s = sizing_state(cost)
     assert layer_time(s, Split("presched", (0, 6), (7,), (7,))) == pytest.approx(13 * MS)
     skipped = build(HorizonSettings(hot_table=False, search_cost_us=13.5e3), cost).plan(copy.deepcopy(s))
     assert skipped.cpu == (0, 6) and skipped.ondemand == (7,) and skipped.prefetch == ((1, 4), (1, 5))

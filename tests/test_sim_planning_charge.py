@@ -45,8 +45,8 @@ def two_layer_pass(charge: PlanningCharge, on_device: bool, spin_s: float = 0.0)
     cost = CostModel(cfg, load_hardware("a100_pcie4"))
     meta = TraceMeta(model="t", num_experts=cfg.num_experts, top_k=2, moe_layers=cfg.moe_layers)
     rec = TraceRecorder(meta)
-    rec.add_step([np.array([[0, 1]]), np.array([[2, 3]])], [np.full((1, 2), 0.5)] * 2, seq=np.array([0]), pos=np.array([100]),
-                 phase=DECODE)
+    rec.add_step([np.array([[0, 1]]), np.array([[2, 3]])], [np.full((1, 2), 0.5)] * 2, seq=np.array([0]),
+                 pos=np.array([100]), phase=DECODE)
     trace = rec.build()
     resident = np.zeros((2, 8), dtype=bool)
     resident[0, 0] = resident[1, 2] = resident[1, 3] = True

@@ -374,7 +374,7 @@ class PipelineSim:
             clock.gpu_free += float(np.sum(spans))
             clock.gpu_busy += float(np.sum(spans))
         for expert in sorted((expert for expert in plan.gpu if expert in landing), key=landing.__getitem__):
-            begin = max(clock.gpu_free, landing[expert], planned)  # (a load lands after the plan: its link starts there)
+            begin = max(clock.gpu_free, landing[expert], planned)  # called once planned (a load: its link starts then)
             span = self.cost.t_g(int(tokens[expert])) if mb_layer is None \
                 else float(self._expert_gpu_s([expert], tokens, mb_layer)[0])
             clock.gpu_free = begin + span
