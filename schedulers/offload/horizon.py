@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -122,7 +122,7 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
     shared + resident experts in one call, landing ones at arrival, loads serial on the link behind `alpha`
     (behind the held prefetches too), each computed on landing; the CPU experts one after another."""
     cost = state.cost
-    landing, shared, _, tok, t_g = _layer_parts(state)
+    landing, shared, _, tok, t_g, _ = layer_parts(state)
     gpu = shared
     if split.gpu:
         ready = len(split.gpu) - len(split.loads)
@@ -150,29 +150,48 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
     return max(cpu + s * gpu, gpu + s * cpu) if s > 0 else max(cpu, gpu)
 
 
-def _layer_parts(state: LayerState
-                 ) -> tuple[dict[int, float], float, dict[tuple[int, ...], float], list[int], list[float]]:
-    """(this layer's landing experts -> seconds to arrival, the shared experts' time, the memo of `group_time`, the
-    tokens per expert as a list, each expert's `cost.t_g` in a call of its own as a list), built once per layer state:
-    the candidate splits of one plan share them. The `t_g` of all E experts is one numpy call (the same values as
-    the scalar calls, `t_g` computes both alike), where the splits' loads asked for it expert by expert (~100 calls
-    a plan)."""
+class LayerParts(NamedTuple):
+    """What the candidate splits of one plan share, built once per layer state (`layer_parts`)."""
+
+    landing: dict[int, float]  # this layer's landing experts -> seconds to arrival
+    shared: float  # the shared experts' GPU time
+    groups: dict[tuple[int, ...], float]  # the memo of `group_time`
+    tokens: list[int]  # tokens per expert
+    t_g: list[float]  # each expert's `cost.t_g` (a call of its own)
+    in_group: list[float]  # each expert's `cost.t_g_group` share (in a call with others; the call's dispatch apart)
+
+
+def layer_parts(state: LayerState) -> LayerParts:
+    """The `LayerParts` of `state`, made on first use. The per-expert GPU times of all E experts are two numpy calls
+    (the splits asked for them expert by expert, ~100 scalar `t_g` calls and a `t_g_group` call per resident group a
+    plan): the same values, element by element, as those calls compute."""
     parts = state.__dict__.get("_horizon_parts")
     if parts is None:
         cost = state.cost
-        t_g = np.atleast_1d(cost.t_g(state.tokens.astype(np.float64))).tolist()
+        m = state.tokens.astype(np.float64)
+        t_g = np.atleast_1d(cost.t_g(m)).tolist()
+        in_group = cost.t_g_shares(m).tolist()
         landing = {t.expert: t.remaining_s for t in state.inflight if t.layer == state.layer}
-        parts = state.__dict__["_horizon_parts"] = (landing, cost.t_shared(state.batch_tokens), {},
-                                                    state.tokens.tolist(), t_g)
+        parts = state.__dict__["_horizon_parts"] = LayerParts(landing, cost.t_shared(state.batch_tokens), {},
+                                                              state.tokens.tolist(), t_g, in_group)
     return parts
 
 
 def group_time(state: LayerState, experts: tuple[int, ...]) -> float:
     """GPU seconds of `experts` (in this order) run in one device call: `sum(cost.t_g_group(tokens))`, remembered per
-    layer state (most candidate splits run the same resident experts)."""
-    groups = _layer_parts(state)[2]
+    layer state (most candidate splits run the same resident experts). The same sum of the same float64 array as
+    `t_g_group` builds: each expert's share, the call's dispatch added to the first with tokens."""
+    parts = layer_parts(state)
+    groups = parts.groups
     if experts not in groups:
-        groups[experts] = float(np.sum(state.cost.t_g_group(state.tokens[list(experts)]))) if experts else 0.0
+        if experts:
+            each = [parts.in_group[e] for e in experts]
+            first = next((i for i, e in enumerate(experts) if parts.tokens[e] > 0), None)
+            if first is not None:
+                each[first] += state.cost.call_overhead_s
+            groups[experts] = float(np.sum(np.array(each, dtype=np.float64)))
+        else:
+            groups[experts] = 0.0
     return groups[experts]
 
 
