@@ -131,6 +131,22 @@ def test_horizon_skips_its_search_on_a_layer_shorter_than_the_search(cost: CostM
         HorizonSettings(search_cost_us=-1.0)
 
 
+def test_horizon_skips_a_search_that_lately_saved_less_than_it_costs(cost: CostModel) -> None:
+    """The same layer: searched, eq. 1's split with one prefetch ends both layers ~1.5 ms sooner than PreSched's split
+    with its two (by the cost model). A search dearer than that (12.5 ms, under the 13-ms layer) is skipped on the
+    layer's next plans, until every `search_probe`-th; a cheaper one (1 ms) keeps searching."""
+    presched = (0, 6), (7,)
+    searched = (0,), (6, 7)
+
+    def splits(budget_us: float, plans: int) -> list[tuple]:
+        horizon = build(HorizonSettings(hot_table=False, search_cost_us=budget_us, search_probe=3), cost)
+        out = [horizon.plan(copy.deepcopy(sizing_state(cost))) for _ in range(plans)]
+        return [(p.cpu, tuple(sorted(p.ondemand))) for p in out]
+
+    assert splits(12.5e3, 4) == [searched, presched, presched, searched]
+    assert splits(1e3, 4) == [searched] * 4
+
+
 def test_horizon_evicts_the_expert_whose_layer_comes_back_last(cost: CostModel) -> None:
     """At layer 2 of 4 the cache holds E1 of layers 1 and 3: layer 3 runs next in this pass (comes back in 1 layer),
     layer 1 only in the next one (in 3), so layer 1's expert goes first (usage per layer to its next use 0.25 / 3

@@ -61,7 +61,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from schedulers.base import LayerPlan, LayerState, Phase, register
+from schedulers.base import LayerPlan, LayerState, Phase, SchedulerSetup, register
 from schedulers.offload.hybrimoe import hybrid_scheduling
 from schedulers.offload.layerwise import greedy_split
 from schedulers.offload.presched import Lookahead, PreSched, PreSchedSettings
@@ -81,16 +81,21 @@ class HorizonSettings(PreSchedSettings):
     # with the split over this layer and the next); 0: PreSched's eq. 5-6 prefetches, whatever split wins
     prefetch_counts: int = 4
     evict_next_use: bool = True  # evict the cached expert whose layer comes back last first (else PreSched's order)
-    # host µs the candidate splits and the two-layer search cost per decode plan beyond PreSched's plan; a decode layer
-    # that PreSched's split ends sooner than this (the cost model's `layer_time`) keeps PreSched's plan, unsearched:
-    # another split cannot save more than that layer lasts (the prefetch sizing could save some of the next layer's
-    # time: given up there). 0: always search
+    # host µs the candidate splits and the two-layer search cost per decode plan beyond PreSched's plan. A decode layer
+    # keeps PreSched's plan, unsearched, where PreSched's split ends sooner than this (the cost model's `layer_time`:
+    # another split cannot save more than the layer lasts), or where the searches of this layer have lately saved
+    # less than this by the cost model's own estimate (a moving average of the searched plans' two-layer time against
+    # PreSched's split and prefetch count; every `search_probe`-th plan of a layer searches anyway, to keep it current).
+    # 0: always search
     search_cost_us: float = 0.0
+    search_probe: int = 8
 
     def __post_init__(self) -> None:
         unknown = set(self.candidates) - set(SPLITS)
         if unknown or not self.candidates:
             raise ValueError(f"scheduler.candidates: {sorted(unknown) or '[]'} not among {sorted(SPLITS)}")
+        if self.search_probe < 1:
+            raise ValueError(f"scheduler.search_probe ({self.search_probe}) must be >= 1")
         if not self.search_cost_us >= 0:
             raise ValueError(f"scheduler.search_cost_us ({self.search_cost_us}) must be >= 0")
         if self.prefetch_counts < 0:
@@ -293,12 +298,22 @@ def next_layer_times(state: LayerState, nxt: NextLayer, owed: np.ndarray, counts
 
 def choose(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer], counts: int
            ) -> tuple[Split, Optional[int]]:
+    """`search`'s split and prefetch count."""
+    return search(state, splits, nxt, counts)[:2]
+
+
+def search(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer], counts: int, baseline: int = 0
+           ) -> tuple[Split, Optional[int], float]:
     """The split, and how many of the next layer's hottest forecast experts to prefetch (None: PreSched's own
     prefetches), that end this layer and the next soonest: `layer_time` of the split plus `next_layer_times` with the
     link time its loads and the prefetches leave owed at the next gate. Without a forecast of the next layer (or none
-    of its experts missing) the fastest split alone (first minimum: PreSched's split keeps ties)."""
+    of its experts missing) the fastest split alone (first minimum: PreSched's split keeps ties). Third: the seconds the
+    choice saves by the same estimate against the first split (PreSched's) with `baseline` prefetches (its own count
+    of the next layer's hottest, up to `counts`)."""
     if nxt is None or not nxt.experts or counts <= 0:
-        return min(splits, key=lambda s: layer_time(state, s)), None
+        times = [layer_time(state, split) for split in splits]
+        first = min(range(len(splits)), key=times.__getitem__)
+        return splits[first], None, times[0] - times[first]
     t_io = state.t_io_s
     t = np.array([layer_time(state, split) for split in splits])
     owed = state.alpha_s + np.array([len(split.loads) for split in splits]) * t_io - t - state.t_attn_next_s
@@ -309,12 +324,17 @@ def choose(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer],
         for k, total in enumerate(row):
             if total < best_t - 1e-12:  # strictly better: fewer prefetches and PreSched's split keep ties
                 best, best_t = (split, k), total
-    return best
+    return best[0], best[1], totals[0][min(baseline, len(totals[0]) - 1)] - best_t
 
 
 @register("horizon", settings=HorizonSettings)
 class Horizon(PreSched):
     """See the module docstring."""
+
+    def __init__(self, settings: HorizonSettings, setup: SchedulerSetup):
+        super().__init__(settings, setup)
+        self.saving = [math.inf] * self.L  # per layer: what its searched plans lately saved (s, `search_cost_us`)
+        self.plans_since_search = [0] * self.L
 
     @property
     def micro_batches(self) -> int:
@@ -329,9 +349,7 @@ class Horizon(PreSched):
         if state.phase is Phase.prefill and "presched" in self.settings.candidates:
             # PreSched's prefill split is already eq. 1's optimum with the GPU's work counted
             return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
-        budget = self.settings.search_cost_us * 1e-6
-        if budget > 0 and layer_time(state, Split("presched", cpu, gpu, loads)) < budget:
-            # the layer is shorter than the search: no other split could save what the search costs
+        if self.skips_search(state, Split("presched", cpu, gpu, loads)):
             return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
         splits = candidate_splits(state, names, not self.resident_on_device)
         if "presched" in self.settings.candidates:
@@ -342,13 +360,34 @@ class Horizon(PreSched):
         e_next = ahead.candidates(state.layer + 1) if sized and ahead is not None and ahead.forecast(state.layer + 1) \
             else None  # PreSched's E_next of l+1, built by its plan or now (one build either way)
         nxt = next_layer(state, e_next) if sized else None
-        best, count = choose(state, splits, nxt, self.settings.prefetch_counts)
+        baseline = sum(1 for target, _ in prefetch if nxt is not None and target == nxt.layer)  # PreSched's count
+        best, count, saved = search(state, splits, nxt, self.settings.prefetch_counts, baseline)
+        if self.settings.search_cost_us > 0 and "presched" in self.settings.candidates:
+            self.record_saving(state.layer, saved)
         if count is not None:
             assert nxt is not None
             prefetch = [(nxt.layer, e) for e in nxt.experts[::-1][:count]]  # hottest first
         if best.gpu != gpu:
             self.touch(state.layer, best.gpu)
         return self.plan_with_slots(state, best.cpu, best.gpu, best.loads, prefetch, keep_working_set)
+
+    def skips_search(self, state: LayerState, presched: Split) -> bool:
+        """`search_cost_us`: whether this decode plan keeps PreSched's split unsearched (a layer shorter than the
+        search, or one whose searches lately saved less than they cost; every `search_probe`-th plan searches)."""
+        budget = self.settings.search_cost_us * 1e-6
+        if budget <= 0:
+            return False
+        if layer_time(state, presched) < budget:
+            return True
+        layer = state.layer
+        self.plans_since_search[layer] += 1
+        return self.saving[layer] < budget and self.plans_since_search[layer] < self.settings.search_probe
+
+    def record_saving(self, layer: int, seconds: float) -> None:
+        """A searched plan of `layer` and what it saved by the cost model (moving average, half weight each)."""
+        before = self.saving[layer]
+        self.saving[layer] = seconds if math.isinf(before) else 0.5 * before + 0.5 * seconds
+        self.plans_since_search[layer] = 0
 
     def eviction_order(self, state: LayerState, layers: np.ndarray, experts: np.ndarray, need: int) -> np.ndarray:
         """Next use first (`evict_next_use`): a pass runs the layers in order, so a cached expert of the layer that
@@ -376,4 +415,4 @@ def plan_time(state: LayerState, plan: LayerPlan) -> float:
 
 
 __all__ = ["Horizon", "HorizonSettings", "NextLayer", "Split", "choose", "candidate_splits", "layer_time", "next_layer",
-           "next_layer_times", "plan_time"]
+           "next_layer_times", "plan_time", "search"]
