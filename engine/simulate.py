@@ -20,6 +20,7 @@ from core.config import to_frozen
 from core.telemetry import Telemetry
 from engine.sim.bounds import exact_best_pass, lower_bound
 from core.routing_stats import routing_fingerprint
+from engine.sim.pipeline import PlanningCharge
 from engine.sim.routing import RoutingConfig
 from engine.sim.run import RunOutcome, RunSpec, forecast_distances, prepare_routing, simulate
 from engine.sim.timeline import plot_timeline
@@ -36,6 +37,7 @@ def spec_from_config(cfg: DictConfig) -> RunSpec:
     resolved = dict(model=resolve_model_config(sc.model), model_name=str(sc.model.name), expert_format=expert_format(sc.model),
                     hardware=composed_profile(cfg.hardware)[0], scheduler=scheduler_settings(sc.scheduler),
                     routing=to_frozen(sc.routing, RoutingConfig), predictor=sc.predictor,
+                    planning=to_frozen(sc.planning, PlanningCharge),
                     profile_batches=sc.hot_table.profile_batches, profile_sequences=sc.hot_table.profile_sequences,
                     profile_seed=sc.hot_table.seed)
     # the run's sizes and switches are the task's top-level keys of the same names (batch_size, seed, ...)

@@ -320,11 +320,16 @@ class CostModel:
         out = np.where(m_arr > 0, fixed + self._gpu_roofline(m_arr), 0.0)
         return float(out) if out.ndim == 0 else out
 
+    def t_g_shares(self, m: ArrayLike) -> np.ndarray:
+        """float [n]: each expert's own GPU work in a call with others (the call's dispatch apart); 0 where m == 0."""
+        m_arr = np.atleast_1d(np.asarray(m, dtype=np.float64))
+        return np.where(m_arr > 0, self.gpu_overhead_s + self._gpu_roofline(m_arr), 0.0)
+
     def t_g_group(self, m: np.ndarray) -> np.ndarray:
         """float [n]: per-expert GPU times of experts run together in one call (the first carries the
         call's dispatch, the others only their own work); 0 where m == 0."""
         m_arr = np.atleast_1d(np.asarray(m, dtype=np.float64))
-        out = np.where(m_arr > 0, self.gpu_overhead_s + self._gpu_roofline(m_arr), 0.0)
+        out = self.t_g_shares(m_arr)
         live = np.flatnonzero(m_arr > 0)
         if live.size:
             out[live[0]] += self.call_overhead_s

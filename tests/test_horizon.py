@@ -90,6 +90,17 @@ def test_horizon_prefetches_within_the_slots(cost: CostModel) -> None:
     assert all(target == 1 for target, _ in plan.prefetch)
 
 
+def sizing_state(cost: CostModel) -> LayerState:
+    """Layer 0 of 4, nothing resident: E0 (3 tokens), E6 (8), E7 (8); the forecast of layer 1: E4 (6), E5 (3)."""
+    tokens = np.zeros(8, dtype=np.int64)
+    tokens[[0, 6, 7]] = [3, 8, 8]
+    predicted = {1: np.array([0, 0, 0, 0, 6, 3, 0, 0], dtype=np.float64)}
+    return LayerState(layer=0, num_layers=4, phase=Phase.decode, tokens=tokens, scores=tokens * 0.5,
+                      predicted=predicted, resident=np.zeros((4, 8), dtype=bool), inflight=(), queued=(), alpha_s=0.0,
+                      cache_slots=16, free_slots=16, batch_tokens=19, context_len=512, hit_rate={1: 0.8}, cost=cost,
+                      t_io_s=cost.t_io, t_attn_next_s=1 * MS)
+
+
 def test_horizon_sizes_its_prefetches_for_the_split_it_runs(cost: CostModel) -> None:
     """Layer 0 of 4, nothing resident: E0 (3 tokens), E6 (8), E7 (8); the forecast of layer 1: E4 (6), E5 (3).
     PreSched: eq. 4 passes at i' = 2 (4 + t_g < t_c(3, 8) = 13), so E0, E6 on the CPU (13 ms) and E7 loaded; eq. 5's
@@ -98,19 +109,42 @@ def test_horizon_sizes_its_prefetches_for_the_split_it_runs(cost: CostModel) -> 
     next gate is at 9.5 ms, so with k prefetches (landing at 12, 16) layer 1 takes
     k = 0: E4 loaded (4 + t_g), E5 on the CPU (4): ~4.5 ms; k = 1: E4 lands 2.5 ms after the gate, E5 on the CPU: 4 ms;
     k = 2: E5 lands at 6.5 ms: ~7 ms. One prefetch, not PreSched's two."""
-    tokens = np.zeros(8, dtype=np.int64)
-    tokens[[0, 6, 7]] = [3, 8, 8]
-    predicted = {1: np.array([0, 0, 0, 0, 6, 3, 0, 0], dtype=np.float64)}
-    s = LayerState(layer=0, num_layers=4, phase=Phase.decode, tokens=tokens, scores=tokens * 0.5, predicted=predicted,
-                   resident=np.zeros((4, 8), dtype=bool), inflight=(), queued=(), alpha_s=0.0, cache_slots=16,
-                   free_slots=16, batch_tokens=19, context_len=512, hit_rate={1: 0.8}, cost=cost, t_io_s=cost.t_io,
-                   t_attn_next_s=1 * MS)
+    s = sizing_state(cost)
     presched = build(scheduler_settings("presched"), cost).plan(copy.deepcopy(s))
     assert presched.cpu == (0, 6) and presched.ondemand == (7,) and presched.prefetch == ((1, 4), (1, 5))
     plan = build(HorizonSettings(hot_table=False), cost).plan(copy.deepcopy(s))
     plan.validate(s)
     assert plan.cpu == (0,) and set(plan.ondemand) == {6, 7}
     assert plan.prefetch == ((1, 4),)
+
+
+def test_horizon_skips_its_search_on_a_layer_shorter_than_the_search(cost: CostModel) -> None:
+    """`search_cost_us`: the layer of the test above, whose PreSched split ends in 13 ms (E0, E6 on the CPU, E7 loaded
+    meanwhile). A search dearer than that keeps PreSched's plan, prefetches included; a cheaper one searches."""
+    s = sizing_state(cost)
+    assert layer_time(s, Split("presched", (0, 6), (7,), (7,))) == pytest.approx(13 * MS)
+    skipped = build(HorizonSettings(hot_table=False, search_cost_us=13.5e3), cost).plan(copy.deepcopy(s))
+    assert skipped.cpu == (0, 6) and skipped.ondemand == (7,) and skipped.prefetch == ((1, 4), (1, 5))
+    searched = build(HorizonSettings(hot_table=False, search_cost_us=12.5e3), cost).plan(copy.deepcopy(s))
+    assert searched.cpu == (0,) and set(searched.ondemand) == {6, 7} and searched.prefetch == ((1, 4),)
+    with pytest.raises(ValueError, match="search_cost_us"):
+        HorizonSettings(search_cost_us=-1.0)
+
+
+def test_horizon_skips_a_search_that_lately_saved_less_than_it_costs(cost: CostModel) -> None:
+    """The same layer: searched, eq. 1's split with one prefetch ends both layers ~1.5 ms sooner than PreSched's split
+    with its two (by the cost model). A search dearer than that (12.5 ms, under the 13-ms layer) is skipped on the
+    layer's next plans, until every `search_probe`-th; a cheaper one (1 ms) keeps searching."""
+    presched = (0, 6), (7,)
+    searched = (0,), (6, 7)
+
+    def splits(budget_us: float, plans: int) -> list[tuple]:
+        horizon = build(HorizonSettings(hot_table=False, search_cost_us=budget_us, search_probe=3), cost)
+        out = [horizon.plan(copy.deepcopy(sizing_state(cost))) for _ in range(plans)]
+        return [(p.cpu, tuple(sorted(p.ondemand))) for p in out]
+
+    assert splits(12.5e3, 4) == [searched, presched, presched, searched]
+    assert splits(1e3, 4) == [searched] * 4
 
 
 def test_horizon_evicts_the_expert_whose_layer_comes_back_last(cost: CostModel) -> None:

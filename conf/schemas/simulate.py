@@ -12,6 +12,7 @@ from core.telemetry import WandbConfig
 from models.loading import ModelSpec
 from schedulers.hardware import HardwareProfile
 from predictors.config import PredictorConfig
+from engine.sim.pipeline import PlanningCharge
 from engine.sim.routing import RoutingConfig
 
 
@@ -69,6 +70,9 @@ class SimulateConfig:
     bounds: BoundsConfig = field(default_factory=BoundsConfig)
     check_invariants: bool = False  # assert the mechanism's invariants while simulating (tests)
     cache_slots: Optional[int] = None  # override the expert-cache size the memory plan gives (small studies)
+    # the policy's own plan time on the host per MoE layer (engine.sim.pipeline.PlanningCharge): mode off (default) |
+    # measured | measured_cpu | fixed (fixed_us per scheduler kind)
+    planning: unfrozen(PlanningCharge) = field(default_factory=unfrozen(PlanningCharge))  # type: ignore[valid-type]
     seed: int = 0
     study: StudyConfig = field(default_factory=StudyConfig)  # a study multirun's job (conf/experiment)
     wandb: WandbConfig = field(default_factory=WandbConfig)

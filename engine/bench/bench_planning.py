@@ -1,29 +1,49 @@
 """Planning time per MoE layer in the simulator, against the time a GPU spends on an in-memory MoE layer.
 
     python engine/bench/bench_planning.py [--points mixtral_8x7b:64,qwen3_30b_a3b:8] [--systems presched,horizon]
-        [--machine a100_pcie4] [--gen-len 16] [--repeats 3]
+        [--machine a100_pcie4] [--gen-len 16] [--repeats 3] [--base <git commit>]
 
 For each point (model:batch) every system replays the same synthetic routing (Figure-11 settings: prompt 512,
 transition-table forecasts) for `--gen-len` decode steps; `scheduler.plan` is timed with `perf_counter` around every
 call (the forecasts it reads are made inside it, so the predictor's time is part of it, as in the executor's
 `planning_ms`). The systems alternate round by round (`--repeats`), so a loaded machine slows them alike; printed:
-median and p99 over the decode layers of all rounds.
+median and p99 over the decode layers of all rounds. `--base <commit>` adds that commit's Horizon
+(`horizon@base`, its `horizon.py` loaded beside this tree's other modules) to the rotation and checks that every plan
+of both is the same: a before / after of Horizon's own code under one load.
 
 The budget: one decode MoE layer of the model with every expert in GPU memory, from the cost model of `--machine`
 (attention at the prompt's context, the shared experts, the routed experts active at that batch in one device call;
 the routed experts' tokens from the same synthetic routing), at batch 1 and 64. A plan that takes longer than that
 layer costs more than the layer itself would on a GPU that held the model; an offloaded layer (transfers, CPU
 experts) is longer, so the plan is paid for only where it saves more than it costs.
+
+The charged study (`--study`): each policy's own planning time charged on the simulated host per MoE layer
+(`simulate.planning`, `engine.sim.pipeline.PlanningCharge`: mode `measured_cpu`, each plan call's thread CPU time, so
+the host's other jobs do not inflate it; `--charge measured` for wall time), against the same run uncharged, at
+Figure-11 sweep points (seed 0, transition-table forecasts), on the profile as fitted and on its roofline variant
+(every per-call overhead 0: `gpu.kernel_overhead_us`, `gpu.call_overhead_us`, `cpu.expert_overhead_us`,
+`cpu.dispatch_us`; `layer_overhead_us` and `pass_overhead_us` are 0 on the GPU profiles already). Printed per point:
+Horizon against the best other policy, uncharged and charged, and Horizon's charged plan time:
+
+    python engine/bench/bench_planning.py --study [--study-models mixtral_8x7b,qwen3_30b_a3b,deepseek_v2_lite]
+        [--study-batches 4,16,64] [--study-systems horizon,presched,hybrimoe,klotski,dali,layerwise] [--workers 2]
+        [--json /tmp/plan/study.json] [--ours horizon_budget --merge <an earlier --json>]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import json
+import math
+import subprocess
 import sys
 import time
+import types
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -31,14 +51,20 @@ import numpy as np  # noqa: E402
 
 from engine.bench.bench_horizon_study import Point, point_spec  # noqa: E402
 from engine.bench.bench_simulate_sweep import scheduler_settings  # noqa: E402
-from engine.sim.run import PreparedRouting, RunSpec, build_sim, prepare_routing  # noqa: E402
+from engine.sim.pipeline import PlanningCharge  # noqa: E402
+from engine.sim.run import PreparedRouting, RunSpec, build_sim, prepare_routing, simulate  # noqa: E402
 from schedulers.base import LayerPlan, LayerState, Phase  # noqa: E402
 from schedulers.cost import CostModel  # noqa: E402
+from schedulers.hardware import HardwareProfile  # noqa: E402
 
 
-def timed_run(spec: RunSpec, routing: PreparedRouting) -> tuple[list[float], list[LayerPlan]]:
-    """(seconds of every decode `plan` call, every plan in order) of one simulated run."""
+def timed_run(spec: RunSpec, routing: PreparedRouting, policy: Optional[type] = None
+              ) -> tuple[list[float], list[LayerPlan]]:
+    """(seconds of every decode `plan` call, every plan in order) of one simulated run (`policy`: the scheduler's class
+    swapped for this one, `horizon_at`)."""
     sim, _, _ = build_sim(spec, routing)
+    if policy is not None:
+        sim.scheduler.__class__ = policy
     plan = sim.scheduler.plan
     seconds: list[float] = []
     plans: list[LayerPlan] = []
@@ -54,6 +80,33 @@ def timed_run(spec: RunSpec, routing: PreparedRouting) -> tuple[list[float], lis
     sim.scheduler.plan = timed  # type: ignore[method-assign]
     sim.run(routing.passes)
     return seconds, plans
+
+
+def horizon_at(commit: str) -> type:
+    """Horizon as `schedulers/offload/horizon.py` of git `commit` has it (beside this tree's PreSched and the rest),
+    for a before / after of Horizon's own code alternated in one process (`--base`)."""
+    import schedulers.base as base
+
+    source = subprocess.run(["git", "show", f"{commit}:schedulers/offload/horizon.py"], capture_output=True, text=True,
+                            check=True, cwd=Path(__file__).resolve().parents[2]).stdout
+    name = f"horizon_at_{commit}"
+    module = types.ModuleType(name)
+    sys.modules[name] = module  # dataclasses look their module up
+    register = base.register
+    base.register = lambda *a, **k: (lambda cls: cls)  # noqa: E731  (the registry keeps this tree's Horizon)
+    try:
+        exec(compile(source, f"{commit}:schedulers/offload/horizon.py", "exec"), module.__dict__)
+    finally:
+        base.register = register
+    old = module.Horizon
+    if "ahead" in inspect.signature(old.finish).parameters:
+        return old
+
+    class Before(old):  # a commit before `finish` took PreSched's Lookahead
+        def finish(self, state, cpu, gpu, loads, prefetch, keep_working_set, ahead=None):  # type: ignore[override]
+            return old.finish(self, state, cpu, gpu, loads, prefetch, keep_working_set)
+
+    return Before
 
 
 def point_run_spec(model: str, batch: int, machine: str, system: str, gen_len: int, seed: int = 0) -> RunSpec:
@@ -82,6 +135,92 @@ def gpu_layer_s(model: str, batch: int, machine: str, roofline: bool = False) ->
     return float(np.mean(times))
 
 
+def roofline(hw: HardwareProfile) -> HardwareProfile:
+    """`hw` with every per-call overhead 0 (the GPU's kernel and call dispatch, the CPU's per-expert call and
+    per-layer hand-over, the executor's per-layer and per-pass host time): a GPU engine and a CPU kernel that cost
+    only their FLOPs and bytes."""
+    gpu = replace(hw.gpu, kernel_overhead_us=0.0, call_overhead_us=0.0, layer_overhead_us=0.0, pass_overhead_us=0.0)
+    return replace(hw, gpu=gpu, cpu=replace(hw.cpu, expert_overhead_us=0.0, dispatch_us=0.0))
+
+
+def charged_group(job: tuple[str, int, str, bool, tuple[str, ...], str]) -> list[dict[str, Any]]:
+    """Every system at one (model, batch, machine, profile) point, uncharged and with its planning charged."""
+    model, batch, machine, at_roofline, systems, mode = job
+    rows = []
+    routings: dict[int, PreparedRouting] = {}
+    for system in systems:
+        spec = point_run_spec(model, batch, machine, system, gen_len=64)
+        if at_roofline:
+            spec = replace(spec, hardware=roofline(spec.hardware))
+        routing = routings.setdefault(spec.sequences, prepare_routing(spec))
+        for charge in (PlanningCharge(), PlanningCharge(mode)):
+            t0 = time.process_time()
+            out = simulate(replace(spec, planning=charge), routing)
+            rows.append({"model": model, "batch": batch, "machine": machine, "roofline": at_roofline, "system": system,
+                         "charge": charge.mode, "throughput_tok_s": out.summary["throughput_tok_s"],
+                         "plan_median_us": out.summary.get("planning_charged_median_us_decode"),
+                         "plan_p99_us": out.summary.get("planning_charged_p99_us_decode"),
+                         "sim_cpu_s": time.process_time() - t0})
+    return rows
+
+
+def charged_table(rows: list[dict[str, Any]], mode: str, ours: str = "horizon") -> list[str]:
+    """Per point: `ours` (a Horizon variant) and the best other policy (no Horizon variant), uncharged and charged
+    (tok/s), the lead each way."""
+    lines = [f"| point | profile | {ours} | best other | lead | {ours} charged | best other charged | lead charged | "
+             f"{ours} plan median µs (charged) | best other's |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["model"], r["batch"], r["machine"], r["roofline"]) for r in rows},
+                  key=lambda k: (k[0], k[3], k[1]))
+    for model, batch, machine, at_roofline in keys:
+        at = [r for r in rows if (r["model"], r["batch"], r["machine"], r["roofline"]) == (model, batch, machine,
+                                                                                          at_roofline)]
+        cells = []
+        for charge in ("off", mode):
+            mine = next(r for r in at if r["system"] == ours and r["charge"] == charge)
+            others = [r for r in at if not r["system"].startswith("horizon") and r["charge"] == charge]
+            if not others:  # only Horizon variants ran: the other columns stay empty
+                others = [{"system": "-", "throughput_tok_s": math.nan, "plan_median_us": math.nan}]
+            best = max(others, key=lambda r: r["throughput_tok_s"])
+            cells.append((mine, best, mine["throughput_tok_s"] / best["throughput_tok_s"] - 1))
+        (h0, b0, l0), (h1, b1, l1) = cells
+        lines.append(f"| {model} {machine} b{batch} | {'roofline' if at_roofline else 'as fitted'} | "
+                     f"{h0['throughput_tok_s']:.2f} | {b0['throughput_tok_s']:.2f} ({b0['system']}) | {l0:+.1%} | "
+                     f"{h1['throughput_tok_s']:.2f} | {b1['throughput_tok_s']:.2f} ({b1['system']}) | "
+                     f"{'**' if l1 < 0 else ''}{l1:+.1%}{'**' if l1 < 0 else ''} | {h1['plan_median_us']:.0f} | "
+                     f"{b1['plan_median_us']:.0f} |")
+    variants = sorted({r["system"] for r in rows if r["system"].startswith("horizon") and r["system"] != ours})
+    for system in variants:  # every other Horizon variant against `ours`, charged
+        for r in sorted((r for r in rows if r["system"] == system and r["charge"] == mode),
+                        key=lambda r: (r["model"], r["roofline"], r["batch"])):
+            mine = next(q for q in rows if q["system"] == ours and q["charge"] == mode and
+                        (q["model"], q["batch"], q["roofline"]) == (r["model"], r["batch"], r["roofline"]))
+            lines.append(f"{ours} vs {system}, charged, {r['model']} b{r['batch']} "
+                         f"{'roofline' if r['roofline'] else 'as fitted'}: {mine['throughput_tok_s']:.2f} against "
+                         f"{r['throughput_tok_s']:.2f} ({mine['throughput_tok_s'] / r['throughput_tok_s'] - 1:+.1%})")
+    return lines
+
+
+def charged_study(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The charged study's groups, `--workers` at a time; prints the table and the wall time."""
+    systems = tuple(args.study_systems.split(","))
+    jobs = [(m, int(b), args.machine, at_roofline, systems, args.charge) for b in args.study_batches.split(",")
+            for m in args.study_models.split(",") for at_roofline in (False, True)]
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        for group in pool.map(charged_group, jobs):  # in job order
+            rows += group
+            print(f"done: {group[0]['model']} b{group[0]['batch']} roofline={group[0]['roofline']}", flush=True)
+    shown = rows + (json.loads(Path(args.merge).read_text()) if args.merge else [])
+    print("\n".join(charged_table(shown, args.charge, args.ours)))
+    print(f"{len(rows)} runs, wall {time.perf_counter() - t0:.0f} s with {args.workers} workers, "
+          f"simulated CPU {sum(r['sim_cpu_s'] for r in rows):.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="mixtral_8x7b:64,qwen3_30b_a3b:8")
@@ -89,19 +228,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--machine", default="a100_pcie4")
     ap.add_argument("--gen-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--base", default=None,
+                    help="a git commit: its Horizon (`horizon@base`) alternated with this tree's, plans compared")
+    ap.add_argument("--study", action="store_true", help="the charged-planning study instead (see the docstring)")
+    ap.add_argument("--study-models", default="mixtral_8x7b,qwen3_30b_a3b,deepseek_v2_lite")
+    ap.add_argument("--study-batches", default="4,16,64")
+    ap.add_argument("--study-systems", default="horizon,presched,hybrimoe,klotski,dali,layerwise")
+    ap.add_argument("--charge", default="measured_cpu", help="planning.mode of the charged runs")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--json", default=None, help="write the study's rows here")
+    ap.add_argument("--ours", default="horizon", help="the Horizon variant the table compares (others: no Horizon)")
+    ap.add_argument("--merge", default=None, help="an earlier study's --json rows, shown in the table too")
     args = ap.parse_args(argv)
+    if args.study:
+        return {"rows": charged_study(args)}
     points = [(p.split(":")[0], int(p.split(":")[1])) for p in args.points.split(",")]
-    systems = args.systems.split(",")
+    systems = args.systems.split(",") + (["horizon@base"] if args.base else [])
+    policies = {"horizon@base": horizon_at(args.base)} if args.base else {}
     out: dict[str, Any] = {}
     for model, batch in points:
-        specs = {s: point_run_spec(model, batch, args.machine, s, args.gen_len) for s in systems}
+        specs = {s: point_run_spec(model, batch, args.machine, s.split("@")[0], args.gen_len) for s in systems}
         routings: dict[int, PreparedRouting] = {}
         seconds: dict[str, list[float]] = {s: [] for s in systems}
-        for _ in range(args.repeats):
-            for s in systems:
+        plans: dict[str, list[str]] = {}
+        for r in range(args.repeats):
+            for s in systems if r % 2 == 0 else systems[::-1]:  # alternated: neither side always runs first
                 spec = specs[s]
                 routing = routings.setdefault(spec.sequences, prepare_routing(spec))
-                seconds[s] += timed_run(spec, routing)[0]
+                took, made = timed_run(spec, routing, policies.get(s))
+                seconds[s] += took
+                plans.setdefault(s, [repr(p) for p in made])
+        if args.base:
+            same = plans["horizon@base"] == plans["horizon"]
+            out[f"{model} b{batch} plans identical"] = same
+            print(f"{model} b{batch}: every plan of horizon and horizon@{args.base} identical: {same} "
+                  f"({len(plans['horizon'])} plans)")
         for s in systems:
             us = np.asarray(seconds[s]) * 1e6
             out[f"{model} b{batch} {s}"] = (float(np.median(us)), float(np.percentile(us, 99)), us.size)

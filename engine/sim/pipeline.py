@@ -15,6 +15,8 @@ module only models how long things take.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -54,7 +56,7 @@ class Job:
 class LayerClock:
     """The lanes of one simulated MoE layer while its plan runs."""
 
-    gate: float  # the plan point (the first micro-batch's gate)
+    gate: float  # the plan point (the first micro-batch's gate), or the end of the plan where its time is charged
     gpu_free: float  # the GPU stream is free from here
     gpu_busy: float  # GPU time of the layer's experts (shared experts included)
     link_free: float  # the link can start the next transfer from here
@@ -73,8 +75,46 @@ class PassContext:
     mb: Optional[np.ndarray]
 
 
+PLANNING_MODES = ("off", "measured", "measured_cpu", "fixed")
+
+
+@dataclass(frozen=True)
+class PlanningCharge:
+    """The policy's own planning time charged on the host's critical path per MoE layer (`simulate.planning`).
+
+    The profiles' fixed host time per layer (`layer_overhead_us`) is 0 on every GPU profile, so by default no
+    policy pays for its `plan` call, whatever it costs. With a charge, a layer's plan runs on the host from its gate
+    (or once the host's previous plan is done) for the charged time, and the plan's work starts when it ends: its
+    transfers (the link holds its queue while the plan is made, as the executor does), its CPU experts, its GPU
+    experts other than the resident ones that a policy keeping resident experts on the device (`resident_on_device`)
+    starts right after the gate, as the executor does. A layer whose active experts are all resident under such a
+    policy is planned behind the device (the executor's `plan_behind_device`): only its transfers and the next
+    layer's plan wait. Modes: `off` (default; results stay comparable with every study so far), `measured` (each
+    plan call's own `perf_counter` time: what a Python policy costs on this host, load included), `measured_cpu`
+    (its thread CPU time: the same without the time the host's other jobs take from it), `fixed` (`fixed_us` by the
+    policy's `scheduler.kind`, per plan call: reproducible studies)."""
+
+    mode: str = "off"
+    fixed_us: dict[str, float] = field(default_factory=dict)  # mode fixed: µs per plan call by scheduler kind
+
+    def __post_init__(self) -> None:
+        if self.mode not in PLANNING_MODES:
+            raise ValueError(f"planning.mode: {self.mode!r} is not one of {'|'.join(PLANNING_MODES)}")
+        bad = {k: v for k, v in self.fixed_us.items() if not v >= 0}
+        if bad:
+            raise ValueError(f"planning.fixed_us: {bad} must be >= 0 µs")
+
+    def fixed_s(self, kind: str) -> float:
+        """Seconds charged per plan call of a policy of `kind` in mode `fixed`."""
+        if kind not in self.fixed_us:
+            raise ValueError(f"planning.fixed_us has no entry for scheduler kind {kind!r} (planning.mode=fixed); "
+                             f"given: {sorted(self.fixed_us)}")
+        return float(self.fixed_us[kind]) * 1e-6
+
+
 @dataclass
 class SimOptions:
+    planning: PlanningCharge = field(default_factory=PlanningCharge)  # the policy's planning time on the host
     async_io: bool = True
     check_invariants: bool = False
     record: bool = False  # keep every event (timelines of small runs, invariant tests)
@@ -128,6 +168,8 @@ class PipelineSim:
                 dense[i] += 1
         self._dense_before = dense
         self.micro_batches = max(1, int(getattr(self.scheduler, "micro_batches", 1)))
+        self.host_free = 0.0  # the host's last charged plan ends here (`SimOptions.planning`)
+        self.planning_s: list[tuple[bool, float]] = []  # (prefill, seconds charged) per plan call, when charged
 
     @property
     def resident(self) -> np.ndarray:
@@ -212,29 +254,58 @@ class PipelineSim:
         gates = self._attention(layer, start, t_attn_parts)
         gate, gate_last = float(gates[0]), float(gates[-1])
         state = self._plan_point(fp, layer, gate, t_attn_next, mb)
-        plan = self.accounting.plan(self.scheduler, state, validate=self.options.check_invariants)
+        plan, planned = self._plan(state, gate)
         queue = self.accounting.issue(layer, plan, self.residency)
-        clock = LayerClock(gate=gate, gpu_free=gate_last + t_shared, gpu_busy=t_shared,
-                           link_free=self._link_free(gate), t_io=state.t_io_s)
+        clock = LayerClock(gate=planned, gpu_free=gate_last + t_shared, gpu_busy=t_shared,
+                           link_free=self._link_free(planned), t_io=state.t_io_s)
         if t_shared > 0:
             self.accounting.record("gpu", gate_last, clock.gpu_free, layer, kind="shared")
         mb_layer = None if mb is None else mb[:, layer]
         held, queue = queue[:len(plan.hold)], queue[len(plan.hold):]
         self._prefetch(clock, held)  # they keep the head of the link: this layer's GPU experts among them land first
         tokens, plan = self._speculate(fp, layer, plan, state.tokens)
-        self._compute_available(clock, layer, plan, tokens, mb_layer)
+        # the resident experts: where the policy keeps them on the device, the executor starts them before the plan
+        early = -math.inf if planned == gate or self.scheduler.resident_on_device else planned
+        self._compute_available(clock, layer, plan, tokens, mb_layer, early, planned)
         self._load(clock, layer, [item for item in queue if not item.prefetch], tokens,
                    self._issue_times(layer, plan, gates, mb), mb_layer)
         self._prefetch(clock, [item for item in queue if item.prefetch])
         self._queue(clock.jobs)
         due = self.deferred_due  # the last MoE layer's deferred outputs are added with this layer's
-        cpu_free = self._compute_cpu(layer, plan, self._cpu_tokens(fp, layer, plan, tokens), gate_last)
+        cpu_start = max(gate_last, planned) if plan.cpu else gate_last  # CPU experts are handed over once planned
+        cpu_free = self._compute_cpu(layer, plan, self._cpu_tokens(fp, layer, plan, tokens), cpu_start)
         end = max(clock.gpu_free, cpu_free, due)
+        if planned > end and not self._behind(state, plan):  # the next layer's attention is dispatched after the plan
+            end = planned
         if self.options.check_invariants:
             self._check_capacity(layer)
         self.accounting.close_layer(fp.prefill, layer, plan, end - start, clock.gpu_busy + sum(t_attn_parts),
-                                    cpu_free - gate_last)
+                                    cpu_free - cpu_start)
         self.now = end
+
+    def _plan(self, state: LayerState, gate: float) -> tuple[LayerPlan, float]:
+        """(the scheduler's plan, when the plan's work may start): the gate, or with a charged planning time
+        (`SimOptions.planning`) the end of the plan on the host, which starts once the host's previous plan is done."""
+        charge, validate = self.options.planning, self.options.check_invariants
+        if charge.mode == "off":
+            return self.accounting.plan(self.scheduler, state, validate=validate), gate
+        clock = time.thread_time if charge.mode == "measured_cpu" else time.perf_counter
+        begin = clock()
+        plan = self.scheduler.plan(state)
+        seconds = clock() - begin
+        plan = self.accounting.check(self.scheduler, state, plan, validate)
+        if charge.mode == "fixed":
+            seconds = charge.fixed_s(self.scheduler.settings.kind)
+        self.planning_s.append((state.phase is Phase.prefill, seconds))
+        self.host_free = max(gate, self.host_free) + seconds
+        return plan, self.host_free
+
+    def _behind(self, state: LayerState, plan: LayerPlan) -> bool:
+        """Whether the layer is planned behind the device (the executor's `plan_behind_device`): a policy that keeps
+        resident experts on the device, every active expert of the layer resident (started before the plan), and a
+        plan with nothing else for the layer. The next layer's attention then need not wait for the plan."""
+        return bool(self.scheduler.resident_on_device and not plan.cpu and not plan.ondemand and not plan.defer
+                    and plan.speculate is None and self.resident[state.layer, state.active].all())
 
     def _attention(self, layer: int, start: float, parts: list[float]) -> np.ndarray:
         """The attention calls (one per micro-batch) from `start`; returns the gates, one per micro-batch."""
@@ -283,11 +354,15 @@ class PipelineSim:
         return np.sum([np.atleast_1d(f(row)) for row in mb_layer[:, experts]], axis=0)
 
     def _compute_available(self, clock: "LayerClock", layer: int, plan: LayerPlan, tokens: np.ndarray,
-                           mb_layer: Optional[np.ndarray] = None) -> None:
-        """The GPU experts whose weights are there: the resident ones in one device call, then those landing
-        from started transfers and held prefetches, in arrival order."""
+                           mb_layer: Optional[np.ndarray] = None, early: float = -math.inf,
+                           planned: float = -math.inf) -> None:
+        """The GPU experts whose weights are there: the resident ones in one device call (from `early` at the
+        soonest), then those landing from started transfers and held prefetches, in arrival order, from `planned` at
+        the soonest (the end of a charged plan: they are called once it is made)."""
         landing = {job.expert: job.end for job in (*self.jobs, *clock.jobs) if job.layer == layer}
         resident = self._resident_experts(plan, landing)
+        if early > clock.gpu_free:
+            clock.gpu_free = early
         if resident:
             counts = tokens[resident]
             spans = self._expert_gpu_s(resident, tokens, mb_layer, group=True)  # the resident experts: one call
@@ -299,7 +374,7 @@ class PipelineSim:
             clock.gpu_free += float(np.sum(spans))
             clock.gpu_busy += float(np.sum(spans))
         for expert in sorted((expert for expert in plan.gpu if expert in landing), key=landing.__getitem__):
-            begin = max(clock.gpu_free, landing[expert])
+            begin = max(clock.gpu_free, landing[expert], planned)  # called once planned (a load: its link starts then)
             span = self.cost.t_g(int(tokens[expert])) if mb_layer is None \
                 else float(self._expert_gpu_s([expert], tokens, mb_layer)[0])
             clock.gpu_free = begin + span
@@ -512,10 +587,10 @@ class PipelineSim:
     def snapshot(self) -> tuple:
         """The mutable mechanism state (for search: restore with `restore`)."""
         return (self.residency.copy(), [Job(**vars(job)) for job in self.jobs], self.link_end, self.now,
-                self.accounting.snapshot(), self.cpu_free, self.deferred_due)
+                self.accounting.snapshot(), self.cpu_free, self.deferred_due, self.host_free)
 
     def restore(self, snap: tuple) -> None:
-        residency, jobs, self.link_end, self.now, accounting, self.cpu_free, self.deferred_due = snap
+        residency, jobs, self.link_end, self.now, accounting, self.cpu_free, self.deferred_due, self.host_free = snap
         self.residency = residency.copy()
         self.jobs = [Job(**vars(job)) for job in jobs]
         self.accounting.restore(accounting)

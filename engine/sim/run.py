@@ -14,7 +14,7 @@ import numpy as np
 
 from core.trace import RoutingTrace
 from engine.offload.forecasts import ForecastBook
-from engine.sim.pipeline import PipelineSim, SimOptions
+from engine.sim.pipeline import PipelineSim, PlanningCharge, SimOptions
 from engine.sim.measured import oracle_default
 from engine.sim.routing import RoutingConfig, RoutingSource, load_routing_file, tile_layers
 from engine.sim.workload import ForwardPass, batch_sequences, forward_passes, profile_loads, sequences_per_batch
@@ -64,6 +64,7 @@ class RunSpec:
     seed: int = 0
     check_invariants: bool = False
     cache_slots: Optional[int] = None  # override the memory plan's expert-cache size (small studies)
+    planning: PlanningCharge = field(default_factory=PlanningCharge)  # the policy's plan time on the host (default off)
 
     @property
     def sequences(self) -> int:
@@ -195,7 +196,8 @@ def build_sim(spec: RunSpec, routing: PreparedRouting, record: bool = False,
     book = ForecastBook(routing.trace, predictors) if predictors else None
     sim = PipelineSim(cfg=spec.model, cost=cost, scheduler=scheduler, cache_slots=mem.cache_slots,
                       staging_slots=spec.scheduler.staging_slots, trace=routing.trace, forecasts=book,
-                      options=SimOptions(async_io=spec.async_io, check_invariants=spec.check_invariants,
+                      options=SimOptions(planning=spec.planning, async_io=spec.async_io,
+                                         check_invariants=spec.check_invariants,
                                          record=record, record_passes=record_passes))
     return sim, mem, cost
 
@@ -211,4 +213,16 @@ def simulate(spec: RunSpec, routing: Optional[PreparedRouting] = None, record: b
     summary["cache_slots"] = mem.cache_slots
     summary["experts_total"] = spec.model.num_experts * len(spec.model.moe_layers)
     summary["cost"] = cost.summary()
+    if spec.planning.mode != "off":
+        summary.update(planning_summary(spec.planning, sim.planning_s))
     return RunOutcome(spec, summary, mem, cost, sim)
+
+
+def planning_summary(charge: PlanningCharge, calls: list[tuple[bool, float]]) -> dict[str, Any]:
+    """What a run with its planning charged paid (`planning_charged_*`: µs per decode plan call, seconds in all)."""
+    decode = np.asarray([s for prefill, s in calls if not prefill]) * 1e6
+    some = decode.size > 0
+    return {"planning_charge": charge.mode, "planning_charged_s": float(sum(s for _, s in calls)),
+            "planning_charged_median_us_decode": float(np.median(decode)) if some else 0.0,
+            "planning_charged_p99_us_decode": float(np.percentile(decode, 99)) if some else 0.0,
+            "planning_charged_mean_us_decode": float(decode.mean()) if some else 0.0}

@@ -21,7 +21,7 @@ Per MoE layer, after its gate:
    time (one that loads more leaves none: PreSched's count then delays the next layer's loads behind
    prefetches; one that computes more on the CPU leaves more than eq. 5 counted). So for every candidate split
    and every count k = 0..4 of the next layer's hottest forecast experts not cached (its E_next), the plan adds
-   to the split's `layer_time` the next layer's time as the forecast shows it (`next_layer_time`: its cached
+   to the split's `layer_time` the next layer's time as the forecast shows it (`next_layer_times`: its cached
    predicted experts in one call, the k prefetched ones landing behind the link time this layer's loads and
    prefetches leave owed at its gate, the rest split the best way between the CPU, coldest first, and loads),
    and runs the pair that ends both layers soonest (ties: fewer prefetches, PreSched's split). Where the next
@@ -57,14 +57,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from schedulers.base import LayerPlan, LayerState, Phase, register
+from schedulers.base import LayerPlan, LayerState, Phase, SchedulerSetup, register
 from schedulers.offload.hybrimoe import hybrid_scheduling
 from schedulers.offload.layerwise import greedy_split
-from schedulers.offload.presched import PreSched, PreSchedSettings
+from schedulers.offload.presched import Lookahead, PreSched, PreSchedSettings
 from schedulers.policy import by_tokens, split_by_availability
 
 
@@ -81,11 +81,23 @@ class HorizonSettings(PreSchedSettings):
     # with the split over this layer and the next); 0: PreSched's eq. 5-6 prefetches, whatever split wins
     prefetch_counts: int = 4
     evict_next_use: bool = True  # evict the cached expert whose layer comes back last first (else PreSched's order)
+    # host µs the candidate splits and the two-layer search cost per decode plan beyond PreSched's plan. A decode layer
+    # keeps PreSched's plan, unsearched, where PreSched's split ends sooner than this (the cost model's `layer_time`:
+    # another split cannot save more than the layer lasts), or where the searches of this layer have lately saved
+    # less than this by the cost model's own estimate (a moving average of the searched plans' two-layer time against
+    # PreSched's split and prefetch count; every `search_probe`-th plan of a layer searches anyway, to keep it current).
+    # 0: always search
+    search_cost_us: float = 0.0
+    search_probe: int = 8
 
     def __post_init__(self) -> None:
         unknown = set(self.candidates) - set(SPLITS)
         if unknown or not self.candidates:
             raise ValueError(f"scheduler.candidates: {sorted(unknown) or '[]'} not among {sorted(SPLITS)}")
+        if self.search_probe < 1:
+            raise ValueError(f"scheduler.search_probe ({self.search_probe}) must be >= 1")
+        if not self.search_cost_us >= 0:
+            raise ValueError(f"scheduler.search_cost_us ({self.search_cost_us}) must be >= 0")
         if self.prefetch_counts < 0:
             raise ValueError(f"scheduler.prefetch_counts ({self.prefetch_counts}) must be >= 0")
         if self.batches_in_flight < 1 or self.micro_batches < 1:
@@ -115,7 +127,7 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
     shared + resident experts in one call, landing ones at arrival, loads serial on the link behind `alpha`
     (behind the held prefetches too), each computed on landing; the CPU experts one after another."""
     cost = state.cost
-    landing, shared, _, tok = _layer_parts(state)
+    landing, shared, _, tok, t_g, _ = layer_parts(state)
     gpu = shared
     if split.gpu:
         ready = len(split.gpu) - len(split.loads)
@@ -127,7 +139,7 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
         gpu = shared + group_time(state, now)
     if landing:
         for e in sorted((e for e in split.gpu if e in landing), key=landing.__getitem__):
-            gpu = max(gpu, landing[e]) + float(cost.t_g(tok[e]))
+            gpu = max(gpu, landing[e]) + t_g[e]
     # the held prefetches, then the loads, land one t_io apart behind alpha; each is computed on landing:
     # g_k = max(g_{k-1}, link_k) + t_k unrolls to max(g_0 + sum t, max_k(link_k + sum_{j >= k} t_j))
     queue = [e for e in split.gpu if e in held] + list(split.loads) if held else split.loads
@@ -135,7 +147,7 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
         alpha, t_io = state.alpha_s, state.t_io_s
         tail, last = 0.0, -math.inf
         for k in range(len(queue) - 1, -1, -1):  # tail sums from the last load back, as a reversed cumsum adds
-            tail += cost.t_g(tok[queue[k]])
+            tail += t_g[queue[k]]
             last = max(last, alpha + t_io * (k + 1) + tail)
         gpu = max(gpu + tail, last)
     cpu = cost.t_c_sum([tok[e] for e in split.cpu])
@@ -143,23 +155,48 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
     return max(cpu + s * gpu, gpu + s * cpu) if s > 0 else max(cpu, gpu)
 
 
-def _layer_parts(state: LayerState) -> tuple[dict[int, float], float, dict[tuple[int, ...], float], list[int]]:
-    """(this layer's landing experts -> seconds to arrival, the shared experts' time, the memo of `group_time`, the
-    tokens per expert as a list), built once per layer state: the candidate splits of one plan share them."""
+class LayerParts(NamedTuple):
+    """What the candidate splits of one plan share, built once per layer state (`layer_parts`)."""
+
+    landing: dict[int, float]  # this layer's landing experts -> seconds to arrival
+    shared: float  # the shared experts' GPU time
+    groups: dict[tuple[int, ...], float]  # the memo of `group_time`
+    tokens: list[int]  # tokens per expert
+    t_g: list[float]  # each expert's `cost.t_g` (a call of its own)
+    in_group: list[float]  # each expert's `cost.t_g_group` share (in a call with others; the call's dispatch apart)
+
+
+def layer_parts(state: LayerState) -> LayerParts:
+    """The `LayerParts` of `state`, made on first use. The per-expert GPU times of all E experts are two numpy calls
+    (the splits asked for them expert by expert, ~100 scalar `t_g` calls and a `t_g_group` call per resident group a
+    plan): the same values, element by element, as those calls compute."""
     parts = state.__dict__.get("_horizon_parts")
     if parts is None:
+        cost = state.cost
+        m = state.tokens.astype(np.float64)
+        t_g = np.atleast_1d(cost.t_g(m)).tolist()
+        in_group = cost.t_g_shares(m).tolist()
         landing = {t.expert: t.remaining_s for t in state.inflight if t.layer == state.layer}
-        parts = state.__dict__["_horizon_parts"] = (landing, state.cost.t_shared(state.batch_tokens), {},
-                                                    state.tokens.tolist())
+        parts = state.__dict__["_horizon_parts"] = LayerParts(landing, cost.t_shared(state.batch_tokens), {},
+                                                              state.tokens.tolist(), t_g, in_group)
     return parts
 
 
 def group_time(state: LayerState, experts: tuple[int, ...]) -> float:
     """GPU seconds of `experts` (in this order) run in one device call: `sum(cost.t_g_group(tokens))`, remembered per
-    layer state (most candidate splits run the same resident experts)."""
-    groups = _layer_parts(state)[2]
+    layer state (most candidate splits run the same resident experts). The same sum of the same float64 array as
+    `t_g_group` builds: each expert's share, the call's dispatch added to the first with tokens."""
+    parts = layer_parts(state)
+    groups = parts.groups
     if experts not in groups:
-        groups[experts] = float(np.sum(state.cost.t_g_group(state.tokens[list(experts)]))) if experts else 0.0
+        if experts:
+            each = [parts.in_group[e] for e in experts]
+            first = next((i for i, e in enumerate(experts) if parts.tokens[e] > 0), None)
+            if first is not None:
+                each[first] += state.cost.call_overhead_s
+            groups[experts] = float(np.sum(np.array(each, dtype=np.float64)))
+        else:
+            groups[experts] = 0.0
     return groups[experts]
 
 
@@ -204,9 +241,11 @@ class NextLayer:
     ready_s: float
 
 
-def next_layer(state: LayerState) -> Optional[NextLayer]:
+def next_layer(state: LayerState, e_next: Optional[tuple[Sequence[int], Sequence[float]]] = None
+               ) -> Optional[NextLayer]:
     """Layer l+1 from its forecast (`LayerState.predicted`, the predictor PreSched reads); None at the last layer or
-    without a forecast."""
+    without a forecast. `e_next`: PreSched's E_next of l+1 (`Lookahead.candidates`: the predicted experts neither
+    resident nor landing, ascending predicted tokens, ties lower id first) where its plan built it already."""
     target = state.layer + 1
     if target >= state.num_layers or target not in state.predicted:
         return None
@@ -214,73 +253,103 @@ def next_layer(state: LayerState) -> Optional[NextLayer]:
     pred = state.predicted[target]
     some = np.flatnonzero(pred > 0)
     avail = state.available(target)[some]
-    missing = some[~avail]
-    order = missing[np.argsort(pred[missing], kind="stable")]  # ties: lower id first, as PreSched's E_next
-    m = pred[order]
+    if e_next is None:
+        missing = some[~avail]
+        order = missing[np.argsort(pred[missing], kind="stable")]  # ties: lower id first, as PreSched's E_next
+        experts, m = tuple(order.tolist()), pred[order].tolist()
+    else:
+        experts, m = tuple(e_next[0]), list(e_next[1])
     ready = pred[some[avail]]
     ready_s = cost.t_shared(state.batch_tokens) + (float(np.sum(cost.t_g_group(ready))) if ready.size else 0.0)
-    return NextLayer(target, tuple(order.tolist()), np.concatenate([[0.0], cost.t_c_prefix(m.tolist())]),
-                     np.atleast_1d(cost.t_g(m)).astype(np.float64), ready_s)
+    return NextLayer(target, experts, np.concatenate([[0.0], cost.t_c_prefix(m)]),
+                     np.atleast_1d(cost.t_g(np.asarray(m, dtype=np.float64))).astype(np.float64), ready_s)
 
 
-def next_layer_time(state: LayerState, nxt: NextLayer, prefetched: int, alpha: float | np.ndarray) -> np.ndarray:
-    """Seconds from layer l+1's gate until it is done, as `layer_time` plays it, when its `prefetched` hottest missing
-    experts come from this plan's prefetches and the link owes `alpha` at its gate (those prefetches included): the
-    best of its coldest j on the CPU and the rest loaded behind alpha, hottest first, for every j. `alpha` may be an
-    array (one per candidate split): float64 [S] out."""
-    alpha = np.atleast_1d(np.asarray(alpha, dtype=np.float64))[:, None]  # [S, 1]
-    n = len(nxt.experts) - prefetched  # the coldest n stay missing
-    gpu = np.full_like(alpha, nxt.ready_s)
-    if prefetched:  # the prefetched experts land by alpha at the latest
-        gpu = np.maximum(gpu, alpha) + float(nxt.gpu_each[n:].sum())
-    cpu = nxt.cpu_prefix[:n + 1]
-    each = nxt.gpu_each[:n]
-    tail = np.concatenate([np.cumsum(each[::-1])[::-1], [0.0]])  # GPU time of the loaded ones, j..n-1
-    loads = n - np.arange(n + 1)
-    last = np.append(each, 0.0)  # the last load (the coldest loaded, E[j]) is computed on landing
-    g = np.where(loads > 0, np.maximum(gpu + tail, alpha + loads * state.t_io_s + last), gpu)  # [S, n + 1]
+def next_layer_times(state: LayerState, nxt: NextLayer, owed: np.ndarray, counts: int) -> np.ndarray:
+    """float64 [S, K]: seconds from layer l+1's gate until it is done, as `layer_time` plays it, when its k hottest
+    missing experts come from this plan's prefetches (k = 0..K-1, K = min(counts, |E_next|) + 1) and the link owes
+    max(owed + k t_io, 0) at its gate (`owed` float64 [S]: one per candidate split; the prefetches included): the best
+    of its coldest j on the CPU and the rest loaded behind that, hottest first, for every j. Every split and count in
+    one array pass ([S, K, j]); each (split, count) is computed with the same float operations, in the same order, as
+    one count at a time would (the reversed running sums over a count's missing experts are one row's cumsum behind
+    leading zeros), so the plans do not change."""
+    t_io = state.t_io_s
+    total = len(nxt.experts)
+    ks = np.arange(min(total, counts) + 1)
+    alpha = np.maximum(owed[:, None] + ks * t_io, 0.0)[:, :, None]  # [S, K, 1]
+    n = total - ks  # the coldest n stay missing
+    landed = np.array([0.0] + [float(nxt.gpu_each[total - k:].sum()) for k in ks[1:]])  # the prefetched ones' GPU time
+    # the prefetched experts land by alpha at the latest
+    gpu = np.where(ks[:, None] > 0, np.maximum(nxt.ready_s, alpha) + landed[:, None], nxt.ready_s)  # [S, K, 1]
+    each = nxt.gpu_each
+    rows = np.zeros((ks.size, total))
+    for k in ks.tolist():
+        rows[k, k:] = each[:total - k][::-1]
+    tail = np.concatenate([np.cumsum(rows, axis=1)[:, ::-1], np.zeros((ks.size, 1))], axis=1)  # [K, total + 1]
+    j = np.arange(total + 1)
+    loads = n[:, None] - j  # [K, total + 1]: loaded experts when the coldest j run on the CPU
+    last = np.where(j < n[:, None], np.append(each, 0.0), 0.0)  # the last load (the coldest loaded) on landing
+    g = np.where(loads > 0, np.maximum(gpu + tail, alpha + loads * t_io + last), gpu)  # [S, K, total + 1]
+    cpu = nxt.cpu_prefix
     s = state.cost.device_cpu_share
     t = np.maximum(cpu + s * g, g + s * cpu) if s > 0 else np.maximum(cpu, g)
-    return t.min(axis=1)
+    return np.where(loads >= 0, t, np.inf).min(axis=2)
 
 
 def choose(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer], counts: int
            ) -> tuple[Split, Optional[int]]:
+    """`search`'s split and prefetch count."""
+    return search(state, splits, nxt, counts)[:2]
+
+
+def search(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer], counts: int, baseline: int = 0
+           ) -> tuple[Split, Optional[int], float]:
     """The split, and how many of the next layer's hottest forecast experts to prefetch (None: PreSched's own
-    prefetches), that end this layer and the next soonest: `layer_time` of the split plus `next_layer_time` with the
+    prefetches), that end this layer and the next soonest: `layer_time` of the split plus `next_layer_times` with the
     link time its loads and the prefetches leave owed at the next gate. Without a forecast of the next layer (or none
-    of its experts missing) the fastest split alone (first minimum: PreSched's split keeps ties)."""
+    of its experts missing) the fastest split alone (first minimum: PreSched's split keeps ties). Third: the seconds the
+    choice saves by the same estimate against the first split (PreSched's) with `baseline` prefetches (its own count
+    of the next layer's hottest, up to `counts`)."""
     if nxt is None or not nxt.experts or counts <= 0:
-        return min(splits, key=lambda s: layer_time(state, s)), None
+        times = [layer_time(state, split) for split in splits]
+        first = min(range(len(splits)), key=times.__getitem__)
+        return splits[first], None, times[0] - times[first]
     t_io = state.t_io_s
     t = np.array([layer_time(state, split) for split in splits])
     owed = state.alpha_s + np.array([len(split.loads) for split in splits]) * t_io - t - state.t_attn_next_s
-    ks = range(min(len(nxt.experts), counts) + 1)
-    # [k, split]: every split's two-layer time per prefetch count, all splits at once (one array pass per count)
-    totals = np.array([t + next_layer_time(state, nxt, k, np.maximum(owed + k * t_io, 0.0)) for k in ks]).T.tolist()
+    # [split, k]: every split's two-layer time per prefetch count, in one array pass
+    totals = (t[:, None] + next_layer_times(state, nxt, owed, counts)).tolist()
     best, best_t = (splits[0], 0), math.inf
     for split, row in zip(splits, totals):
         for k, total in enumerate(row):
             if total < best_t - 1e-12:  # strictly better: fewer prefetches and PreSched's split keep ties
                 best, best_t = (split, k), total
-    return best
+    return best[0], best[1], totals[0][min(baseline, len(totals[0]) - 1)] - best_t
 
 
 @register("horizon", settings=HorizonSettings)
 class Horizon(PreSched):
     """See the module docstring."""
 
+    def __init__(self, settings: HorizonSettings, setup: SchedulerSetup):
+        super().__init__(settings, setup)
+        self.saving = [math.inf] * self.L  # per layer: what its searched plans lately saved (s, `search_cost_us`)
+        self.plans_since_search = [0] * self.L
+
     @property
     def micro_batches(self) -> int:
         return max(1, self.settings.micro_batches)
 
     def finish(self, state: LayerState, cpu: tuple[int, ...], gpu: tuple[int, ...], loads: tuple[int, ...],
-               prefetch: list[tuple[int, int]], keep_working_set: bool) -> LayerPlan:
+               prefetch: list[tuple[int, int]], keep_working_set: bool, ahead: Optional[Lookahead] = None
+               ) -> LayerPlan:
         """PreSched's split and prefetches (its bookkeeping already done) -> the chosen split and prefetches, with
         the cache slots for them."""
         names = [n for n in self.settings.candidates if n != "presched"]
         if state.phase is Phase.prefill and "presched" in self.settings.candidates:
             # PreSched's prefill split is already eq. 1's optimum with the GPU's work counted
+            return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
+        if self.skips_search(state, Split("presched", cpu, gpu, loads)):
             return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
         splits = candidate_splits(state, names, not self.resident_on_device)
         if "presched" in self.settings.candidates:
@@ -288,14 +357,37 @@ class Horizon(PreSched):
         # the two-layer estimate plays a DMA link; where a copy takes host cores (`link_cpu_share`, the CPU backend)
         # PreSched's prefetch rules, which charge the copies to the CPU side, stay
         sized = self.settings.use_predictor and self.settings.prefetch_counts > 0 and state.cost.link_cpu_share <= 0
-        nxt = next_layer(state) if sized else None
-        best, count = choose(state, splits, nxt, self.settings.prefetch_counts)
+        e_next = ahead.candidates(state.layer + 1) if sized and ahead is not None and ahead.forecast(state.layer + 1) \
+            else None  # PreSched's E_next of l+1, built by its plan or now (one build either way)
+        nxt = next_layer(state, e_next) if sized else None
+        baseline = sum(1 for target, _ in prefetch if nxt is not None and target == nxt.layer)  # PreSched's count
+        best, count, saved = search(state, splits, nxt, self.settings.prefetch_counts, baseline)
+        if self.settings.search_cost_us > 0 and "presched" in self.settings.candidates:
+            self.record_saving(state.layer, saved)
         if count is not None:
             assert nxt is not None
             prefetch = [(nxt.layer, e) for e in nxt.experts[::-1][:count]]  # hottest first
         if best.gpu != gpu:
             self.touch(state.layer, best.gpu)
         return self.plan_with_slots(state, best.cpu, best.gpu, best.loads, prefetch, keep_working_set)
+
+    def skips_search(self, state: LayerState, presched: Split) -> bool:
+        """`search_cost_us`: whether this decode plan keeps PreSched's split unsearched (a layer shorter than the
+        search, or one whose searches lately saved less than they cost; every `search_probe`-th plan searches)."""
+        budget = self.settings.search_cost_us * 1e-6
+        if budget <= 0:
+            return False
+        if layer_time(state, presched) < budget:
+            return True
+        layer = state.layer
+        self.plans_since_search[layer] += 1
+        return self.saving[layer] < budget and self.plans_since_search[layer] < self.settings.search_probe
+
+    def record_saving(self, layer: int, seconds: float) -> None:
+        """A searched plan of `layer` and what it saved by the cost model (moving average, half weight each)."""
+        before = self.saving[layer]
+        self.saving[layer] = seconds if math.isinf(before) else 0.5 * before + 0.5 * seconds
+        self.plans_since_search[layer] = 0
 
     def eviction_order(self, state: LayerState, layers: np.ndarray, experts: np.ndarray, need: int) -> np.ndarray:
         """Next use first (`evict_next_use`): a pass runs the layers in order, so a cached expert of the layer that
@@ -323,4 +415,4 @@ def plan_time(state: LayerState, plan: LayerPlan) -> float:
 
 
 __all__ = ["Horizon", "HorizonSettings", "NextLayer", "Split", "choose", "candidate_splits", "layer_time", "next_layer",
-           "next_layer_time", "plan_time"]
+           "next_layer_times", "plan_time", "search"]

@@ -401,10 +401,11 @@ class PreSched(OffloadPolicy):
 
         prefetch = self._prefill_prefetch(state, ahead) if state.phase is Phase.prefill else \
             self._decode_prefetch(state, ahead, gap)
-        return self.finish(state, cpu, gpu, loads, prefetch, keep_working_set)
+        return self.finish(state, cpu, gpu, loads, prefetch, keep_working_set, ahead)
 
     def finish(self, state: LayerState, cpu: tuple[int, ...], gpu: tuple[int, ...], loads: tuple[int, ...],
-               prefetch: list[tuple[int, int]], keep_working_set: bool) -> LayerPlan:
+               prefetch: list[tuple[int, int]], keep_working_set: bool, ahead: Optional[Lookahead] = None
+               ) -> LayerPlan:
         """The plan of Algorithm 1's split and prefetches, with cache slots made for them (a subclass may choose
-        another split here: Horizon)."""
+        another split here: Horizon, reusing the E_next lists `ahead` built)."""
         return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
