@@ -320,6 +320,11 @@ def test_the_horizon_report_sets_policies_side_by_side_at_equal_concurrency_and_
     assert single[0][:3] == ["point", "horizon_1", "hybrimoe"] and "klotski" not in single[0]
     assert single[1] == [["sweep: mixtral_8x7b a100_pcie4 b8", "9.30 ± 0.00", "9.40 ± 0.00", "12.00", "hybrimoe",
                           "0.989", "-4 %", "**no**"]]
+    # `--seeds 1`: only seed 1's runs (Horizon-1 ran on seed 0 only: no one-batch section, no column of it)
+    tables = markdown_tables(build(tmp_path, out=tmp_path / "seed1", seeds=[1]).read_text())
+    equal = tables["throughput_at_equal_concurrency_tok_s"]
+    assert equal[0][1:4] == ["horizon", "hybrimoe", "klotski"] and equal[1][0][2] == "8.00 ± 0.00"
+    assert not any(key.startswith("throughput_horizon_1") for key in tables)
 
 
 @pytest.mark.slow
