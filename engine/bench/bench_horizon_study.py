@@ -376,7 +376,8 @@ def versus_summary(table: dict[str, dict[str, list[dict[str, Any]]]], ours: str,
 def equal_concurrency_lines(rows: list[dict[str, Any]], systems: tuple[str, ...]) -> list[str]:
     """The report's "At equal concurrency" section: Horizon against every policy serving as many sequences a step
     (batch x batches in flight), throughput and decode step; empty where no point has such pairs."""
-    table = by_concurrency(rows)
+    # Horizon's own variants (Horizon-1 at 2b: the same plan as Horizon at b, bit for bit) are not "other policies"
+    table = by_concurrency([r for r in rows if not r["system"].startswith(f"{OURS}_")])
     if not any(OURS in runs for runs in table.values()):
         return []
     return ["## At equal concurrency", "",
