@@ -144,7 +144,8 @@ def test_horizon_runs_the_fastest_split_in_a_prefill_pass_too(cost: CostModel) -
     plan = build(HorizonSettings(hot_table=False), slow).plan(copy.deepcopy(s))
     plan.validate(s)
     splits = candidate_splits(s, ["greedy", "hss", "dali", "all_cpu", "all_gpu"], may_move_resident=True)
-    times = [layer_time(s, c) for c in splits] + [layer_time(s, Split("p", presched.cpu, presched.gpu, presched.ondemand))]
+    times = [layer_time(s, c) for c in splits]
+    times.append(layer_time(s, Split("p", presched.cpu, presched.gpu, presched.ondemand)))
     chosen = layer_time(s, Split("plan", plan.cpu, plan.gpu, plan.ondemand))
     assert chosen == pytest.approx(min(times)) and times[-1] == pytest.approx(12.45 * MS, abs=0.01 * MS)
     assert chosen == pytest.approx(11 * MS, abs=0.01 * MS) and set(plan.cpu) == {3, 4, 5, 6} and plan.ondemand == (7,)

@@ -298,7 +298,8 @@ def concurrency(row: dict[str, Any]) -> int:
 
 
 def paired(runs: dict[str, list[dict[str, Any]]], ours: str) -> dict[str, list[dict[str, Any]]]:
-    """`runs` (system -> its runs at one point) on the seeds `ours` ran there only: every policy on the same routings."""
+    """`runs` (system -> its runs at one point) on the seeds `ours` ran there only: every policy on the same
+    routings."""
     seeds = {r["seed"] for r in runs[ours]}
     kept = {s: [r for r in rs if r["seed"] in seeds] for s, rs in runs.items()}
     return {s: rs for s, rs in kept.items() if rs}
@@ -362,10 +363,11 @@ def versus_summary(table: dict[str, dict[str, list[dict[str, Any]]]], ours: str,
     if not table:
         return []
     lost = [p for p, runs in table.items() if not wins(runs, ours)]
-    ratio = lambda m: [float(np.mean([r[m] for r in runs[ours]]) / np.mean([r[m] for r in runs[gap_closed(runs, ours)[1]]]))
-                       for runs in table.values()]
-    spread = lambda v, pct: (f"median {float(np.median(v)) - pct:+.1%}, min {min(v) - pct:+.1%}, max {max(v) - pct:+.1%}"
-                             if pct else f"median {float(np.median(v)):.0%}, min {min(v):.0%}, max {max(v):.0%}")
+    mean = lambda rs, m: float(np.mean([r[m] for r in rs]))
+    ratio = lambda m: [mean(runs[ours], m) / mean(runs[gap_closed(runs, ours)[1]], m) for runs in table.values()]
+    spread = lambda v, pct: (
+        f"median {float(np.median(v)) - pct:+.1%}, min {min(v) - pct:+.1%}, max {max(v) - pct:+.1%}" if pct
+        else f"median {float(np.median(v)):.0%}, min {min(v):.0%}, max {max(v):.0%}")
     return [f"{ours} at least {whom} (mean, within one std) at {len(table) - len(lost)} of {len(table)} points"
             + (f"; not at: {', '.join(lost)}" if lost else ""),
             f"{ours} over the best other policy: throughput {spread(ratio('throughput_tok_s'), 1)}; decode step "
@@ -384,8 +386,10 @@ def equal_concurrency_lines(rows: list[dict[str, Any]], systems: tuple[str, ...]
             "Sequences served per decode step = batch x batches in flight: Horizon and Klotski at batch b (two in "
             "flight) beside the one-batch policies at 2b. Mean ± std over Horizon's seeds at the point; the bound is "
             "that of passes of that many sequences; step s = simulated seconds per decode step (each sequence's "
-            "time per token).", "", "Throughput at equal concurrency (tok/s)", "", versus_table(table, OURS, systems), "",
-            "Decode step at equal concurrency (seconds)", "", versus_table(table, OURS, systems, "decode_latency_s"), "",
+            "time per token).", "",
+            "Throughput at equal concurrency (tok/s)", "", versus_table(table, OURS, systems), "",
+            "Decode step at equal concurrency (seconds)", "", versus_table(table, OURS, systems, "decode_latency_s"),
+            "",
             *versus_summary(table, OURS, "every other policy serving as many sequences"), ""]
 
 
@@ -401,7 +405,8 @@ def single_batch_lines(rows: list[dict[str, Any]], ours: str = SINGLE) -> list[s
     systems = (ours, *(s for s in SYSTEMS if any(s in runs for runs in table.values())))
     return [f"## One batch in flight: {ours} against every one-batch policy", "",
             f"Each point on {ours}'s seeds there; the bound is that of one batch's passes.", "",
-            f"Throughput, {ours} against every one-batch policy (tok/s)", "", versus_table(table, ours, systems), "", f"Decode step, {ours} against every one-batch policy (seconds)", "",
+            f"Throughput, {ours} against every one-batch policy (tok/s)", "", versus_table(table, ours, systems), "",
+            f"Decode step, {ours} against every one-batch policy (seconds)", "",
             versus_table(table, ours, systems, "decode_latency_s"), "",
             *versus_summary(table, ours, "every one-batch policy"), ""]
 

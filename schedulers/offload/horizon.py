@@ -81,12 +81,13 @@ class HorizonSettings(PreSchedSettings):
     label: str = "Horizon"
     batches_in_flight: int = 2  # batches of `batch_size` sequences run through the layers together
     micro_batches: int = 1  # device calls per expert and layer (each in-flight batch its own call: 2)
-    candidates: tuple[str, ...] = ("presched", "greedy", "hss", "dali", "all_cpu", "all_gpu")  # splits compared per layer
+    # splits compared per layer
+    candidates: tuple[str, ...] = ("presched", "greedy", "hss", "dali", "all_cpu", "all_gpu")
     # the most prefetches of the next layer's forecast experts each decode plan weighs (0, 1, ..., this many, timed
     # with the split over this layer and the next); 0: PreSched's eq. 5-6 prefetches, whatever split wins
     prefetch_counts: int = 4
     evict_next_use: bool = True  # evict the cached expert whose layer comes back last first (else PreSched's order)
-    # a prefill pass runs the fastest candidate split too (else PreSched's eq. 1 split, resident experts kept on the GPU)
+    # a prefill pass runs the fastest candidate split too (else PreSched's eq. 1 split, resident experts on the GPU)
     prefill_candidates: bool = True
     # a load stays cached only where it is needed sooner (usage per layer until its next use) than what it displaces
     admit_loads: bool = True
