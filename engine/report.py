@@ -681,7 +681,8 @@ def log_to_wandb(folder: Path, out: Path, report: Path, rows: list[dict[str, Any
         wandb.teardown()  # wait for wandb's service to write the offline log out (finish alone may return first)
 
 
-def build(folder: Path | Sequence[Path], out: Optional[Path] = None, wandb_mode: Optional[str] = "disabled") -> Path:
+def build(folder: Path | Sequence[Path], out: Optional[Path] = None, wandb_mode: Optional[str] = "disabled",
+          seeds: Optional[Sequence[int]] = None) -> Path:
     """The report of a multirun folder (or a benchmark output, or several folders of one study: their runs together)
     : each study's tables and figures into `out` (default: the first folder), and, unless `wandb_mode` is
     "disabled", a summary run of the multirun's wandb group (None: the mode its jobs ran in)."""
@@ -690,7 +691,7 @@ def build(folder: Path | Sequence[Path], out: Optional[Path] = None, wandb_mode:
         raise FileNotFoundError("report: no folder given")
     folder = folders[0]
     out = out or folder
-    rows = [row for f in folders for row in load_rows(f)]
+    rows = only_seeds([row for f in folders for row in load_rows(f)], seeds)
     if any(r.get("serve") and "axis" in r for r in rows):
         path = write_serverless_regimes_report(folder, out, [r for r in rows if r.get("serve") and "axis" in r])
     elif any(r.get("study") == "horizon" for r in rows):
@@ -709,6 +710,17 @@ def build(folder: Path | Sequence[Path], out: Optional[Path] = None, wandb_mode:
     return path
 
 
+def only_seeds(rows: list[dict[str, Any]], seeds: Optional[Sequence[int]]) -> list[dict[str, Any]]:
+    """The runs of routing seeds `seeds` (all with None); a clear error where none is left."""
+    if seeds is None:
+        return rows
+    kept = [r for r in rows if int(r.get("seed", 0)) in set(seeds)]
+    if not kept:
+        raise ValueError(f"--seeds {','.join(map(str, seeds))}: no run of these seeds (the runs have seeds "
+                         f"{sorted({int(r.get('seed', 0)) for r in rows})})")
+    return kept
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m engine.report", description="tables and figures from simulated runs")
     ap.add_argument("folder", type=Path, nargs="+",
@@ -719,9 +731,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None,
                     help="the summary run's wandb mode (default: the mode the multirun's jobs ran in; none "
                          "when they ran without wandb)")
+    ap.add_argument("--seeds", default=None,
+                    help="only the runs of these routing seeds, comma-separated (e.g. a policy rerun on seed 0 beside "
+                         "older runs of seeds 0-4)")
     args = ap.parse_args(argv)
     try:
-        path = build(args.folder, args.out, args.wandb)
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+    except ValueError:
+        raise SystemExit(f"python -m engine.report: --seeds {args.seeds!r}: not a comma-separated list of integers") \
+            from None
+    try:
+        path = build(args.folder, args.out, args.wandb, seeds)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"python -m engine.report: {exc}") from None
     print(f"{sum(len(load_rows(f)) for f in args.folder)} runs -> {path}")

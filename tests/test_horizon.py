@@ -161,6 +161,55 @@ def test_horizon_evicts_the_expert_whose_layer_comes_back_last(cost: CostModel) 
         assert h.victims(s, 1, set()) == [victim]
 
 
+def test_horizon_runs_the_fastest_split_in_a_prefill_pass_too(cost: CostModel) -> None:
+    """In a prefill pass PreSched takes eq. 1's split of the missing experts; Horizon times its candidates there too
+    (DALI's list assignment among them) and runs the fastest. E0-E2 resident, E3-E7 missing with 1, 1, 1, 4, 4
+    tokens, a device call 2 ms (as the paper profiles' 1.1 ms, above a transfer's share): PreSched runs E3-E5 on the
+    CPU and loads E7, E6 (12.45 ms), Horizon E6 on the CPU too and loads E7 only (11 ms); `prefill_candidates:
+    false` is PreSched's prefill split."""
+    slow = copy.copy(cost)
+    slow.gpu_overhead_s = 2 * MS
+    tokens = np.array([1, 1, 1, 1, 1, 1, 4, 4], dtype=np.int64)
+    resident = np.zeros((4, 8), dtype=bool)
+    resident[:, :3] = True
+    s = replace(layer_state(slow), phase=Phase.prefill, tokens=tokens, scores=tokens * 0.5, batch_tokens=14,
+                resident=resident, free_slots=4)
+    presched = build(scheduler_settings("presched"), slow).plan(copy.deepcopy(s))
+    plan = build(HorizonSettings(hot_table=False), slow).plan(copy.deepcopy(s))
+    plan.validate(s)
+    splits = candidate_splits(s, ["greedy", "hss", "dali", "all_cpu", "all_gpu"], may_move_resident=True)
+    times = [layer_time(s, c) for c in splits]
+    times.append(layer_time(s, Split("p", presched.cpu, presched.gpu, presched.ondemand)))
+    chosen = layer_time(s, Split("plan", plan.cpu, plan.gpu, plan.ondemand))
+    assert chosen == pytest.approx(min(times)) and times[-1] == pytest.approx(12.45 * MS, abs=0.01 * MS)
+    assert chosen == pytest.approx(11 * MS, abs=0.01 * MS) and set(plan.cpu) == {3, 4, 5, 6} and plan.ondemand == (7,)
+    old = build(HorizonSettings(hot_table=False, prefill_candidates=False), slow).plan(copy.deepcopy(s))
+    assert (old.cpu, old.ondemand) == (presched.cpu, presched.ondemand) == ((3, 4, 5), (7, 6))
+    dali = next(c for c in splits if c.name == "dali")  # the candidate is DALI's own assignment
+    cpu, _, loads, _ = greedy_assignment(s, may_move_resident=True)
+    assert (list(dali.cpu), list(dali.loads)) == (cpu, loads)
+
+
+def test_horizon_keeps_a_load_only_where_it_beats_what_it_displaces(cost: CostModel) -> None:
+    """Layer 2 of 4, the cache full (R1, R2 of layers 1 and 3 may go); C is loaded. Usage alike (0.3): C is next used
+    a pass (4 layers) later, 0.3 / 4 = 0.075 per layer, layer 1's experts in 3 layers, 0.1: keeping C would evict an
+    expert needed sooner, so C passes through staging and nothing is evicted. With layer 1's R1 cold (0.05 / 3) C
+    stays and R1 goes; `admit_loads: false` keeps C whatever it displaces."""
+    s = replace(layer_state(cost), layer=2, free_slots=0)
+    settings = HorizonSettings(hot_table=False, retain_loads=True, eviction=Eviction.token_share)
+    h = build(settings, cost)
+    h.usage[:] = 0.3
+    plan = h.plan_with_slots(s, (A, B), (R1, R2, C), (C,), [])
+    assert plan.retain == (False,) and plan.evict == ()
+    h.usage[1, R1] = 0.05
+    plan = h.plan_with_slots(s, (A, B), (R1, R2, C), (C,), [])
+    assert plan.retain == (True,) and plan.evict == ((1, R1),)
+    h = build(replace(settings, admit_loads=False), cost)
+    h.usage[:] = 0.3
+    plan = h.plan_with_slots(s, (A, B), (R1, R2, C), (C,), [])
+    assert plan.retain == (True,) and len(plan.evict) == 1
+
+
 def test_dali_greedy_assignment_by_hand(cost: CostModel) -> None:
     """Descending workload, each expert to the side that finishes it first (GPU after its transfer):
     C(4): GPU 4 + t_g < CPU 5; R1(3): GPU ~5 > CPU 4 -> CPU; R2(3): GPU ~5 < CPU 8; B(2): GPU 8 + t_g > CPU 7 -> CPU;

@@ -286,6 +286,47 @@ def test_the_horizon_report_over_several_folders_takes_the_newest_run_of_a_point
     assert "the newest run's row wins (1 older row replaced)" in text.splitlines()[2]
 
 
+def test_the_horizon_report_sets_policies_side_by_side_at_equal_concurrency_and_horizon_1_on_its_own_seeds(
+        tmp_path: Path) -> None:
+    """Horizon at batch b with two batches in flight serves 2b sequences a step: the equal-concurrency table sets it
+    beside the one-batch policies at 2b (and Klotski, two in flight, at b), only where every policy ran, against the
+    bound of passes of that many sequences; the one-batch table compares Horizon-1 with the one-batch policies on
+    Horizon-1's seeds (seed 0: 9.3 < HybriMoE's 9.4; over both of HybriMoE's seeds, 8.7 ± 0.7, it would pass)."""
+    runs = [  # system, in flight, batch, seed, tok/s
+        ("horizon", 2, 4, 0, 10.0), ("horizon", 2, 4, 1, 10.0), ("horizon", 2, 8, 0, 15.0), ("horizon", 2, 8, 1, 15.0),
+        ("klotski", 2, 4, 0, 3.0), ("klotski", 2, 4, 1, 3.0), ("klotski", 2, 8, 0, 5.0), ("klotski", 2, 8, 1, 5.0),
+        ("hybrimoe", 1, 4, 0, 6.0), ("hybrimoe", 1, 4, 1, 6.0), ("hybrimoe", 1, 8, 0, 9.4), ("hybrimoe", 1, 8, 1, 8.0),
+        ("horizon_1", 1, 8, 0, 9.3)]
+    bound = {4: 7.0, 8: 12.0, 16: 20.0}  # tok/s bound of passes of that many sequences
+    for seed in (0, 1):
+        rows = [{"study": "horizon", "point": f"sweep: mixtral_8x7b a100_pcie4 b{b}", "set": "sweep",
+                 "model": "mixtral_8x7b", "machine": "a100_pcie4", "batch": b, "regime": None, "seed": seed,
+                 "system": system, "in_flight": n, "throughput_tok_s": thr, "decode_latency_s": b * n / thr,
+                 "total_s": 10 / thr, "lower_bound_s": 10 / bound[b * n], "bound_tok_s": bound[b * n],
+                 "above_lower_bound": bound[b * n] / thr - 1, "point_bound_tok_s": bound[2 * b]}
+                for system, n, b, s, thr in runs if s == seed]
+        (tmp_path / "sweep" / str(seed)).mkdir(parents=True)
+        (tmp_path / "sweep" / str(seed) / "results.json").write_text(json.dumps({"study_rows": rows}))
+    tables = markdown_tables(build(tmp_path).read_text())
+    equal = tables["throughput_at_equal_concurrency_tok_s"]
+    assert equal[0] == ["point", "horizon", "hybrimoe", "klotski", "bound tok/s", "best other", "horizon / best",
+                        "gap closed", "horizon ≥ all"]  # Horizon-1 (Horizon's own plan at 2b) is no other policy
+    assert equal[1] == [["sweep: mixtral_8x7b a100_pcie4, 8 sequences", "10.00 ± 0.00", "8.70 ± 0.70",
+                         "3.00 ± 0.00", "12.00", "hybrimoe", "1.149", "39 %", "yes"]]
+    step = tables["decode_step_at_equal_concurrency_seconds"]
+    assert step[1][0][1:3] == ["0.800 ± 0.000", "0.926 ± 0.074"] and step[1][0][-4:] == [
+        "hybrimoe", "0.864", "hybrimoe", "0.864"]  # 8 sequences / 10 tok/s against 8 / 9.4 and 8 / 8.0
+    single = tables["throughput_horizon_1_against_every_one_batch_policy_tok_s"]
+    assert single[0][:3] == ["point", "horizon_1", "hybrimoe"] and "klotski" not in single[0]
+    assert single[1] == [["sweep: mixtral_8x7b a100_pcie4 b8", "9.30 ± 0.00", "9.40 ± 0.00", "12.00", "hybrimoe",
+                          "0.989", "-4 %", "**no**"]]
+    # `--seeds 1`: only seed 1's runs (Horizon-1 ran on seed 0 only: no one-batch section, no column of it)
+    tables = markdown_tables(build(tmp_path, out=tmp_path / "seed1", seeds=[1]).read_text())
+    equal = tables["throughput_at_equal_concurrency_tok_s"]
+    assert equal[0][1:4] == ["horizon", "hybrimoe", "klotski"] and equal[1][0][2] == "8.00 ± 0.00"
+    assert not any(key.startswith("throughput_horizon_1") for key in tables)
+
+
 @pytest.mark.slow
 def test_a_horizon_study_job_runs_the_point_the_study_script_ran() -> None:
     """The job of `+experiment=horizon_study` / `horizon_regimes` replays what bench_horizon_study's own point

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -287,6 +288,129 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
             *(f"not run: {s} at {p} (does not fit)" for p, s in errors)]
 
 
+# ---- at equal concurrency, and with one batch in flight ---------------------------------------------------------
+SINGLE = "horizon_1"  # Horizon's plan with one batch in flight (conf/scheduler/horizon_1.yaml)
+
+
+def concurrency(row: dict[str, Any]) -> int:
+    """Sequences a run serves per decode step: its batch x its batches in flight."""
+    return int(row["batch"]) * int(row.get("in_flight") or 1)
+
+
+def paired(runs: dict[str, list[dict[str, Any]]], ours: str) -> dict[str, list[dict[str, Any]]]:
+    """`runs` (system -> its runs at one point) on the seeds `ours` ran there only: every policy on the same
+    routings."""
+    seeds = {r["seed"] for r in runs[ours]}
+    kept = {s: [r for r in rs if r["seed"] in seeds] for s, rs in runs.items()}
+    return {s: rs for s, rs in kept.items() if rs}
+
+
+def by_concurrency(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Point at C sequences in flight -> system -> its runs serving C sequences a step (Horizon at batch b with two
+    batches in flight beside a one-batch policy at 2b), at every C where every policy of the point's family (set,
+    model, machine, regime) ran, in the study's order. Each run's `point_bound_tok_s` becomes the bound of its own
+    passes: at one C every policy replays passes of C sequences, so that is the bound any schedule serving C
+    sequences a step could reach."""
+    family = lambda r: (r["set"], r["model"], r["machine"], r.get("regime"))
+    systems: dict[tuple, set[str]] = {}
+    at: dict[tuple, dict[str, list[dict[str, Any]]]] = {}
+    for r in sorted((r for r in rows if "error" not in r), key=point_order):
+        key = (*family(r), concurrency(r))
+        systems.setdefault(family(r), set()).add(r["system"])
+        at.setdefault(key, {}).setdefault(r["system"], []).append({**r, "point_bound_tok_s": r["bound_tok_s"]})
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    order = lambda kv: (lambda o: (*o[:3], o[4], kv[0][-1]))(point_order(next(iter(kv[1].values()))[0]))
+    for key, runs in sorted(at.items(), key=order):
+        if set(runs) == systems[key[:-1]] and len(runs) > 1:
+            label = re.sub(r" b\d+\b", f", {key[-1]} sequences", next(iter(runs.values()))[0]["point"], count=1)
+            out[label] = runs
+    return out
+
+
+def versus_table(table: dict[str, dict[str, list[dict[str, Any]]]], ours: str, systems: tuple[str, ...],
+                 metric: str = "throughput_tok_s") -> str:
+    """Markdown: points x policies, `metric` mean ± std over `ours`' seeds at each point, then for throughput the bound
+    of the point's passes, the best other policy, `ours` over it, the gap to the bound `ours` closes and whether `ours`
+    is at least every other policy within one std; for the decode step (`decode_latency_s`) `ours`' step over that
+    of the best other policy by throughput and over the shortest other step."""
+    shown = [s for s in systems if any(s in runs for runs in table.values())]
+    thr = metric == "throughput_tok_s"
+    tail = (f"bound tok/s | best other | {ours} / best | gap closed | {ours} ≥ all" if thr else
+            f"best other (tok/s) | {ours} / its step | shortest other | {ours} / shortest")
+    lines = [f"| point | {' | '.join(shown)} | {tail} |", "|---" * (len(shown) + 5) + "|"]
+    for point, runs in table.items():
+        if ours not in runs:
+            continue
+        runs = paired(runs, ours)
+        mean = {s: float(np.mean([r[metric] for r in rs])) for s, rs in runs.items()}
+        cells = [f"{mean[s]:.{2 if thr else 3}f} ± {np.std([r[metric] for r in runs[s]]):.{2 if thr else 3}f}"
+                 if s in runs else "—" for s in shown]
+        closed, best, _, bound = gap_closed(runs, ours)
+        if thr:
+            ends = [f"{bound:.2f}", best, f"{mean[ours] / mean[best]:.3f}", f"{100 * closed:.0f} %",
+                    "yes" if wins(runs, ours) else "**no**"]
+        else:
+            shortest = min((s for s in mean if s != ours), key=mean.__getitem__)
+            ends = [best, f"{mean[ours] / mean[best]:.3f}", shortest, f"{mean[ours] / mean[shortest]:.3f}"]
+        lines.append(f"| {point} | " + " | ".join(cells + ends) + " |")
+    return "\n".join(lines)
+
+
+def versus_summary(table: dict[str, dict[str, list[dict[str, Any]]]], ours: str, whom: str) -> list[str]:
+    """Lines: at how many points `ours` is at least `whom` (mean, within one std), where not, and the spread of its
+    throughput and decode step over the best other's and of the gap it closes."""
+    table = {p: paired(runs, ours) for p, runs in table.items() if ours in runs}
+    if not table:
+        return []
+    lost = [p for p, runs in table.items() if not wins(runs, ours)]
+    mean = lambda rs, m: float(np.mean([r[m] for r in rs]))
+    ratio = lambda m: [mean(runs[ours], m) / mean(runs[gap_closed(runs, ours)[1]], m) for runs in table.values()]
+    spread = lambda v, pct: (
+        f"median {float(np.median(v)) - pct:+.1%}, min {min(v) - pct:+.1%}, max {max(v) - pct:+.1%}" if pct
+        else f"median {float(np.median(v)):.0%}, min {min(v):.0%}, max {max(v):.0%}")
+    return [f"{ours} at least {whom} (mean, within one std) at {len(table) - len(lost)} of {len(table)} points"
+            + (f"; not at: {', '.join(lost)}" if lost else ""),
+            f"{ours} over the best other policy: throughput {spread(ratio('throughput_tok_s'), 1)}; decode step "
+            f"{spread(ratio('decode_latency_s'), 1)}",
+            f"gap to the bound closed by {ours}: {spread([gap_closed(runs, ours)[0] for runs in table.values()], 0)}"]
+
+
+def equal_concurrency_lines(rows: list[dict[str, Any]], systems: tuple[str, ...]) -> list[str]:
+    """The report's "At equal concurrency" section: Horizon against every policy serving as many sequences a step
+    (batch x batches in flight), throughput and decode step; empty where no point has such pairs."""
+    # Horizon's own variants (Horizon-1 at 2b: the same plan as Horizon at b, bit for bit) are not "other policies"
+    table = by_concurrency([r for r in rows if not r["system"].startswith(f"{OURS}_")])
+    if not any(OURS in runs for runs in table.values()):
+        return []
+    return ["## At equal concurrency", "",
+            "Sequences served per decode step = batch x batches in flight: Horizon and Klotski at batch b (two in "
+            "flight) beside the one-batch policies at 2b. Mean ± std over Horizon's seeds at the point; the bound is "
+            "that of passes of that many sequences; step s = simulated seconds per decode step (each sequence's "
+            "time per token).", "",
+            "Throughput at equal concurrency (tok/s)", "", versus_table(table, OURS, systems), "",
+            "Decode step at equal concurrency (seconds)", "", versus_table(table, OURS, systems, "decode_latency_s"),
+            "",
+            *versus_summary(table, OURS, "every other policy serving as many sequences"), ""]
+
+
+def single_batch_lines(rows: list[dict[str, Any]], ours: str = SINGLE) -> list[str]:
+    """The report's "One batch in flight" section: `ours` (Horizon-1) against every one-batch policy at every point
+    it ran, on its own seeds, against the bound of one-batch passes; empty without its runs."""
+    table = {p: {s: [{**r, "point_bound_tok_s": r["bound_tok_s"]} for r in rs] for s, rs in runs.items()
+                 if s == ours or all(int(r.get("in_flight") or 1) == 1 for r in rs)}
+             for p, runs in by_point(rows).items() if ours in runs}
+    table = {p: runs for p, runs in table.items() if len(runs) > 1}
+    if not table:
+        return []
+    systems = (ours, *(s for s in SYSTEMS if any(s in runs for runs in table.values())))
+    return [f"## One batch in flight: {ours} against every one-batch policy", "",
+            f"Each point on {ours}'s seeds there; the bound is that of one batch's passes.", "",
+            f"Throughput, {ours} against every one-batch policy (tok/s)", "", versus_table(table, ours, systems), "",
+            f"Decode step, {ours} against every one-batch policy (seconds)", "",
+            versus_table(table, ours, systems, "decode_latency_s"), "",
+            *versus_summary(table, ours, "every one-batch policy"), ""]
+
+
 def figure(rows: list[dict[str, Any]], path: Path) -> None:
     """Left: each policy's throughput over the point's bound (mean over seeds) at every point; right: the
     distribution of above_lower_bound per policy."""
@@ -333,7 +457,8 @@ def report(out: Path, rows: list[dict[str, Any]], wall: float, launcher: str) ->
             "throughput tokens/s, mean ± std over seeds; where a (point, seed, system) ran more than once the newest "
             f"run's row wins ({replaced} older {'row' if replaced == 1 else 'rows'} replaced).", "", point_table(rows, systems), "",
             "above_lower_bound per policy (every run, its own passes' bound)", "", bound_distribution(rows, systems), "",
-            *summary_lines(rows), "", "![study](horizon_study.png)", ""]
+            *summary_lines(rows), "", "![study](horizon_study.png)", "", *equal_concurrency_lines(rows, systems),
+            *single_batch_lines(rows)]
     path = out / "report.md"
     path.write_text("\n".join(text))
     return path
