@@ -308,6 +308,9 @@ def test_the_horizon_report_sets_policies_side_by_side_at_equal_concurrency_and_
         (tmp_path / "sweep" / str(seed)).mkdir(parents=True)
         (tmp_path / "sweep" / str(seed) / "results.json").write_text(json.dumps({"study_rows": rows}))
     tables = markdown_tables(build(tmp_path).read_text())
+    main = next(rows for key, rows in tables.items() if key.startswith("13_runs"))[1]
+    b8 = next(row for row in main if row[0].endswith("b8"))
+    assert b8[-3:] == ["hybrimoe", "56 %", "yes"]  # (15 - 8.7) / (20 - 8.7); Horizon-1 (9.3) is Horizon's own plan, no other policy
     equal = tables["throughput_at_equal_concurrency_tok_s"]
     assert equal[0] == ["point", "horizon", "hybrimoe", "klotski", "bound tok/s", "best other", "horizon / best",
                         "gap closed", "horizon ≥ all"]  # Horizon-1 (Horizon's own plan at 2b) is no other policy

@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -223,12 +223,20 @@ def by_point(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[dict[str, A
     return out
 
 
+def rivals(systems: Iterable[str], ours: str) -> list[str]:
+    """The other policies among `systems`: neither `ours` nor a variant of it (`horizon_1` is Horizon's own plan with
+    one batch in flight, the same plan as Horizon at half the batch: no other policy)."""
+    return [s for s in systems if s != ours and not s.startswith(f"{ours}_") and not ours.startswith(f"{s}_")]
+
+
 def gap_closed(runs: dict[str, list[dict[str, Any]]], ours: str = OURS) -> tuple[float, str, float, float]:
     """(share of the gap between the best other policy and the bound that `ours` closes, the best other, its mean
     throughput, the bound's throughput), all means over seeds."""
     mean = {s: float(np.mean([r["throughput_tok_s"] for r in rs])) for s, rs in runs.items()}
     bound = float(np.mean([r["point_bound_tok_s"] for rs in runs.values() for r in rs]))
-    others = {s: v for s, v in mean.items() if s != ours}
+    others = {s: mean[s] for s in rivals(mean, ours)}
+    if not others:
+        return float("nan"), "-", float("nan"), bound
     best = max(others, key=others.__getitem__)
     gap = bound - others[best]
     return ((mean[ours] - others[best]) / gap if gap > 0 and ours in mean else float("nan")), best, others[best], bound
@@ -240,7 +248,7 @@ def wins(runs: dict[str, list[dict[str, Any]]], ours: str = OURS) -> bool:
         v = [r["throughput_tok_s"] for r in runs[s]]
         return float(np.mean(v)), float(np.std(v))
     m, sd = stats(ours)
-    return all(m + max(sd, stats(s)[1]) >= stats(s)[0] for s in runs if s != ours)
+    return all(m + max(sd, stats(s)[1]) >= stats(s)[0] for s in rivals(runs, ours))
 
 
 def point_table(rows: list[dict[str, Any]], systems: tuple[str, ...] = SYSTEMS) -> str:
