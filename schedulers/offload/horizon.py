@@ -1,6 +1,6 @@
 """Horizon: moescope's default offload scheduler. PreSched's cross-layer plan, its CPU/GPU split chosen
-among several candidates by the layer time the cost model predicts, and two batches in flight (Klotski's
-multi-batch pipeline, for any plan).
+among several candidates by the layer time the cost model predicts, and two batches in flight (Klotski's reason
+for its multi-batch pipeline; with one micro-batch, a batch twice as large).
 
 Per MoE layer, after its gate:
 
