@@ -2712,18 +2712,27 @@ MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, ui
 }
 
 // The chunks of 256 weights are double-buffered: while the tiles run over chunk c, two of chunk c + 1's 16 rows are
-// dequantized after each tile step, so the vector units and the tile unit work at the same time.
+// dequantized after each tile step, so the vector units and the tile unit work at the same time. Calls of more than
+// 64 rows (several passes of up to 4 C tiles over each strip) stage the whole strip instead (16 rows x K bf16: 128
+// KiB at K 4096, 448 KiB at 14336, L2-resident): the first pass dequantizes it as above, chunk after chunk, and the
+// later passes run their tile steps over the staged strip, so the strip is dequantized once per call, not once per
+// 64 rows (a prefill's experts get 65-110 rows at Mixtral's top-2 of 8: 2 passes, the second of 1-3 C tiles).
 template <int QT>
 void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
                       float* y, size_t ldy) {
   constexpr int64_t kSteps = 8;                 // 32-k tile steps per staged chunk (256 weights)
-  constexpr int64_t kLds = 32 * kSteps + 32;    // staged row stride, elements (576 bytes: rows in distinct L1 sets)
   const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16, NC = (KB + kSteps - 1) / kSteps;
+  const bool whole = MT > 4;                    // several passes: stage the whole strip
+  // staged row stride, elements: one chunk plus 64 bytes (576 bytes: rows in distinct L1 sets), or the whole strip
+  // plus 64 bytes
+  const int64_t lds = whole ? 256 * NC + 32 : 32 * kSteps + 32;
+  const size_t stage_elems = whole ? size_t(16 * lds) : size_t(2 * 16 * lds);
   const uint16_t* panel = static_cast<const uint16_t*>(a.x);
   AmxScratch& s = t_amx;
-  uint16_t* stage = reinterpret_cast<uint16_t*>(grow_bytes(s.panel, size_t(2 * 16 * kLds * 2) + 64));
+  uint16_t* stage = reinterpret_cast<uint16_t*>(grow_bytes(s.panel, stage_elems * 2 + 64));
   stage += (64 - reinterpret_cast<uintptr_t>(stage) % 64) % 64 / 2;
-  uint16_t* const bufs[2] = {stage, stage + 16 * kLds};
+  // chunk c's first element in the staging block: alternate halves, or its place in the whole strip
+  auto chunk_at = [&](int64_t c) { return whole ? stage + 256 * c : stage + (c & 1) * 16 * lds; };
   float* cb = grow(s.cb, 4 * 256 + 16);
   cb += (16 - reinterpret_cast<uintptr_t>(cb) / 4 % 16) % 16;
   QSpec sp;
@@ -2732,26 +2741,30 @@ void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size
   amx_config(64);
   for (int64_t nb = n0; nb < n1; nb += 16) {
     const int nr = int(std::min<int64_t>(16, n1 - nb));
-    if (nr < 16) std::memset(stage, 0, size_t(2 * 16 * kLds * 2));  // rows past nr stay zero
+    if (nr < 16) std::memset(stage, 0, stage_elems * 2);  // rows past nr stay zero
     const uint8_t* wb = w + size_t(nb) * row_bytes;
     for (int64_t t0 = 0; t0 < MT; t0 += 4) {
       const int nt = int(std::min<int64_t>(4, MT - t0));
-      const bool pf = t0 == 0;  // the first pass over the strip reads it from memory: prefetch two chunks ahead
+      const uint16_t* b = panel + t0 * KB * 512;
+      amx_zero_c();
+      if (t0 > 0) {  // the whole strip is staged by the first pass
+        amx_bf16_steps(stage, size_t(lds * 2), b, KB, 0, KB, nt, false);
+        amx_c_to_y(cb, t0, nt, M, nr, y + nb, ldy);
+        continue;
+      }
+      // the first pass over the strip reads it from memory: prefetch two chunks ahead
       auto deq = [&](int64_t c, int i) {
         if (i >= nr) return;
         const uint8_t* row = wb + size_t(i) * row_bytes;
-        if (pf)
-          for (size_t o = 0; o < chunk_bytes; o += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(row + size_t(c + 2) * chunk_bytes + o), _MM_HINT_T1);
-        dequant_chunk_bf16<QT>(row, 256 * c, std::min(K, 256 * c + 256), bufs[c & 1] + size_t(i) * kLds);
+        for (size_t o = 0; o < chunk_bytes; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(row + size_t(c + 2) * chunk_bytes + o), _MM_HINT_T1);
+        dequant_chunk_bf16<QT>(row, 256 * c, std::min(K, 256 * c + 256), chunk_at(c) + size_t(i) * lds);
       };
-      amx_zero_c();
       for (int i = 0; i < 16; ++i) deq(0, i);
-      const uint16_t* b = panel + t0 * KB * 512;
       for (int64_t c = 0; c < NC; ++c) {
         const int64_t kb0 = c * kSteps, kb1 = std::min(KB, kb0 + kSteps);
         for (int64_t kb = kb0; kb < kb1; ++kb) {
-          amx_bf16_step(bufs[c & 1] + 32 * (kb - kb0), size_t(kLds * 2), b, KB, kb, nt);
+          amx_bf16_step(chunk_at(c) + 32 * (kb - kb0), size_t(lds * 2), b, KB, kb, nt);
           if (c + 1 < NC) {  // chunk c has all 8 steps when another follows
             deq(c + 1, int(2 * (kb - kb0)));
             deq(c + 1, int(2 * (kb - kb0) + 1));
