@@ -2550,6 +2550,10 @@ MS_INLINE void amx_c_to_y(float* cb, int64_t t0, int nt, int64_t M, int nr, floa
   _tile_stored(1, cb + 256, 64);
   _tile_stored(2, cb + 512, 64);
   _tile_stored(3, cb + 768, 64);
+  if (nt > 4) {  // the block types' passes of 5 or 6 C tiles (qgemm_amx_bf16_t; cb of 6 tiles)
+    _tile_stored(4, cb + 1024, 64);
+    _tile_stored(5, cb + 1280, 64);
+  }
   const __mmask16 mask = __mmask16((1u << nr) - 1);
   for (int t = 0; t < nt; ++t) {
     __m512i r[16];
@@ -2597,6 +2601,28 @@ MS_INLINE void amx_zero_c() {
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+}
+
+// One 32-k tile step over 5 or 6 C tiles (0 .. nt - 1; tiles 4 and 5 as C, the weights in 6, the activations in 7):
+// the block types' passes of 65-96 activation rows, so that such a call makes one pass over its weights, not a pass
+// of 4 C tiles and another of 1-2, whose few tile products per step wait on each other (measured: a 1-tile pass
+// cost ~60% of a 4-tile pass with its dequantization).
+MS_INLINE void amx_bf16_step6(const uint16_t* A, size_t lda, const uint16_t* b, int64_t KB, int64_t kb, int nt) {
+  _tile_loadd(6, A, lda);
+  _tile_loadd(7, b + kb * 512, 64);
+  _tile_dpbf16ps(0, 6, 7);
+  _tile_loadd(7, b + (KB + kb) * 512, 64);
+  _tile_dpbf16ps(1, 6, 7);
+  _tile_loadd(7, b + (2 * KB + kb) * 512, 64);
+  _tile_dpbf16ps(2, 6, 7);
+  _tile_loadd(7, b + (3 * KB + kb) * 512, 64);
+  _tile_dpbf16ps(3, 6, 7);
+  _tile_loadd(7, b + (4 * KB + kb) * 512, 64);
+  _tile_dpbf16ps(4, 6, 7);
+  if (nt > 5) {
+    _tile_loadd(7, b + (5 * KB + kb) * 512, 64);
+    _tile_dpbf16ps(5, 6, 7);
+  }
 }
 
 // bf16 weights on AMX: the weights are the A tiles, read where they are (16 rows x 32 k, the rows ldw apart), the
@@ -2712,17 +2738,21 @@ MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, ui
 }
 
 // The chunks of 256 weights are double-buffered: while the tiles run over chunk c, two of chunk c + 1's 16 rows are
-// dequantized after each tile step, so the vector units and the tile unit work at the same time. Calls of more than
-// 64 rows (several passes of up to 4 C tiles over each strip) stage the whole strip instead (16 rows x K bf16: 128
+// dequantized after each tile step, so the vector units and the tile unit work at the same time. A pass over a strip
+// takes up to 6 C tiles (96 rows: tiles 4 and 5 as C, amx_bf16_step6). Calls of more than 96 rows (several passes over
+// each strip, the C tiles shared evenly among them) stage the whole strip instead (16 rows x K bf16: 128
 // KiB at K 4096, 448 KiB at 14336, L2-resident): the first pass dequantizes it as above, chunk after chunk, and the
 // later passes run their tile steps over the staged strip, so the strip is dequantized once per call, not once per
-// 64 rows (a prefill's experts get 65-110 rows at Mixtral's top-2 of 8: 2 passes, the second of 1-3 C tiles).
+// 64 rows (a prefill's experts get 65-110 rows at Mixtral's top-2 of 8: up to 96 rows in one pass, 97-112 in passes of 4 + 3
+// C tiles).
 template <int QT>
 void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
                       float* y, size_t ldy) {
   constexpr int64_t kSteps = 8;                 // 32-k tile steps per staged chunk (256 weights)
   const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16, NC = (KB + kSteps - 1) / kSteps;
-  const bool whole = MT > 4;                    // several passes: stage the whole strip
+  // passes of up to 6 C tiles (96 rows) over each strip, the tiles shared evenly among them (7 tiles: 4 + 3)
+  const int64_t passes = (MT + 5) / 6, per = (MT + passes - 1) / passes;
+  const bool whole = passes > 1;                // several passes: stage the whole strip
   // staged row stride, elements: one chunk plus 64 bytes (576 bytes: rows in distinct L1 sets), or the whole strip
   // plus 64 bytes
   const int64_t lds = whole ? 256 * NC + 32 : 32 * kSteps + 32;
@@ -2733,7 +2763,7 @@ void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size
   stage += (64 - reinterpret_cast<uintptr_t>(stage) % 64) % 64 / 2;
   // chunk c's first element in the staging block: alternate halves, or its place in the whole strip
   auto chunk_at = [&](int64_t c) { return whole ? stage + 256 * c : stage + (c & 1) * 16 * lds; };
-  float* cb = grow(s.cb, 4 * 256 + 16);
+  float* cb = grow(s.cb, 6 * 256 + 16);
   cb += (16 - reinterpret_cast<uintptr_t>(cb) / 4 % 16) % 16;
   QSpec sp;
   qspec(QT, sp);
@@ -2743,12 +2773,21 @@ void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size
     const int nr = int(std::min<int64_t>(16, n1 - nb));
     if (nr < 16) std::memset(stage, 0, stage_elems * 2);  // rows past nr stay zero
     const uint8_t* wb = w + size_t(nb) * row_bytes;
-    for (int64_t t0 = 0; t0 < MT; t0 += 4) {
-      const int nt = int(std::min<int64_t>(4, MT - t0));
+    for (int64_t t0 = 0; t0 < MT; t0 += per) {
+      const int nt = int(std::min<int64_t>(per, MT - t0));
       const uint16_t* b = panel + t0 * KB * 512;
+      // one 32-k step over the C tiles of this pass
+      auto step = [&](const uint16_t* A, int64_t kb) {
+        if (nt > 4) return amx_bf16_step6(A, size_t(lds * 2), b, KB, kb, nt);
+        amx_bf16_step(A, size_t(lds * 2), b, KB, kb, nt);
+      };
       amx_zero_c();
+      if (nt > 4) {
+        _tile_zero(4);
+        _tile_zero(5);
+      }
       if (t0 > 0) {  // the whole strip is staged by the first pass
-        amx_bf16_steps(stage, size_t(lds * 2), b, KB, 0, KB, nt, false);
+        for (int64_t kb = 0; kb < KB; ++kb) step(stage + 32 * kb, kb);
         amx_c_to_y(cb, t0, nt, M, nr, y + nb, ldy);
         continue;
       }
@@ -2764,7 +2803,7 @@ void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size
       for (int64_t c = 0; c < NC; ++c) {
         const int64_t kb0 = c * kSteps, kb1 = std::min(KB, kb0 + kSteps);
         for (int64_t kb = kb0; kb < kb1; ++kb) {
-          amx_bf16_step(chunk_at(c) + 32 * (kb - kb0), size_t(lds * 2), b, KB, kb, nt);
+          step(chunk_at(c) + 32 * (kb - kb0), kb);
           if (c + 1 < NC) {  // chunk c has all 8 steps when another follows
             deq(c + 1, int(2 * (kb - kb0)));
             deq(c + 1, int(2 * (kb - kb0) + 1));
