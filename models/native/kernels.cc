@@ -2710,12 +2710,16 @@ MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, ui
     const __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn))));
     _mm256_store_ps(s8, _mm256_mul_ps(sv, _mm256_set1_ps(f16_at(sb))));
     _mm256_store_ps(c8, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(mv, _mm256_set1_ps(f16_at(sb + 2)))));
+    // both sub-blocks' 16-entry tables in one 32-entry VPERMW table (one VCVTNE2PS2BF16, no broadcasts: the
+    // shuffle port bounded this loop): low nibbles index entries 0-15, high nibbles | 16 entries 16-31. Same values.
+    const __m512i lo4 = _mm512_set1_epi16(15), hi_half = _mm512_set1_epi16(16);
     for (int g = 0; g < 4; ++g, dst += 64) {
       const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * g)));
-      const __m512i ta = bf16_table16(_mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s8[2 * g])), _mm512_set1_ps(c8[2 * g])));
-      const __m512i tb = bf16_table16(_mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s8[2 * g + 1])), _mm512_set1_ps(c8[2 * g + 1])));
-      _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(w, ta));
-      _mm512_storeu_si512(dst + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), tb));
+      const __m512 fa = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s8[2 * g])), _mm512_set1_ps(c8[2 * g]));
+      const __m512 fb = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s8[2 * g + 1])), _mm512_set1_ps(c8[2 * g + 1]));
+      const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(fb, fa);
+      _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_and_si512(w, lo4), tab));
+      _mm512_storeu_si512(dst + 32, _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(w, 4), hi_half), tab));
     }
   } else {
     const uint8_t* sb = row + (k0 / 256) * 210;
