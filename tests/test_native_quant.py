@@ -297,7 +297,9 @@ def test_amx_block_tiles(qtype):
     (one and two 64-row passes, partial tiles), 37 outputs (a partial strip) and K over several 256-weight chunks
     (Q8_0 / Q4_0: a short last chunk ending in half a 64-weight group); thread counts bit-identical. Mutations that
     fail it: the next chunk dequantized only while two more follow (the last chunk stale), Q4_K's two sub-block
-    tables swapped, Q4_0's nibbles both read as low ones."""
+    tables swapped, Q4_0's nibbles both read as low ones; for over 64 rows (the whole strip staged by the first pass,
+    read by the later ones: 130 rows in passes of 5 + 4 C tiles; 71 and 96 rows in one pass of 5 and 6), the later
+    passes reading the double-buffered layout, C tile 5 left out of the pass."""
     _need_amx()
     rng = np.random.default_rng(21 + QTYPES.index(qtype))
     K = 32 * 19 if qtype in ("q8_0", "q4_0") else 256 * 3
@@ -305,7 +307,7 @@ def test_amx_block_tiles(qtype):
     native.set_isa("amx")
     native.set_amx_rows(qtype, 1)
     try:
-        for M in (1, 5, 16, 33, 71):
+        for M in (1, 5, 16, 33, 71, 96, 130):
             assert native.block_rounding(qtype, M) == "bf16"
             x = rng.standard_normal((M, K)).astype(np.float32)
             y = native.linear_host(x, w, threads=2)

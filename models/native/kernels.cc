@@ -2550,6 +2550,10 @@ MS_INLINE void amx_c_to_y(float* cb, int64_t t0, int nt, int64_t M, int nr, floa
   _tile_stored(1, cb + 256, 64);
   _tile_stored(2, cb + 512, 64);
   _tile_stored(3, cb + 768, 64);
+  if (nt > 4) {  // the block types' passes of 5 or 6 C tiles (qgemm_amx_bf16_t; cb of 6 tiles)
+    _tile_stored(4, cb + 1024, 64);
+    _tile_stored(5, cb + 1280, 64);
+  }
   const __mmask16 mask = __mmask16((1u << nr) - 1);
   for (int t = 0; t < nt; ++t) {
     __m512i r[16];
@@ -2597,6 +2601,28 @@ MS_INLINE void amx_zero_c() {
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+}
+
+// One 32-k tile step over 5 or 6 C tiles (0 .. nt - 1; tiles 4 and 5 as C, the weights in 6, the activations in 7):
+// the block types' passes of 65-96 activation rows, so that such a call makes one pass over its weights, not a pass
+// of 4 C tiles and another of 1-2, whose few tile products per step wait on each other (measured: a 1-tile pass
+// cost ~60% of a 4-tile pass with its dequantization).
+MS_INLINE void amx_bf16_step6(const uint16_t* A, size_t lda, const uint16_t* b, int64_t KB, int64_t kb, int nt) {
+  _tile_loadd(6, A, lda);
+  _tile_loadd(7, b + kb * 512, 64);
+  _tile_dpbf16ps(0, 6, 7);
+  _tile_loadd(7, b + (KB + kb) * 512, 64);
+  _tile_dpbf16ps(1, 6, 7);
+  _tile_loadd(7, b + (2 * KB + kb) * 512, 64);
+  _tile_dpbf16ps(2, 6, 7);
+  _tile_loadd(7, b + (3 * KB + kb) * 512, 64);
+  _tile_dpbf16ps(3, 6, 7);
+  _tile_loadd(7, b + (4 * KB + kb) * 512, 64);
+  _tile_dpbf16ps(4, 6, 7);
+  if (nt > 5) {
+    _tile_loadd(7, b + (5 * KB + kb) * 512, 64);
+    _tile_dpbf16ps(5, 6, 7);
+  }
 }
 
 // bf16 weights on AMX: the weights are the A tiles, read where they are (16 rows x 32 k, the rows ldw apart), the
@@ -2684,12 +2710,16 @@ MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, ui
     const __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn))));
     _mm256_store_ps(s8, _mm256_mul_ps(sv, _mm256_set1_ps(f16_at(sb))));
     _mm256_store_ps(c8, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(mv, _mm256_set1_ps(f16_at(sb + 2)))));
+    // both sub-blocks' 16-entry tables in one 32-entry VPERMW table (one VCVTNE2PS2BF16, no broadcasts: the
+    // shuffle port bounded this loop): low nibbles index entries 0-15, high nibbles | 16 entries 16-31. Same values.
+    const __m512i lo4 = _mm512_set1_epi16(15), hi_half = _mm512_set1_epi16(16);
     for (int g = 0; g < 4; ++g, dst += 64) {
       const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * g)));
-      const __m512i ta = bf16_table16(_mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s8[2 * g])), _mm512_set1_ps(c8[2 * g])));
-      const __m512i tb = bf16_table16(_mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s8[2 * g + 1])), _mm512_set1_ps(c8[2 * g + 1])));
-      _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(w, ta));
-      _mm512_storeu_si512(dst + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), tb));
+      const __m512 fa = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s8[2 * g])), _mm512_set1_ps(c8[2 * g]));
+      const __m512 fb = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s8[2 * g + 1])), _mm512_set1_ps(c8[2 * g + 1]));
+      const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(fb, fa);
+      _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_and_si512(w, lo4), tab));
+      _mm512_storeu_si512(dst + 32, _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(w, 4), hi_half), tab));
     }
   } else {
     const uint8_t* sb = row + (k0 / 256) * 210;
@@ -2712,19 +2742,32 @@ MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, ui
 }
 
 // The chunks of 256 weights are double-buffered: while the tiles run over chunk c, two of chunk c + 1's 16 rows are
-// dequantized after each tile step, so the vector units and the tile unit work at the same time.
+// dequantized after each tile step, so the vector units and the tile unit work at the same time. A pass over a strip
+// takes up to 6 C tiles (96 rows: tiles 4 and 5 as C, amx_bf16_step6). Calls of more than 96 rows (several passes over
+// each strip, the C tiles shared evenly among them) stage the whole strip instead (16 rows x K bf16: 128
+// KiB at K 4096, 448 KiB at 14336, L2-resident): the first pass dequantizes it as above, chunk after chunk, and the
+// later passes run their tile steps over the staged strip, so the strip is dequantized once per call, not once per
+// 64 rows (a prefill's experts get 65-110 rows at Mixtral's top-2 of 8: up to 96 rows in one pass, 97-112 in passes of 4 + 3
+// C tiles).
 template <int QT>
 void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
                       float* y, size_t ldy) {
   constexpr int64_t kSteps = 8;                 // 32-k tile steps per staged chunk (256 weights)
-  constexpr int64_t kLds = 32 * kSteps + 32;    // staged row stride, elements (576 bytes: rows in distinct L1 sets)
   const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16, NC = (KB + kSteps - 1) / kSteps;
+  // passes of up to 6 C tiles (96 rows) over each strip, the tiles shared evenly among them (7 tiles: 4 + 3)
+  const int64_t passes = (MT + 5) / 6, per = (MT + passes - 1) / passes;
+  const bool whole = passes > 1;                // several passes: stage the whole strip
+  // staged row stride, elements: one chunk plus 64 bytes (576 bytes: rows in distinct L1 sets), or the whole strip
+  // plus 64 bytes
+  const int64_t lds = whole ? 256 * NC + 32 : 32 * kSteps + 32;
+  const size_t stage_elems = whole ? size_t(16 * lds) : size_t(2 * 16 * lds);
   const uint16_t* panel = static_cast<const uint16_t*>(a.x);
   AmxScratch& s = t_amx;
-  uint16_t* stage = reinterpret_cast<uint16_t*>(grow_bytes(s.panel, size_t(2 * 16 * kLds * 2) + 64));
+  uint16_t* stage = reinterpret_cast<uint16_t*>(grow_bytes(s.panel, stage_elems * 2 + 64));
   stage += (64 - reinterpret_cast<uintptr_t>(stage) % 64) % 64 / 2;
-  uint16_t* const bufs[2] = {stage, stage + 16 * kLds};
-  float* cb = grow(s.cb, 4 * 256 + 16);
+  // chunk c's first element in the staging block: alternate halves, or its place in the whole strip
+  auto chunk_at = [&](int64_t c) { return whole ? stage + 256 * c : stage + (c & 1) * 16 * lds; };
+  float* cb = grow(s.cb, 6 * 256 + 16);
   cb += (16 - reinterpret_cast<uintptr_t>(cb) / 4 % 16) % 16;
   QSpec sp;
   qspec(QT, sp);
@@ -2732,26 +2775,39 @@ void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size
   amx_config(64);
   for (int64_t nb = n0; nb < n1; nb += 16) {
     const int nr = int(std::min<int64_t>(16, n1 - nb));
-    if (nr < 16) std::memset(stage, 0, size_t(2 * 16 * kLds * 2));  // rows past nr stay zero
+    if (nr < 16) std::memset(stage, 0, stage_elems * 2);  // rows past nr stay zero
     const uint8_t* wb = w + size_t(nb) * row_bytes;
-    for (int64_t t0 = 0; t0 < MT; t0 += 4) {
-      const int nt = int(std::min<int64_t>(4, MT - t0));
-      const bool pf = t0 == 0;  // the first pass over the strip reads it from memory: prefetch two chunks ahead
+    for (int64_t t0 = 0; t0 < MT; t0 += per) {
+      const int nt = int(std::min<int64_t>(per, MT - t0));
+      const uint16_t* b = panel + t0 * KB * 512;
+      // one 32-k step over the C tiles of this pass
+      auto step = [&](const uint16_t* A, int64_t kb) {
+        if (nt > 4) return amx_bf16_step6(A, size_t(lds * 2), b, KB, kb, nt);
+        amx_bf16_step(A, size_t(lds * 2), b, KB, kb, nt);
+      };
+      amx_zero_c();
+      if (nt > 4) {
+        _tile_zero(4);
+        _tile_zero(5);
+      }
+      if (t0 > 0) {  // the whole strip is staged by the first pass
+        for (int64_t kb = 0; kb < KB; ++kb) step(stage + 32 * kb, kb);
+        amx_c_to_y(cb, t0, nt, M, nr, y + nb, ldy);
+        continue;
+      }
+      // the first pass over the strip reads it from memory: prefetch two chunks ahead
       auto deq = [&](int64_t c, int i) {
         if (i >= nr) return;
         const uint8_t* row = wb + size_t(i) * row_bytes;
-        if (pf)
-          for (size_t o = 0; o < chunk_bytes; o += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(row + size_t(c + 2) * chunk_bytes + o), _MM_HINT_T1);
-        dequant_chunk_bf16<QT>(row, 256 * c, std::min(K, 256 * c + 256), bufs[c & 1] + size_t(i) * kLds);
+        for (size_t o = 0; o < chunk_bytes; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(row + size_t(c + 2) * chunk_bytes + o), _MM_HINT_T1);
+        dequant_chunk_bf16<QT>(row, 256 * c, std::min(K, 256 * c + 256), chunk_at(c) + size_t(i) * lds);
       };
-      amx_zero_c();
       for (int i = 0; i < 16; ++i) deq(0, i);
-      const uint16_t* b = panel + t0 * KB * 512;
       for (int64_t c = 0; c < NC; ++c) {
         const int64_t kb0 = c * kSteps, kb1 = std::min(KB, kb0 + kSteps);
         for (int64_t kb = kb0; kb < kb1; ++kb) {
-          amx_bf16_step(bufs[c & 1] + 32 * (kb - kb0), size_t(kLds * 2), b, KB, kb, nt);
+          step(chunk_at(c) + 32 * (kb - kb0), kb);
           if (c + 1 < NC) {  // chunk c has all 8 steps when another follows
             deq(c + 1, int(2 * (kb - kb0)));
             deq(c + 1, int(2 * (kb - kb0) + 1));
