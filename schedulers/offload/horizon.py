@@ -29,7 +29,9 @@ Per MoE layer, after its gate:
    layer has no forecast or nothing of it is missing, or where copies take host cores (`link_cpu_share` > 0, the
    CPU backend: PreSched's rules charge them to the CPU side), the fastest split runs with PreSched's prefetches
    (Q4's later targets). Slots for the prefetches, then for kept loads, as PreSched makes them. A prefill pass
-   runs the fastest candidate split too (`prefill_candidates`), with PreSched's prefill prefetches.
+   runs the fastest candidate split too (`prefill_candidates`), with PreSched's prefill prefetches. With
+   `search_cost_us` > 0 (`conf/scheduler/horizon_budget.yaml`) a decode layer shorter than the search, or one whose
+   recent searches saved less than the search costs, keeps PreSched's plan unsearched (`skips_search`).
 4. **Eviction by next use** (`evict_next_use`): a pass runs the layers in order, so of the cached experts that
    may make room, the one with the lowest usage per layer until its layer comes back goes first (then least
    recently used). With every expert routed at every pass (large batches, usage alike) that is the one whose
