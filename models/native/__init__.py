@@ -5,7 +5,7 @@ go through the same entry points: `linear(x, w)`, `swiglu(x, gate_up, down)` and
 (`qlinear`, `qswiglu`, `qexperts`), `linear_host`, `pack_experts` and `experts_host` on the host; activations
 are quantized as llama.cpp does (Q8_0 per 32 for Q8_0 / Q4_0, Q8_K per 256 for Q4_K / Q6_K), integer dot
 products (VNNI VPDPBUSD, AVX2 VPMADDWD, scalar), scales applied per group; on the "amx" path, calls of enough rows
-(Q4_0 >= 8, the others >= 12) instead dequantize the weights to bf16 and run AMX-BF16 tiles on bf16
+(>= 12 rows, every block type) instead dequantize the weights to bf16 and run AMX-BF16 tiles on bf16
 activations (`block_rounding` says which, `rounded_operands` gives the rounded operands); references:
 `qlinear_reference` (numpy, gguf's dequantizer, either rounding), `qlinear_jax_reference` (XLA, Q8).
 
@@ -38,7 +38,7 @@ Without a compiler every entry point still works (pure XLA in JAX; `experts_host
 raise, check `available()` first); `load()` warns once, naming the cause.
 
 Environment: `MOESCOPE_NATIVE_DISABLE=1` skips the library; `MOESCOPE_NATIVE_ISA=amx|avx512bf16|avx2|scalar`
-chooses a path (also `set_isa`); "amx" -- AMX-BF16 tiles for calls of >= 16 rows (block types: 8-12, see above), AVX-512
+chooses a path (also `set_isa`); "amx" -- AMX-BF16 tiles for calls of >= 16 rows (block types: >= 12, see above), AVX-512
 below that, where the CPU has it and the kernel grants the tile state -- is the default where present (see `default_isa`); `MOESCOPE_NATIVE_DIR` chooses the build folder; `CXX` the compiler;
 `MOESCOPE_NATIVE_EP_MAX_MB` (default 64) the largest expert (MiB of weights) a layer call shares out whole
 to a thread; `MOESCOPE_NATIVE_XLA_POOL=0` keeps FFI calls on the library's own threads instead of
