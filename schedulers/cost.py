@@ -329,8 +329,13 @@ class CostModel:
         """float [n]: per-expert GPU times of experts run together in one call (the first carries the
         call's dispatch, the others only their own work); 0 where m == 0."""
         m_arr = np.atleast_1d(np.asarray(m, dtype=np.float64))
-        out = self.t_g_shares(m_arr)
-        live = np.flatnonzero(m_arr > 0)
+        return self.with_dispatch(self.t_g_shares(m_arr), m_arr)
+
+    def with_dispatch(self, shares: np.ndarray, m: ArrayLike) -> np.ndarray:
+        """float64 [n]: `shares` (each expert's `t_g_shares` in a call) with the call's dispatch added to the first
+        expert that has tokens (`m` > 0): the per-expert times `t_g_group` gives."""
+        out = np.array(shares, dtype=np.float64)
+        live = np.flatnonzero(np.atleast_1d(np.asarray(m)) > 0)
         if live.size:
             out[live[0]] += self.call_overhead_s
         return out

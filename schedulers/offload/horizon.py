@@ -201,14 +201,9 @@ def group_time(state: LayerState, experts: tuple[int, ...]) -> float:
     parts = layer_parts(state)
     groups = parts.groups
     if experts not in groups:
-        if experts:
-            each = [parts.in_group[e] for e in experts]
-            first = next((i for i, e in enumerate(experts) if parts.tokens[e] > 0), None)
-            if first is not None:
-                each[first] += state.cost.call_overhead_s
-            groups[experts] = float(np.sum(np.array(each, dtype=np.float64)))
-        else:
-            groups[experts] = 0.0
+        each = [parts.in_group[e] for e in experts]
+        groups[experts] = float(np.sum(state.cost.with_dispatch(each, [parts.tokens[e] for e in experts]))) \
+            if experts else 0.0
     return groups[experts]
 
 
@@ -318,12 +313,6 @@ def next_layer_times(state: LayerState, nxt: NextLayer, owed: np.ndarray, counts
     s = state.cost.device_cpu_share
     t = np.maximum(cpu + s * g, g + s * cpu) if s > 0 else np.maximum(cpu, g)
     return np.where(loads >= 0, t, np.inf).min(axis=2)
-
-
-def choose(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer], counts: int
-           ) -> tuple[Split, Optional[int]]:
-    """`search`'s split and prefetch count."""
-    return search(state, splits, nxt, counts)[:2]
 
 
 def search(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer], counts: int, baseline: int = 0
@@ -483,5 +472,5 @@ def plan_time(state: LayerState, plan: LayerPlan) -> float:
     return layer_time(state, Split("plan", plan.cpu, plan.gpu, plan.ondemand), sorted(plan.held_here(state.layer)))
 
 
-__all__ = ["Horizon", "HorizonSettings", "NextLayer", "Split", "choose", "candidate_splits", "layer_time", "next_layer",
+__all__ = ["Horizon", "HorizonSettings", "NextLayer", "Split", "candidate_splits", "layer_time", "next_layer",
            "next_layer_times", "plan_time", "search"]
