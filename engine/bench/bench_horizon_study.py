@@ -387,7 +387,8 @@ def equal_concurrency_lines(rows: list[dict[str, Any]], systems: tuple[str, ...]
     """The report's "At equal concurrency" section: Horizon against every policy serving as many sequences a step
     (batch x batches in flight), throughput and decode step; empty where no point has such pairs."""
     # Horizon's own variants (Horizon-1 at 2b: the same plan as Horizon at b, bit for bit) are not "other policies"
-    table = by_concurrency([r for r in rows if not r["system"].startswith(f"{OURS}_")])
+    kept = {OURS, *rivals({r["system"] for r in rows}, OURS)}
+    table = by_concurrency([r for r in rows if r["system"] in kept])
     if not any(OURS in runs for runs in table.values()):
         return []
     return ["## At equal concurrency", "",
