@@ -163,6 +163,49 @@ def test_activation_quantization_as_the_kernels(isa):
         np.testing.assert_array_equal(d, dn, err_msg=qtype)
 
 
+def quantized_row_bytes(x: np.ndarray, qtype: str) -> np.ndarray:
+    """Every byte the kernels read of x quantized for `qtype` weights (uint8 [M, ms_qrow_bytes]) on the current path."""
+    lib = native.load()
+    n = lib.ms_qrow_bytes(native.QTYPE_IDS[qtype], x.shape[1])
+    out = np.zeros((x.shape[0], n), np.uint8)
+    assert lib.ms_qquantize_rows(x.ctypes.data, x.shape[0], x.shape[1], native.QTYPE_IDS[qtype], out.ctypes.data) == 0
+    return out
+
+
+def test_activation_bytes_as_the_scalar_path(isa):
+    """Every byte of the quantized activations (q, the lane terms nxo / dl / xs, the 16-sums bs, the K-quants' kx, the
+    32-weight units) is the scalar loop's, bit for bit, on every ISA path (the AVX-512 and AVX2 paths round with vector
+    code): random rows, zeros, a largest magnitude repeated with both signs (the first one gives Q8_K's scale), every
+    x.5 tie, subnormals, inf and NaN. And bs is numpy's sums of 16 of numpy's q (the finite, normal rows)."""
+    rng = np.random.default_rng(11)
+    for qtype in QTYPES:
+        K = 800 if qtype in ("q8_0", "q4_0") else 768  # 25 blocks of 32 (a 1-block unit last); 3 super-blocks
+        x = rng.standard_normal((10, K)).astype(np.float32)
+        x[1] = 0.0
+        x[2, 300] = -9.0  # the first of the largest in its 32 / 256
+        x[2, 310] = 9.0
+        x[3] = (np.arange(K) % 64 - 32) * np.float32(0.25)
+        x[3, ::32] = np.float32(63.5)  # Q8_0's d = 0.5: every tie k + 1/2 of both signs
+        x[4] = rng.standard_normal(K).astype(np.float32) * np.float32(1e-39)  # subnormal
+        x[5] *= np.float32(1e4) ** rng.uniform(-1, 1, K).astype(np.float32)
+        x[6, 40] = np.inf
+        x[7, 500] = np.nan
+        x[8, 260] = -np.inf
+        x[9, 0] = np.nan
+        x[9, 1:] = 0.0
+        got = quantized_row_bytes(x, qtype)
+        native.set_isa("scalar")
+        want = quantized_row_bytes(x, qtype)
+        native.set_isa(isa)
+        for m in range(len(x)):
+            np.testing.assert_array_equal(got[m], want[m], err_msg=f"{qtype} row {m}")
+        finite = [0, 1, 2, 3, 5]  # (row 4's Q8_K iscale overflows to inf: numpy's int8 cast of inf is undefined)
+        q, _ = native.quantize_activations(x[finite], qtype)
+        kp = (K + 63) // 64 * 64
+        bs = got[finite, 4 * kp : 4 * kp + kp // 8].view(np.int16)[:, : K // 16]
+        np.testing.assert_array_equal(bs, q.reshape(len(finite), K // 16, 16).sum(-1, dtype=np.int64), err_msg=qtype)
+
+
 def make_routing(rng, T, E, k):
     pairs = sorted((int(e), t) for t in range(T) for e in rng.choice(E, size=k, replace=False))
     tokens = np.array([t for _, t in pairs], np.int32)

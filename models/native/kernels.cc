@@ -1418,6 +1418,161 @@ void quantize_q32_512(int offset, const float* x, int64_t K, int8_t* q, int32_t*
     bs[2 * b + 1] = int16_t(sl[4] + sl[5] + sl[6] + sl[7]);
   }
 }
+
+// The lane terms every vector rounding stores for one run of q (lanes of 4 q, 16 per 64 q): nxo = -o * the lane's sum,
+// dl = d, xs = d * the lane's sum (one f32 product, as the scalar loop), bs = each 16 q's sum (4 lanes).
+MS_INLINE void lane_terms_512(const int8_t* q, int offset, float d, int32_t* nxo, float* dl, float* xs, int16_t* bs) {
+  const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_loadu_si512(q));
+  _mm512_storeu_si512(nxo, _mm512_mullo_epi32(s, _mm512_set1_epi32(-offset)));
+  _mm512_storeu_ps(dl, _mm512_set1_ps(d));
+  _mm512_storeu_ps(xs, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(s)));
+  __m512i t = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_CDAB));
+  t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));  // each 128-bit lane: its 16 q's sum, 4 times
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(bs), _mm_cvtepi32_epi16(_mm512_castsi512_si128(_mm512_maskz_compress_epi32(0x1111, t))));
+}
+
+// quantize_row's per-256 (Q8_K, Q4_K / Q6_K weights) quantization, vectorized: the same bytes as the scalar loop.
+// The scale comes from the first element of largest magnitude (the scalar strict '>' scan; NaN never wins:
+// VMAXPS returns its second operand, the running max, where |v| is NaN), q = x * (-127 / max) converted by VCVTPS2DQ
+// in the current rounding mode (nearest even, as nearbyint), min 127, the low byte kept (the int8_t conversion; a NaN
+// product gives 0x80000000's low byte either way), d = 1 / iscale. The scalar loop spent ~4 ns a value (nearbyint is
+// a libm call without SSE4.1): 4 rows of 2048 took ~35 us, against a Qwen3-30B-A3B Q4_K expert's ~0.2 ms at m = 4.
+void quantize_q256_512(int qt, const float* x, int64_t K, int8_t* q, int32_t* nxo, float* dl, float* xs, int16_t* bs,
+                       uint8_t* kx) {
+  const __m512i absmask = _mm512_set1_epi32(0x7fffffff), c127 = _mm512_set1_epi32(127);
+  const int offset = qt == kQ4_K ? 0 : 32;
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const float* v = x + 256 * b;
+    int8_t* o = q + 256 * b;
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i)
+      m = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(v + 16 * i), absmask)), m);
+    const float amax = _mm512_reduce_max_ps(m);
+    float d = 0.0f;
+    if (amax != 0.0f) {
+      const __m512 am = _mm512_set1_ps(amax);
+      int j = 0;
+      for (int i = 0; i < 16; ++i) {
+        const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(v + 16 * i), absmask));
+        const __mmask16 hit = _mm512_cmp_ps_mask(a, am, _CMP_EQ_OQ);
+        if (hit) {
+          j = 16 * i + __builtin_ctz(unsigned(hit));
+          break;
+        }
+      }
+      const float iscale = -127.0f / v[j];
+      const __m512 is = _mm512_set1_ps(iscale);
+      for (int i = 0; i < 16; ++i) {
+        const __m512i r = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * i), is)), c127);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16 * i), _mm512_cvtepi32_epi8(r));
+      }
+      d = 1.0f / iscale;
+    } else {
+      std::memset(o, 0, 256);
+    }
+    for (int c = 0; c < 4; ++c)
+      lane_terms_512(o + 64 * c, offset, d, nxo + 64 * b + 16 * c, dl + 64 * b + 16 * c, xs + 64 * b + 16 * c,
+                     bs + 16 * b + 4 * c);
+    kq_side(qt, bs + 16 * b, d, kx + 64 * b);
+  }
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+// The AVX2 path's activation rounding, both kinds, vectorized as the AVX-512 ones above (the same bytes as the scalar
+// loop): Q8_0 per 32 (round half away from zero: trunc, then +-1 where the exact fraction is >= 1/2) and Q8_K per 256.
+
+// The low bytes of 4 x 8 int32 (as the int8_t conversion; masked to 0..255 so the unsigned packs never saturate).
+MS_INLINE __m256i low_bytes_avx2(__m256i a, __m256i b, __m256i c, __m256i e) {
+  const __m256i ff = _mm256_set1_epi32(0xff);
+  const __m256i ab = _mm256_packus_epi32(_mm256_and_si256(a, ff), _mm256_and_si256(b, ff));
+  const __m256i ce = _mm256_packus_epi32(_mm256_and_si256(c, ff), _mm256_and_si256(e, ff));
+  return _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, ce), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+MS_INLINE float hmax256(__m256 m) {  // no NaN in m
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+// Lane terms of 32 q (8 lanes, 2 bs), as lane_terms_512.
+MS_INLINE void lane_terms_avx2(__m256i qv, int offset, float d, int32_t* nxo, float* dl, float* xs, int16_t* bs) {
+  const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), qv), _mm256_set1_epi16(1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(nxo), _mm256_mullo_epi32(s, _mm256_set1_epi32(-offset)));
+  _mm256_storeu_ps(dl, _mm256_set1_ps(d));
+  _mm256_storeu_ps(xs, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s)));
+  __m256i t = _mm256_add_epi32(s, _mm256_shuffle_epi32(s, 0xB1));
+  t = _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0x4E));
+  bs[0] = int16_t(_mm256_extract_epi32(t, 0));
+  bs[1] = int16_t(_mm256_extract_epi32(t, 4));
+}
+
+void quantize_q32_avx2(int offset, const float* x, int64_t K, int8_t* q, int32_t* nxo, float* dl, float* xs, int16_t* bs) {
+  const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* v = x + 32 * b;
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + 8 * i), absmask), m);
+    const float dd = hmax256(m) / 127.0f;
+    const __m256 id = _mm256_set1_ps(dd != 0.0f ? 1.0f / dd : 0.0f);
+    __m256i r[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(v + 8 * i), id);
+      const __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      const __m256 fr = _mm256_and_ps(_mm256_sub_ps(y, t), absmask);
+      const __m256 sgn = _mm256_or_ps(_mm256_andnot_ps(absmask, y), one);
+      const __m256 up = _mm256_and_ps(_mm256_cmp_ps(fr, half, _CMP_GE_OQ), sgn);  // +-1 or +0
+      r[i] = _mm256_cvttps_epi32(_mm256_add_ps(t, up));
+    }
+    const __m256i qv = low_bytes_avx2(r[0], r[1], r[2], r[3]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), qv);
+    lane_terms_avx2(qv, offset, g_f16[f32_to_f16(dd)], nxo + 8 * b, dl + 8 * b, xs + 8 * b, bs + 2 * b);
+  }
+}
+
+void quantize_q256_avx2(int qt, const float* x, int64_t K, int8_t* q, int32_t* nxo, float* dl, float* xs, int16_t* bs,
+                        uint8_t* kx) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i c127 = _mm256_set1_epi32(127);
+  const int offset = qt == kQ4_K ? 0 : 32;
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const float* v = x + 256 * b;
+    int8_t* o = q + 256 * b;
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 32; ++i) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + 8 * i), absmask), m);
+    const float amax = hmax256(m);
+    float d = 0.0f;
+    if (amax != 0.0f) {
+      const __m256 am = _mm256_set1_ps(amax);
+      int j = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(v + 8 * i), absmask), am, _CMP_EQ_OQ));
+        if (hit) {
+          j = 8 * i + __builtin_ctz(unsigned(hit));
+          break;
+        }
+      }
+      const float iscale = -127.0f / v[j];
+      const __m256 is = _mm256_set1_ps(iscale);
+      for (int c = 0; c < 8; ++c) {
+        __m256i r[4];
+        for (int i = 0; i < 4; ++i)
+          r[i] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 32 * c + 8 * i), is)), c127);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * c), low_bytes_avx2(r[0], r[1], r[2], r[3]));
+      }
+      d = 1.0f / iscale;
+    } else {
+      std::memset(o, 0, 256);
+    }
+    for (int c = 0; c < 8; ++c)
+      lane_terms_avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32 * c)), offset, d, nxo + 64 * b + 8 * c,
+                      dl + 64 * b + 8 * c, xs + 64 * b + 8 * c, bs + 16 * b + 2 * c);
+    kq_side(qt, bs + 16 * b, d, kx + 64 * b);
+  }
+}
 #pragma GCC pop_options
 #endif
 
@@ -1429,13 +1584,22 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
   int16_t* bs = reinterpret_cast<int16_t*>(dst + 4 * Kp);
   std::memset(dst, 0, size_t(4 * Kp + bs_bytes(Kp) + kx_bytes(Kp)));
   const int xb = sp.xblk;
+  uint8_t* kx = dst + 4 * Kp + bs_bytes(Kp);
+  const int kqt = sp.offset == 0 ? kQ4_K : kQ6_K;  // the K-quant whose kq_side a Q8_K row carries
 #if MS_X86
-  const bool vec32 = xb == 32 && g_isa.load(std::memory_order_relaxed) >= kAvx512Bf16;
-  if (vec32) quantize_q32_512(sp.offset, x, K, q, nxo, dl, xs, bs);
+  const int isa = g_isa.load(std::memory_order_relaxed);
+  const bool vec = isa >= kAvx2;
+  if (isa >= kAvx512Bf16) {
+    if (xb == 32) quantize_q32_512(sp.offset, x, K, q, nxo, dl, xs, bs);
+    else quantize_q256_512(kqt, x, K, q, nxo, dl, xs, bs, kx);
+  } else if (vec) {
+    if (xb == 32) quantize_q32_avx2(sp.offset, x, K, q, nxo, dl, xs, bs);
+    else quantize_q256_avx2(kqt, x, K, q, nxo, dl, xs, bs, kx);
+  }
 #else
-  const bool vec32 = false;
+  const bool vec = false;
 #endif
-  for (int64_t b = 0; b < (vec32 ? 0 : K / xb); ++b) {
+  for (int64_t b = 0; b < (vec ? 0 : K / xb); ++b) {
     const float* v = x + b * xb;
     int8_t* o = q + b * xb;
     float d;
@@ -1467,7 +1631,7 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
       for (int k = 0; k < 16; ++k) s16 += o[16 * t + k];
       bs[b * (xb / 16) + t] = int16_t(s16);
     }
-    if (xb == 256) kq_side(sp.offset == 0 ? kQ4_K : kQ6_K, bs + 16 * b, d, dst + 4 * Kp + bs_bytes(Kp) + 64 * b);
+    if (xb == 256) kq_side(kqt, bs + 16 * b, d, kx + 64 * b);
     for (int l = 0; l < xb / 4; ++l) {
       const int64_t lane = b * (xb / 4) + l;
       const int s = o[4 * l] + o[4 * l + 1] + o[4 * l + 2] + o[4 * l + 3];
@@ -1477,7 +1641,7 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
     }
   }
   if (xb == 32) {
-    uint8_t* ux = dst + 4 * Kp + bs_bytes(Kp) + kx_bytes(Kp);
+    uint8_t* ux = kx + kx_bytes(Kp);
     std::memset(ux, 0, size_t(ux_bytes(Kp)));
     q32_units(q, nxo, dl, K, sp.offset == 8, ux);
   }
@@ -3108,6 +3272,26 @@ int ms_qquantize(const float* x, int64_t M, int64_t K, int qtype, int8_t* q, flo
     std::memcpy(q + m * K, r.q, size_t(K));
     for (int64_t b = 0; b < K / sp.xblk; ++b) d[m * (K / sp.xblk) + b] = r.dl[b * sp.xblk / 4];
   }
+  return 0;
+}
+
+// Every byte the kernels read of x [M, K] f32 quantized for weights of qtype: row m's layout (QRow: q, nxo, dl, xs, bs,
+// kx, and for Q8_0 / Q4_0 ux) at out + m * ms_qrow_bytes(qtype, K). For tests: each ISA path's rounding, bit for bit.
+int64_t ms_qrow_bytes(int qtype, int64_t K) {
+  QSpec sp;
+  if (!qspec(qtype, sp)) return -1;
+  const int64_t kp = pad64(K);
+  return 4 * kp + bs_bytes(kp) + kx_bytes(kp) + (sp.xblk == 32 ? ux_bytes(kp) : 0);
+}
+
+int ms_qquantize_rows(const float* x, int64_t M, int64_t K, int qtype, uint8_t* out) {
+  const std::string bad = qcheck(qtype, K, "ms_qquantize_rows: x");
+  if (!bad.empty()) return fail(bad);
+  QSpec sp;
+  qspec(qtype, sp);
+  const QAct a = quantize_rows(sp, x, false, size_t(K), nullptr, M, K, t_scratch.xa);
+  const int64_t n = ms_qrow_bytes(qtype, K);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * n, a.base + m * a.stride, size_t(n));
   return 0;
 }
 
