@@ -1281,7 +1281,7 @@ MS_INLINE float f16_at(const uint8_t* p) {
 }
 
 // f32 -> f16 bits, round to nearest even (as F16C's VCVTPS2PH, which ggml uses to store the scale).
-uint16_t f32_to_f16(float f) {
+MS_INLINE uint16_t f32_to_f16(float f) {  // (inlined: vector callers keep their VEX state)
   uint32_t x;
   std::memcpy(&x, &f, 4);
   const uint32_t sign = (x >> 16) & 0x8000u;
@@ -1359,7 +1359,7 @@ void q32_units(const int8_t* q, const int32_t* nxo, const float* dl, int64_t K, 
 // same values in both halves. Q4_K (f32): dword p holds -(d * the sum of the 32 q of sub-block 2k + p % 2),
 // which meets dmin * m of that sub-block. Q6_K (int16): word 2p + h holds -(the sum of the 16 q of 16-weight
 // sub-block 4k + 2 (p % 2) + h), which meets 32 * that sub-block's scale (Q6_K's offset of 32).
-void kq_side(int qt, const int16_t* bs, float d, uint8_t* kx) {
+MS_INLINE void kq_side(int qt, const int16_t* bs, float d, uint8_t* kx) {  // (inlined, as f32_to_f16)
   for (int p = 0; p < 16; ++p) {
     const int k = p / 4, e = p % 2;
     if (qt == kQ4_K) {
