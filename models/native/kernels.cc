@@ -1916,37 +1916,81 @@ void qmk_avx2_k(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int 
     for (int i = 0; i < mr; ++i) put(y + (m0 + i) * ldy + nc[j], hsum256(accv[j][i]), acc);
 }
 
-// Q4_0 on AVX2, per 32-weight block: the 16 nibble bytes widened in registers (low nibbles weights 0..15, high
-// 16..31, the activations' order), VPMADDUBSW (pairs of products, at most 2 * 15 * 127: nothing saturates) and
-// VPMADDWD by ones into one exact int32 lane per 4 weights, plus the lane's offset term, then the same f32 lane
-// terms as the generic path: cvt(v) * (d_w * d_x) per lane, in block order, lanes summed by hsum256. The generic
-// path unpacked every 64 weights through memory with scalar code (1.3-1.4 G weights/s, ~4 % of a core's read rate).
+// Q4_0 on AVX2 in 2-block units (64 weights: the AVX-512 kernel's 4-block units, qmk512_u, in halves, so the
+// activations' ux layout serves both). Per weight row, two 16-byte loads give both blocks' nibbles: U = the low
+// nibbles (128-bit lane h: block 2g + h's weights 0..15), V = the high ones (16..31), against the unit's qa / qb halves.
+// Per activation row and weight row: VPMADDUBSW of U and of V (pair sums <= 2 * 15 * 127) added in 16 bits (<= 7620)
+// and VPMADDWD by ones (4 dwords per block, <= 15240); then the 4 weight rows' dwords are packed to 16 bits and
+// pair-added twice (<= 30480 in 16 bits, <= 60960 in 32: nothing saturates) into one exact int32 per block and row,
+// lanes [block 2g: rows 0..3 | block 2g + 1: rows 0..3], plus the block's offset term (-8 * its activation sum). One
+// conversion, one multiply (the rows' f16 scales times d_x) and one FMA per 64 weights then serve 4 outputs, where
+// the per-block kernel (vpmaddubsw + vpmaddwd into a lane per 4 weights) took 8 operations per block and output.
+// Each output's terms go to its two lanes in K order, summed once at the end (block 2g's lane + block 2g + 1's).
+template <int MR>
+void qmk_avx2_q4_0_u(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K,
+                     float* y, size_t ldy, const int* nc, bool acc) {
+  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 accv[MR];
+  const uint8_t* xu[MR];
+  for (int i = 0; i < MR; ++i) {
+    accv[i] = _mm256_setzero_ps();
+    xu[i] = a.row(m0 + i).ux;
+  }
+  const int64_t nblk = K / 32;
+  for (int64_t g = g0; g < g1; ++g) {
+    const bool two = 2 * g + 1 < nblk;  // a row's last unit may hold one block (zeros in the activations' lane 1)
+    __m256i U[4], V[4];
+    float sc[8];  // built in registers (stored one by one and loaded as a vector, they stalled the store forwarding)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      sc[j] = sc[4 + j] = 0.0f;
+      if (j >= r) {
+        U[j] = V[j] = _mm256_setzero_si256();
+        continue;
+      }
+      const uint8_t* p = wr[j] + 2 * g * 18;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + MS_QPREFETCH, _MM_HINT_T1);
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2));
+      const __m128i hi = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 20)) : _mm_setzero_si128();
+      const __m256i raw = _mm256_set_m128i(hi, lo);
+      U[j] = _mm256_and_si256(raw, m4);
+      V[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      sc[j] = f16_at(p);
+      if (two) sc[4 + j] = f16_at(p + 18);
+    }
+    const __m256 dw = _mm256_setr_ps(sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7]);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const uint8_t* x = xu[i] + 256 * (g / 2) + 32 * (g % 2);
+      const __m256i qa = _mm256_load_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i qb = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 64));
+      __m256i s[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+        s[j] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(U[j], qa), _mm256_maddubs_epi16(V[j], qb)), ones);
+      const __m256i s01 = _mm256_madd_epi16(_mm256_packs_epi32(s[0], s[1]), ones);
+      const __m256i s23 = _mm256_madd_epi16(_mm256_packs_epi32(s[2], s[3]), ones);
+      const __m256i v = _mm256_add_epi32(_mm256_madd_epi16(_mm256_packs_epi32(s01, s23), ones),
+                                         _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 128)));
+      accv[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dw, _mm256_load_ps(reinterpret_cast<const float*>(x + 192))),
+                                accv[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    alignas(16) float o[4];
+    _mm_store_ps(o, _mm_add_ps(_mm256_castps256_ps128(accv[i]), _mm256_extractf128_ps(accv[i], 1)));
+    for (int j = 0; j < r; ++j) put(y + (m0 + i) * ldy + nc[j], o[j], acc);
+  }
+}
+
 void qmk_avx2_q4_0(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1,
                    int64_t K, float* y, size_t ldy, const int* nc, bool acc) {
-  __m256 accv[kQR][kQMR];
-  for (int j = 0; j < kQR; ++j)
-    for (int i = 0; i < kQMR; ++i) accv[j][i] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(15);
-  const __m256i ones = _mm256_set1_epi16(1);
-  QRow xr[kQMR];
-  for (int i = 0; i < mr; ++i) xr[i] = a.row(m0 + i);
-  const int64_t b1 = std::min<int64_t>(2 * g1, K / 32);
-  for (int64_t b = 2 * g0; b < b1; ++b)
-    for (int j = 0; j < r; ++j) {
-      const uint8_t* blk = wr[j] + b * 18;
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-      const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
-      const __m256 dw = _mm256_set1_ps(f16_at(blk));
-      for (int i = 0; i < mr; ++i) {
-        const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(xr[i].q + 32 * b));
-        __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
-        v = _mm256_add_epi32(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(xr[i].nxo + 8 * b)));
-        const __m256 sd = _mm256_mul_ps(dw, _mm256_load_ps(xr[i].dl + 8 * b));
-        accv[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sd, accv[j][i]);
-      }
-    }
-  for (int j = 0; j < r; ++j)
-    for (int i = 0; i < mr; ++i) put(y + (m0 + i) * ldy + nc[j], hsum256(accv[j][i]), acc);
+  switch (mr) {
+    case 1: return qmk_avx2_q4_0_u<1>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+    case 2: return qmk_avx2_q4_0_u<2>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+    case 3: return qmk_avx2_q4_0_u<3>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+    default: return qmk_avx2_q4_0_u<4>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc);
+  }
 }
 
 void qmk_avx2(QMK_ARGS) {
