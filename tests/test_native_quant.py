@@ -115,6 +115,17 @@ def test_kquant_extreme_blocks(isa, qtype):
         assert np.all(np.abs(y - ref) <= bound(x[:M], w)), (isa, qtype, M, np.abs(y - ref).max())
 
 
+def extreme_rows(K: int) -> np.ndarray:
+    """9 activation rows whose Q8 codes are at +-127: of one sign, alternating, in steps, a ramp, and 4 random rows."""
+    x = np.ones((9, K), np.float32)
+    x[1] = -1.0
+    x[2] = np.where(np.arange(K) % 2 == 0, 1.0, -1.0)
+    x[3] = np.where((np.arange(K) // 16) % 2 == 0, 3.0, -1.0)
+    x[4] = np.linspace(-1.0, 1.0, K, dtype=np.float32)
+    x[5:] = np.random.default_rng(5).standard_normal((4, K)).astype(np.float32)
+    return x
+
+
 def test_q4_0_extreme_blocks(isa):
     """Q4_0 blocks at the ends of their range (every code 15 or 0, scales of both signs) against activations of one
     sign, of alternating sign and in steps, so the AVX-512 kernel's 8-product sums (8 x 15 x 127) and their pair sums
@@ -128,12 +139,7 @@ def test_q4_0_extreme_blocks(isa):
     data[:, :, 0:2] = np.array([1e-3], np.float16).view(np.uint8)
     data[::2, 1::2, 0:2] = np.array([-2.5e-3], np.float16).view(np.uint8)
     w = QuantArray(data.reshape(rows, -1), "q4_0", (rows, K))
-    x = np.ones((9, K), np.float32)
-    x[1] = -1.0
-    x[2] = np.where(np.arange(K) % 2 == 0, 1.0, -1.0)
-    x[3] = np.where((np.arange(K) // 16) % 2 == 0, 3.0, -1.0)
-    x[4] = np.linspace(-1.0, 1.0, K, dtype=np.float32)
-    x[5:] = np.random.default_rng(5).standard_normal((4, K)).astype(np.float32)
+    x = extreme_rows(K)
     for M in range(1, 10):
         y = native.linear_host(x[:M], w, threads=1)
         ref = native.qlinear_reference(x[:M], w)
@@ -161,6 +167,27 @@ def test_activation_quantization_as_the_kernels(isa):
         qn, dn = native.quantize_activations(x, qtype)
         np.testing.assert_array_equal(q, qn, err_msg=qtype)
         np.testing.assert_array_equal(d, dn, err_msg=qtype)
+
+
+def test_q8_0_extreme_blocks(isa):
+    """Q8_0 blocks of codes -128 / 127 (and both, in halves and alternating), against the extreme activation rows: the
+    AVX2 kernel's pair sums |w| * q (at most 2 * 128 * 127) and the AVX-512 kernel's unsigned codes are at their largest;
+    9 weight rows, K = 608 (a last unit of 3 blocks on AVX-512, a lone block on AVX2's pairs), M = 1..9."""
+    rows, K = 9, 608
+    codes = np.full((rows, K // 32, 32), -128, np.int8)
+    codes[1::4] = 127
+    codes[2::4, :, 16:] = 127
+    codes[3::4, :, ::2] = 127
+    data = np.zeros((rows, K // 32, 34), np.uint8)
+    data[:, :, 2:] = codes.view(np.uint8)
+    data[:, :, 0:2] = np.array([1e-3], np.float16).view(np.uint8)
+    data[::2, 1::2, 0:2] = np.array([-2.5e-3], np.float16).view(np.uint8)
+    w = QuantArray(data.reshape(rows, -1), "q8_0", (rows, K))
+    x = extreme_rows(K)
+    for M in range(1, 10):
+        y = native.linear_host(x[:M], w, threads=1)
+        ref = native.qlinear_reference(x[:M], w)
+        assert np.all(np.abs(y - ref) <= bound(x[:M], w)), (isa, M, np.abs(y - ref).max())
 
 
 def quantized_row_bytes(x: np.ndarray, qtype: str) -> np.ndarray:
