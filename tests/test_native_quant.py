@@ -126,6 +126,15 @@ def extreme_rows(K: int) -> np.ndarray:
     return x
 
 
+def assert_extreme_rows_within_bound(w: QuantArray, isa: str) -> None:
+    """w against the first M of extreme_rows, for M = 1..9 (every row count of the micro-kernels)."""
+    x = extreme_rows(w.shape[1])
+    for M in range(1, 10):
+        y = native.linear_host(x[:M], w, threads=1)
+        ref = native.qlinear_reference(x[:M], w)
+        assert np.all(np.abs(y - ref) <= bound(x[:M], w)), (isa, M, np.abs(y - ref).max())
+
+
 def test_q4_0_extreme_blocks(isa):
     """Q4_0 blocks at the ends of their range (every code 15 or 0, scales of both signs) against activations of one
     sign, of alternating sign and in steps, so the AVX-512 kernel's 8-product sums (8 x 15 x 127) and their pair sums
@@ -139,11 +148,7 @@ def test_q4_0_extreme_blocks(isa):
     data[:, :, 0:2] = np.array([1e-3], np.float16).view(np.uint8)
     data[::2, 1::2, 0:2] = np.array([-2.5e-3], np.float16).view(np.uint8)
     w = QuantArray(data.reshape(rows, -1), "q4_0", (rows, K))
-    x = extreme_rows(K)
-    for M in range(1, 10):
-        y = native.linear_host(x[:M], w, threads=1)
-        ref = native.qlinear_reference(x[:M], w)
-        assert np.all(np.abs(y - ref) <= bound(x[:M], w)), (isa, M, np.abs(y - ref).max())
+    assert_extreme_rows_within_bound(w, isa)
 
 
 def test_activation_quantization_as_the_kernels(isa):
@@ -183,11 +188,7 @@ def test_q8_0_extreme_blocks(isa):
     data[:, :, 0:2] = np.array([1e-3], np.float16).view(np.uint8)
     data[::2, 1::2, 0:2] = np.array([-2.5e-3], np.float16).view(np.uint8)
     w = QuantArray(data.reshape(rows, -1), "q8_0", (rows, K))
-    x = extreme_rows(K)
-    for M in range(1, 10):
-        y = native.linear_host(x[:M], w, threads=1)
-        ref = native.qlinear_reference(x[:M], w)
-        assert np.all(np.abs(y - ref) <= bound(x[:M], w)), (isa, M, np.abs(y - ref).max())
+    assert_extreme_rows_within_bound(w, isa)
 
 
 def quantized_row_bytes(x: np.ndarray, qtype: str) -> np.ndarray:

@@ -1916,6 +1916,25 @@ void qmk_avx2_k(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int 
     for (int i = 0; i < mr; ++i) put(y + (m0 + i) * ldy + nc[j], hsum256(accv[j][i]), acc);
 }
 
+// The AVX2 block kernels' activation-row count (1..4, kQMR) as a compile-time constant: f(std::integral_constant).
+template <class F>
+MS_INLINE void with_rows(int mr, F&& f) {
+  switch (mr) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    default: return f(std::integral_constant<int, 4>());
+  }
+}
+
+// One activation row's r outputs (at y_row[nc[j]]) from an accumulator laid out [rows 0..3 | rows 0..3]: the halves
+// summed once, at the end.
+MS_INLINE void put_quad_avx2(__m256 v, int r, float* y_row, const int* nc, bool acc) {
+  alignas(16) float o[4];
+  _mm_store_ps(o, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+  for (int j = 0; j < r; ++j) put(y_row + nc[j], o[j], acc);
+}
+
 // Q4_0 on AVX2 in 2-block units (64 weights: the AVX-512 kernel's 4-block units, qmk512_u, in halves, so the
 // activations' ux layout serves both). Per weight row, two 16-byte loads give both blocks' nibbles: U = the low
 // nibbles (128-bit lane h: block 2g + h's weights 0..15), V = the high ones (16..31), against the unit's qa / qb halves.
@@ -1976,21 +1995,12 @@ void qmk_avx2_q4_0_u(int r, const uint8_t* const* wr, const QAct& a, int64_t m0,
                                 accv[i]);
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    alignas(16) float o[4];
-    _mm_store_ps(o, _mm_add_ps(_mm256_castps256_ps128(accv[i]), _mm256_extractf128_ps(accv[i], 1)));
-    for (int j = 0; j < r; ++j) put(y + (m0 + i) * ldy + nc[j], o[j], acc);
-  }
+  for (int i = 0; i < MR; ++i) put_quad_avx2(accv[i], r, y + (m0 + i) * ldy, nc, acc);
 }
 
 void qmk_avx2_q4_0(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1,
                    int64_t K, float* y, size_t ldy, const int* nc, bool acc) {
-  switch (mr) {
-    case 1: return qmk_avx2_q4_0_u<1>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-    case 2: return qmk_avx2_q4_0_u<2>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-    case 3: return qmk_avx2_q4_0_u<3>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-    default: return qmk_avx2_q4_0_u<4>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-  }
+  with_rows(mr, [&](auto MR) { qmk_avx2_q4_0_u<decltype(MR)::value>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc); });
 }
 
 // Q8_0 on AVX2, per 32-weight block, as llama.cpp's AVX2 q8_0 x q8_0: VPSIGNB moves each weight's sign onto its
@@ -2037,21 +2047,12 @@ void qmk_avx2_q8_0_b(int r, const uint8_t* const* wr, const QAct& a, int64_t m0,
       accv[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(dw, _mm256_broadcast_ss(xr[i].dl + 8 * b)), accv[i]);
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    alignas(16) float o[4];
-    _mm_store_ps(o, _mm_add_ps(_mm256_castps256_ps128(accv[i]), _mm256_extractf128_ps(accv[i], 1)));
-    for (int j = 0; j < r; ++j) put(y + (m0 + i) * ldy + nc[j], o[j], acc);
-  }
+  for (int i = 0; i < MR; ++i) put_quad_avx2(accv[i], r, y + (m0 + i) * ldy, nc, acc);
 }
 
 void qmk_avx2_q8_0(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1,
                    int64_t K, float* y, size_t ldy, const int* nc, bool acc) {
-  switch (mr) {
-    case 1: return qmk_avx2_q8_0_b<1>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-    case 2: return qmk_avx2_q8_0_b<2>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-    case 3: return qmk_avx2_q8_0_b<3>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-    default: return qmk_avx2_q8_0_b<4>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc);
-  }
+  with_rows(mr, [&](auto MR) { qmk_avx2_q8_0_b<decltype(MR)::value>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc); });
 }
 
 void qmk_avx2(QMK_ARGS) {
