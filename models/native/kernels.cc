@@ -1205,7 +1205,9 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // call is the 1-row call on that row, bit for bit (qgemm_range_512).
 // Paths: AVX512-VNNI (VPDPBUSD; the K-quants with integer sub-block scales, two outputs per vector; Q4_0 with exact
 // per-block sums, four outputs per vector, qmk512_u; Q8_0 in the same 4-block units, qmk512_u8), AVX2 (16-bit madd;
-// the K-quants likewise, qmk_avx2_k; Q4_0 qmk_avx2_q4_0), portable scalar -- all with the Q8 activations above -- and, on the amx ISA path
+// the K-quants likewise, qmk_avx2_k; Q4_0 in 2-block units, four outputs per vector, qmk_avx2_q4_0_u; Q8_0 per block,
+// four outputs per vector, qmk_avx2_q8_0_b), portable scalar -- all with the Q8 activations above (vector code on the
+// AVX-512 and AVX2 paths, the scalar loop's bytes) -- and, on the amx ISA path
 // for calls of at least amx_rows_default(type) rows (12), AMX-BF16 tiles over the
 // weights dequantized to bf16 (qgemm_amx_bf16_t). That path rounds differently, stated here:
 //   * weights: ggml's f32 dequantized value (d * q; Q4_K (d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32)), rounded
