@@ -1902,6 +1902,8 @@ void qmk_avx2_k(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int 
   for (int64_t s = g0 / 4; s < (g1 + 3) / 4; ++s)
     for (int j = 0; j < r; ++j) {
       const uint8_t* sb = wr[j] + s * bytes;
+      for (int o = 0; o < bytes; o += 64)  // every cache line of the super-block, as the Q4_0 / Q8_0 kernels
+        _mm_prefetch(reinterpret_cast<const char*>(sb) + MS_QPREFETCH + o, _MM_HINT_T1);
       const float d = f16_at(QT == kQ4_K ? sb : sb + 208), dmin = QT == kQ4_K ? f16_at(sb + 2) : 0.0f;
       for (int i = 0; i < mr; ++i) {
         const QRow x = a.row(m0 + i);
