@@ -1848,78 +1848,6 @@ MS_INLINE void q4k_scales_mins(const uint8_t* sb, uint64_t& sc, uint64_t& mn) {
   mn = uint64_t(b & 0x3f3f3f3fu) | uint64_t(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
 }
 
-template <int QT>
-MS_INLINE __m256i kdot_avx2(const uint8_t* sb, const int8_t* q, const int16_t* bs16, __m256i& t) {
-  const __m256i m4 = _mm256_set1_epi8(15);
-  __m256i v = _mm256_setzero_si256();
-  if constexpr (QT == kQ4_K) {
-    uint64_t sc, mn;
-    q4k_scales_mins(sb, sc, mn);
-    for (int g = 0; g < 4; ++g) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * g));
-      const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32));
-      const __m256i s0 = _mm256_set1_epi16(short((sc >> (16 * g)) & 0xff)), s1 = _mm256_set1_epi16(short((sc >> (16 * g + 8)) & 0xff));
-      v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0));
-      v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1));
-    }
-    const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn)));
-    const __m256i per16 = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
-    t = _mm256_madd_epi16(per16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16)));
-  } else {
-    const int8_t* scs = reinterpret_cast<const int8_t*>(sb + 192);
-    const __m256i m3 = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * h));
-      for (int part = 0; part < 2; ++part) {  // ql bytes 64h + 32 part .. + 31
-        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h + 32 * part));
-        const __m256i hb = part ? _mm256_srli_epi16(qh, 2) : qh;
-        for (int p = 0; p < 2; ++p) {  // low / high nibbles: groups 2h (p 0) and 2h + 1 (p 1)
-          const int g = 2 * h + p, sub = 4 * g + 2 * part;  // first 16-weight scale index of these 32 weights
-          const __m256i u = _mm256_or_si256(
-              _mm256_and_si256(p ? _mm256_srli_epi16(ql, 4) : ql, m4),
-              _mm256_slli_epi16(_mm256_and_si256(p ? _mm256_srli_epi16(hb, 4) : hb, m3), 4));
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32 * part));
-          const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(short(scs[sub + 1])), _mm_set1_epi16(short(scs[sub])));
-          v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), sv));
-        }
-      }
-    }
-    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scs)));
-    t = _mm256_madd_epi16(s16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16)));
-  }
-  return v;
-}
-
-template <int QT>
-void qmk_avx2_k(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1, float* y,
-                size_t ldy, const int* nc, bool acc) {
-  constexpr int bytes = QT == kQ4_K ? 144 : 210;
-  __m256 accv[kQR][kQMR];
-  for (int j = 0; j < kQR; ++j)
-    for (int i = 0; i < kQMR; ++i) accv[j][i] = _mm256_setzero_ps();
-  for (int64_t s = g0 / 4; s < (g1 + 3) / 4; ++s)
-    for (int j = 0; j < r; ++j) {
-      const uint8_t* sb = wr[j] + s * bytes;
-      for (int o = 0; o < bytes; o += 64)  // every cache line of the super-block, as the Q4_0 / Q8_0 kernels
-        _mm_prefetch(reinterpret_cast<const char*>(sb) + MS_QPREFETCH + o, _MM_HINT_T1);
-      const float d = f16_at(QT == kQ4_K ? sb : sb + 208), dmin = QT == kQ4_K ? f16_at(sb + 2) : 0.0f;
-      for (int i = 0; i < mr; ++i) {
-        const QRow x = a.row(m0 + i);
-        __m256i t;
-        __m256i v = kdot_avx2<QT>(sb, x.q + 256 * s, x.bs + 16 * s, t);
-        const float dx = x.dl[64 * s];
-        if constexpr (QT == kQ6_K) v = _mm256_sub_epi32(v, _mm256_slli_epi32(t, 5));
-        accv[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(d * dx), accv[j][i]);
-        if constexpr (QT == kQ4_K)
-          accv[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(-(dmin * dx)), accv[j][i]);
-      }
-    }
-  for (int j = 0; j < r; ++j)
-    for (int i = 0; i < mr; ++i) put(y + (m0 + i) * ldy + nc[j], hsum256(accv[j][i]), acc);
-}
-
 // The AVX2 block kernels' activation-row count (1..4, kQMR) as a compile-time constant: f(std::integral_constant).
 template <class F>
 MS_INLINE void with_rows(int mr, F&& f) {
@@ -1937,6 +1865,87 @@ MS_INLINE void put_quad_avx2(__m256 v, int r, float* y_row, const int* nc, bool 
   alignas(16) float o[4];
   _mm_store_ps(o, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
   for (int j = 0; j < r; ++j) put(y_row + nc[j], o[j], acc);
+}
+
+// Weights 32c .. 32c + 31 of a super-block: unsigned codes (the activations' order) and the 16-bit sub-block scales
+// VPMADDWD takes. Made in registers per 32 weights and used by every activation row of the call before the next.
+template <int QT>
+MS_INLINE void kcodes_avx2(const uint8_t* sb, int c, uint64_t sc, __m256i& u, __m256i& sv) {
+  const __m256i m4 = _mm256_set1_epi8(15);
+  if constexpr (QT == kQ4_K) {  // 32 bytes per 64 weights: low nibbles 64g .., high 64g + 32 ..
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * (c / 2)));
+    u = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(raw, 4) : raw, m4);
+    sv = _mm256_set1_epi16(short((sc >> (8 * c)) & 0xff));
+  } else {  // c = 2g + part, g = 2h + p: ql bytes 64h + 32 part .., nibble p; qh bytes 128 + 32h .., bits 2 part + 4p
+    const int h = c / 4, p = (c / 2) % 2, part = c % 2, sub = 2 * c;  // first 16-weight scale: 4g + 2 part
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h + 32 * part));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * h));
+    const __m256i hb = _mm256_srli_epi16(qh, 2 * part + 4 * p);
+    u = _mm256_or_si256(_mm256_and_si256(p ? _mm256_srli_epi16(ql, 4) : ql, m4),
+                        _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(3)), 4));
+    const int8_t* scs = reinterpret_cast<const int8_t*>(sb + 192);
+    sv = _mm256_set_m128i(_mm_set1_epi16(short(scs[sub + 1])), _mm_set1_epi16(short(scs[sub])));
+  }
+}
+
+// K-quants on AVX2 for MR activation rows: per super-block and weight row, each 32 weights' codes are made once
+// (kcodes_avx2) and taken by all MR rows (8 int32 lanes each, exact over the super-block); then per row the min /
+// offset term t (the per-16 scales times the activations' 16-sums) and the float scales, once per 256 weights.
+template <int QT, int MR>
+void qmk_avx2_k_rows(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, float* y,
+                     size_t ldy, const int* nc, bool acc) {
+  constexpr int bytes = QT == kQ4_K ? 144 : 210;
+  __m256 accv[kQR][MR];
+  QRow xr[MR];
+  for (int i = 0; i < MR; ++i) {
+    xr[i] = a.row(m0 + i);
+    for (int j = 0; j < kQR; ++j) accv[j][i] = _mm256_setzero_ps();
+  }
+  for (int64_t s = g0 / 4; s < (g1 + 3) / 4; ++s)
+    for (int j = 0; j < r; ++j) {
+      const uint8_t* sb = wr[j] + s * bytes;
+      for (int o = 0; o < bytes; o += 64)  // every cache line of the super-block, as the Q4_0 / Q8_0 kernels
+        _mm_prefetch(reinterpret_cast<const char*>(sb) + MS_QPREFETCH + o, _MM_HINT_T1);
+      uint64_t sc = 0, mn = 0;
+      if constexpr (QT == kQ4_K) q4k_scales_mins(sb, sc, mn);
+      __m256i v[MR];
+      for (int i = 0; i < MR; ++i) v[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        __m256i u, sv;
+        kcodes_avx2<QT>(sb, c, sc, u, sv);
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; ++i) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[i].q + 256 * s + 32 * c));
+          v[i] = _mm256_add_epi32(v[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), sv));
+        }
+      }
+      __m256i m16;
+      if constexpr (QT == kQ4_K) {
+        const __m128i m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn)));
+        m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+      } else {
+        m16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)));
+      }
+      const float d = f16_at(QT == kQ4_K ? sb : sb + 208), dmin = QT == kQ4_K ? f16_at(sb + 2) : 0.0f;
+      for (int i = 0; i < MR; ++i) {
+        const __m256i t = _mm256_madd_epi16(m16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[i].bs + 16 * s)));
+        const float dx = xr[i].dl[64 * s];
+        __m256i vi = v[i];
+        if constexpr (QT == kQ6_K) vi = _mm256_sub_epi32(vi, _mm256_slli_epi32(t, 5));
+        accv[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(vi), _mm256_set1_ps(d * dx), accv[j][i]);
+        if constexpr (QT == kQ4_K)
+          accv[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(-(dmin * dx)), accv[j][i]);
+      }
+    }
+  for (int j = 0; j < r; ++j)
+    for (int i = 0; i < MR; ++i) put(y + (m0 + i) * ldy + nc[j], hsum256(accv[j][i]), acc);
+}
+
+template <int QT>
+void qmk_avx2_k(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1, float* y,
+                size_t ldy, const int* nc, bool acc) {
+  with_rows(mr, [&](auto MR) { qmk_avx2_k_rows<QT, decltype(MR)::value>(r, wr, a, m0, g0, g1, y, ldy, nc, acc); });
 }
 
 // Q4_0 on AVX2 in 2-block units (64 weights: the AVX-512 kernel's 4-block units, qmk512_u, in halves, so the
