@@ -1283,7 +1283,8 @@ MS_INLINE float f16_at(const uint8_t* p) {
 }
 
 // f32 -> f16 bits, round to nearest even (as F16C's VCVTPS2PH, which ggml uses to store the scale).
-MS_INLINE uint16_t f32_to_f16(float f) {  // (inlined: vector callers keep their VEX state)
+// Inlined (as kq_side): called out of line from the vector roundings, this SSE-encoded code paid an SSE/AVX transition.
+MS_INLINE uint16_t f32_to_f16(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);
   const uint32_t sign = (x >> 16) & 0x8000u;
@@ -1361,7 +1362,7 @@ void q32_units(const int8_t* q, const int32_t* nxo, const float* dl, int64_t K, 
 // same values in both halves. Q4_K (f32): dword p holds -(d * the sum of the 32 q of sub-block 2k + p % 2),
 // which meets dmin * m of that sub-block. Q6_K (int16): word 2p + h holds -(the sum of the 16 q of 16-weight
 // sub-block 4k + 2 (p % 2) + h), which meets 32 * that sub-block's scale (Q6_K's offset of 32).
-MS_INLINE void kq_side(int qt, const int16_t* bs, float d, uint8_t* kx) {  // (inlined, as f32_to_f16)
+MS_INLINE void kq_side(int qt, const int16_t* bs, float d, uint8_t* kx) {  // (inlined: see f32_to_f16)
   for (int p = 0; p < 16; ++p) {
     const int k = p / 4, e = p % 2;
     if (qt == kQ4_K) {
@@ -1437,8 +1438,8 @@ MS_INLINE void lane_terms_512(const int8_t* q, int offset, float d, int32_t* nxo
 // The scale comes from the first element of largest magnitude (the scalar strict '>' scan; NaN never wins:
 // VMAXPS returns its second operand, the running max, where |v| is NaN), q = x * (-127 / max) converted by VCVTPS2DQ
 // in the current rounding mode (nearest even, as nearbyint), min 127, the low byte kept (the int8_t conversion; a NaN
-// product gives 0x80000000's low byte either way), d = 1 / iscale. The scalar loop spent ~4 ns a value (nearbyint is
-// a libm call without SSE4.1): 4 rows of 2048 took ~35 us, against a Qwen3-30B-A3B Q4_K expert's ~0.2 ms at m = 4.
+// product gives 0x80000000's low byte either way), d = 1 / iscale. The scalar loop spent ~3 ns a value (nearbyint is
+// a libm call without SSE4.1): 4 rows of 2048 took ~25 us, a tenth of a Qwen3-30B-A3B Q4_K expert at m = 4; now 3.5 us.
 void quantize_q256_512(int qt, const float* x, int64_t K, int8_t* q, int32_t* nxo, float* dl, float* xs, int16_t* bs,
                        uint8_t* kx) {
   const __m512i absmask = _mm512_set1_epi32(0x7fffffff), c127 = _mm512_set1_epi32(127);
