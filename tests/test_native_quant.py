@@ -115,6 +115,26 @@ def test_kquant_extreme_blocks(isa, qtype):
         assert np.all(np.abs(y - ref) <= bound(x[:M], w)), (isa, qtype, M, np.abs(y - ref).max())
 
 
+def extreme_rows(K: int) -> np.ndarray:
+    """9 activation rows whose Q8 codes are at +-127: of one sign, alternating, in steps, a ramp, and 4 random rows."""
+    x = np.ones((9, K), np.float32)
+    x[1] = -1.0
+    x[2] = np.where(np.arange(K) % 2 == 0, 1.0, -1.0)
+    x[3] = np.where((np.arange(K) // 16) % 2 == 0, 3.0, -1.0)
+    x[4] = np.linspace(-1.0, 1.0, K, dtype=np.float32)
+    x[5:] = np.random.default_rng(5).standard_normal((4, K)).astype(np.float32)
+    return x
+
+
+def assert_extreme_rows_within_bound(w: QuantArray, isa: str) -> None:
+    """w against the first M of extreme_rows, for M = 1..9 (every row count of the micro-kernels)."""
+    x = extreme_rows(w.shape[1])
+    for M in range(1, 10):
+        y = native.linear_host(x[:M], w, threads=1)
+        ref = native.qlinear_reference(x[:M], w)
+        assert np.all(np.abs(y - ref) <= bound(x[:M], w)), (isa, M, np.abs(y - ref).max())
+
+
 def test_q4_0_extreme_blocks(isa):
     """Q4_0 blocks at the ends of their range (every code 15 or 0, scales of both signs) against activations of one
     sign, of alternating sign and in steps, so the AVX-512 kernel's 8-product sums (8 x 15 x 127) and their pair sums
@@ -128,16 +148,7 @@ def test_q4_0_extreme_blocks(isa):
     data[:, :, 0:2] = np.array([1e-3], np.float16).view(np.uint8)
     data[::2, 1::2, 0:2] = np.array([-2.5e-3], np.float16).view(np.uint8)
     w = QuantArray(data.reshape(rows, -1), "q4_0", (rows, K))
-    x = np.ones((9, K), np.float32)
-    x[1] = -1.0
-    x[2] = np.where(np.arange(K) % 2 == 0, 1.0, -1.0)
-    x[3] = np.where((np.arange(K) // 16) % 2 == 0, 3.0, -1.0)
-    x[4] = np.linspace(-1.0, 1.0, K, dtype=np.float32)
-    x[5:] = np.random.default_rng(5).standard_normal((4, K)).astype(np.float32)
-    for M in range(1, 10):
-        y = native.linear_host(x[:M], w, threads=1)
-        ref = native.qlinear_reference(x[:M], w)
-        assert np.all(np.abs(y - ref) <= bound(x[:M], w)), (isa, M, np.abs(y - ref).max())
+    assert_extreme_rows_within_bound(w, isa)
 
 
 def test_activation_quantization_as_the_kernels(isa):
@@ -161,6 +172,66 @@ def test_activation_quantization_as_the_kernels(isa):
         qn, dn = native.quantize_activations(x, qtype)
         np.testing.assert_array_equal(q, qn, err_msg=qtype)
         np.testing.assert_array_equal(d, dn, err_msg=qtype)
+
+
+def test_q8_0_extreme_blocks(isa):
+    """Q8_0 blocks of codes -128 / 127 (and both, in halves and alternating), against the extreme activation rows: the
+    AVX2 kernel's pair sums |w| * q (at most 2 * 128 * 127) and the AVX-512 kernel's unsigned codes are at their largest;
+    9 weight rows, K = 608 (a last unit of 3 blocks on AVX-512, a lone block on AVX2's pairs), M = 1..9."""
+    rows, K = 9, 608
+    codes = np.full((rows, K // 32, 32), -128, np.int8)
+    codes[1::4] = 127
+    codes[2::4, :, 16:] = 127
+    codes[3::4, :, ::2] = 127
+    data = np.zeros((rows, K // 32, 34), np.uint8)
+    data[:, :, 2:] = codes.view(np.uint8)
+    data[:, :, 0:2] = np.array([1e-3], np.float16).view(np.uint8)
+    data[::2, 1::2, 0:2] = np.array([-2.5e-3], np.float16).view(np.uint8)
+    w = QuantArray(data.reshape(rows, -1), "q8_0", (rows, K))
+    assert_extreme_rows_within_bound(w, isa)
+
+
+def quantized_row_bytes(x: np.ndarray, qtype: str) -> np.ndarray:
+    """Every byte the kernels read of x quantized for `qtype` weights (uint8 [M, ms_qrow_bytes]) on the current path."""
+    lib = native.load()
+    n = lib.ms_qrow_bytes(native.QTYPE_IDS[qtype], x.shape[1])
+    out = np.zeros((x.shape[0], n), np.uint8)
+    assert lib.ms_qquantize_rows(x.ctypes.data, x.shape[0], x.shape[1], native.QTYPE_IDS[qtype], out.ctypes.data) == 0
+    return out
+
+
+def test_activation_bytes_as_the_scalar_path(isa):
+    """Every byte of the quantized activations (q, the lane terms nxo / dl / xs, the 16-sums bs, the K-quants' kx, the
+    32-weight units) is the scalar loop's, bit for bit, on every ISA path (the AVX-512 and AVX2 paths round with vector
+    code): random rows, zeros, a largest magnitude repeated with both signs (the first one gives Q8_K's scale), every
+    x.5 tie, subnormals, inf and NaN. And bs is numpy's sums of 16 of numpy's q (the finite, normal rows)."""
+    rng = np.random.default_rng(11)
+    for qtype in QTYPES:
+        K = 800 if qtype in ("q8_0", "q4_0") else 768  # 25 blocks of 32 (a 1-block unit last); 3 super-blocks
+        x = rng.standard_normal((10, K)).astype(np.float32)
+        x[1] = 0.0
+        x[2, 300] = -9.0  # the first of the largest in its 32 / 256
+        x[2, 310] = 9.0
+        x[3] = (np.arange(K) % 64 - 32) * np.float32(0.25)
+        x[3, ::32] = np.float32(63.5)  # Q8_0's d = 0.5: every tie k + 1/2 of both signs
+        x[4] = rng.standard_normal(K).astype(np.float32) * np.float32(1e-39)  # subnormal
+        x[5] *= np.float32(1e4) ** rng.uniform(-1, 1, K).astype(np.float32)
+        x[6, 40] = np.inf
+        x[7, 500] = np.nan
+        x[8, 260] = -np.inf
+        x[9, 0] = np.nan
+        x[9, 1:] = 0.0
+        got = quantized_row_bytes(x, qtype)
+        native.set_isa("scalar")
+        want = quantized_row_bytes(x, qtype)
+        native.set_isa(isa)
+        for m in range(len(x)):
+            np.testing.assert_array_equal(got[m], want[m], err_msg=f"{qtype} row {m}")
+        finite = [0, 1, 2, 3, 5]  # (row 4's Q8_K iscale overflows to inf: numpy's int8 cast of inf is undefined)
+        q, _ = native.quantize_activations(x[finite], qtype)
+        kp = (K + 63) // 64 * 64
+        bs = got[finite, 4 * kp : 4 * kp + kp // 8].view(np.int16)[:, : K // 16]
+        np.testing.assert_array_equal(bs, q.reshape(len(finite), K // 16, 16).sum(-1, dtype=np.int64), err_msg=qtype)
 
 
 def make_routing(rng, T, E, k):

@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> None:
         med = float(np.median(times[n]))
         pe = np.median(np.array(per[n]), axis=0) * 1e3
         cpu = float(np.median(cpus[n]))
-        print(f"{n}: layer {med * 1e3:7.1f} ms ({flop / med / 1e12:.2f} TFLOP/s), CPU {cpu * 1e3:.1f} ms (CPU / wall "
+        print(f"{n}: layer {med * 1e3:8.3f} ms ({flop / med / 1e12:.2f} TFLOP/s), CPU {cpu * 1e3:.1f} ms (CPU / wall "
               f"{cpu / med:.2f}; {flop / cpu / 1e12:.2f} TFLOP per CPU-second); per expert ms "
-              f"{' '.join(f'{v:.1f}' for v in pe)}")
+              f"{' '.join(f'{v:.3g}' for v in pe)}")
     ratio = np.array(times["old"]) / np.array(times["new"])
     print(f"new/old speed: median {np.median(ratio):.2f}x (range {ratio.min():.2f}-{ratio.max():.2f}); max |diff| "
           f"{np.abs(outs['old'] - outs['new']).max():.2e}")

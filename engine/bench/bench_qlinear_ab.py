@@ -4,6 +4,7 @@
     python -m engine.bench.bench_qlinear_ab OLD.so NEW.so --types q4_k,q6_k --rows 14336 --cols 4096
     python -m engine.bench.bench_qlinear_ab OLD.so NEW.so --m 1,2,4,8 --mib 768      # weights from memory
     python -m engine.bench.bench_qlinear_ab OLD.so NEW.so --m 16,64 --isa amx --types bf16,q8_0   # AMX on both
+    python -m engine.bench.bench_qlinear_ab OLD.so NEW.so --rounding-only --m 1,4 --cols 2048   # activation rounding
     python -m engine.bench.bench_qlinear_ab A.so B.so --isa avx512bf16 --new-isa amx --new-amx-rows=1 --m 4,8,12,16
         # the block types' AVX-512 path against their AMX tiles at every row count: one build under two file names
 
@@ -78,6 +79,35 @@ def best_time(lib: ctypes.CDLL, x: np.ndarray, w, y: np.ndarray, threads: int = 
     return clock() - t
 
 
+def rounding_time(lib: ctypes.CDLL, x: np.ndarray, qtype: str, q: np.ndarray, d: np.ndarray) -> float:
+    """Thread CPU seconds of the activation rounding alone (ms_qquantize: x f32 [m, K] to Q8_0 / Q8_K for `qtype`)."""
+    args = (x.ctypes.data, x.shape[0], x.shape[1], native.QTYPE_IDS[qtype], q.ctypes.data, d.ctypes.data)
+    t = time.thread_time()  # (~0.5 us of the figure is the clock's and ctypes' own, the same for both builds)
+    rc = lib.ms_qquantize(*args)
+    t = time.thread_time() - t
+    if rc:
+        raise RuntimeError("ms_qquantize failed")
+    return t
+
+
+def rounding_ab(libs: dict, qtypes: list[str], ms: list[int], cols: int, repeats: int) -> None:
+    """The activation rounding of m x cols values per type, the builds alternated: best thread CPU time, ns a value."""
+    rng = np.random.default_rng(0)
+    print("type | m x K | old us (ns a value) | new us (ns a value) | new/old | q, d equal")
+    for qt in qtypes:
+        for m in ms:
+            x = rng.standard_normal((m, cols)).astype(np.float32)
+            out = {n: (np.zeros((m, cols), np.int8), np.zeros((m, cols // 32), np.float32)) for n in libs}
+            times: dict[str, list[float]] = {n: [] for n in libs}
+            for r in range(repeats):
+                for n, lib in (libs.items() if r % 2 == 0 else reversed(libs.items())):
+                    times[n].append(rounding_time(lib, x, qt, *out[n]))
+            same = all(np.array_equal(a, b) for a, b in zip(out["old"], out["new"]))
+            t = {n: min(v) for n, v in times.items()}
+            print(f"{qt} | {m} x {cols} | {t['old'] * 1e6:.1f} ({t['old'] / x.size * 1e9:.2f}) | {t['new'] * 1e6:.1f} "
+                  f"({t['new'] / x.size * 1e9:.2f}) | {t['old'] / t['new']:.2f}x | {same}", flush=True)
+
+
 def read_rate(mib: float, repeats: int) -> float:
     """GB/s of the native streaming read of `mib` MiB on this thread, by thread CPU time (best of `repeats`)."""
     data = np.ones(int(mib * 2**20) // 8, np.float64)
@@ -106,9 +136,16 @@ def main(argv: list[str] | None = None) -> None:
                     "path (> 0 from there, 0 the build's default, < 0 never)")
     ap.add_argument("--new-amx-rows", type=int, help="the same for NEW")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounding-only", action="store_true", help="time the activation rounding alone (ms_qquantize "
+                    "of m x --cols values) instead of the matmul")
     a = ap.parse_args(argv)
     libs = {"old": open_library(a.old, a.isa, a.old_amx_rows),
             "new": open_library(a.new, a.new_isa or a.isa, a.new_amx_rows)}
+    if a.rounding_only:
+        for lib in libs.values():
+            lib.ms_qquantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                                         ctypes.c_void_p]
+        return rounding_ab(libs, a.types.split(","), [int(v) for v in a.m.split(",")], a.cols, a.repeats)
     rng = np.random.default_rng(0)
     print(f"ISA {a.isa}{' / ' + a.new_isa if a.new_isa else ''}, {a.threads} thread(s), {'weights from memory' if a.mib else 'one matrix (cached)'}")
     print("type | m | old G weights/s (GB/s) | new G weights/s (GB/s) | new/old | max |diff|")

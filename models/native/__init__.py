@@ -122,6 +122,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_qlinear.argtypes = [vp, i32, i64, i64, vp, i32, i64, vp, i32]
     lib.ms_qquantize.restype = i32
     lib.ms_qquantize.argtypes = [vp, i64, i64, i32, vp, vp]
+    if hasattr(lib, "ms_qrow_bytes"):  # (A/B benches declare older builds too, which lack it)
+        lib.ms_qrow_bytes.restype = i64
+        lib.ms_qrow_bytes.argtypes = [i32, i64]
+        lib.ms_qquantize_rows.restype = i32
+        lib.ms_qquantize_rows.argtypes = [vp, i64, i64, i32, vp]
     lib.ms_qpath.restype = i32
     lib.ms_qpath.argtypes = [i32, i64]
     lib.ms_set_amx_rows.restype = i32

@@ -1205,7 +1205,9 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // call is the 1-row call on that row, bit for bit (qgemm_range_512).
 // Paths: AVX512-VNNI (VPDPBUSD; the K-quants with integer sub-block scales, two outputs per vector; Q4_0 with exact
 // per-block sums, four outputs per vector, qmk512_u; Q8_0 in the same 4-block units, qmk512_u8), AVX2 (16-bit madd;
-// the K-quants likewise, qmk_avx2_k; Q4_0 qmk_avx2_q4_0), portable scalar -- all with the Q8 activations above -- and, on the amx ISA path
+// the K-quants likewise, qmk_avx2_k; Q4_0 in 2-block units, four outputs per vector, qmk_avx2_q4_0_u; Q8_0 per block,
+// four outputs per vector, qmk_avx2_q8_0_b), portable scalar -- all with the Q8 activations above (vector code on the
+// AVX-512 and AVX2 paths, the scalar loop's bytes) -- and, on the amx ISA path
 // for calls of at least amx_rows_default(type) rows (12), AMX-BF16 tiles over the
 // weights dequantized to bf16 (qgemm_amx_bf16_t). That path rounds differently, stated here:
 //   * weights: ggml's f32 dequantized value (d * q; Q4_K (d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32)), rounded
@@ -1281,7 +1283,8 @@ MS_INLINE float f16_at(const uint8_t* p) {
 }
 
 // f32 -> f16 bits, round to nearest even (as F16C's VCVTPS2PH, which ggml uses to store the scale).
-uint16_t f32_to_f16(float f) {
+// Inlined (as kq_side): called out of line from the vector roundings, this SSE-encoded code paid an SSE/AVX transition.
+MS_INLINE uint16_t f32_to_f16(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);
   const uint32_t sign = (x >> 16) & 0x8000u;
@@ -1359,7 +1362,7 @@ void q32_units(const int8_t* q, const int32_t* nxo, const float* dl, int64_t K, 
 // same values in both halves. Q4_K (f32): dword p holds -(d * the sum of the 32 q of sub-block 2k + p % 2),
 // which meets dmin * m of that sub-block. Q6_K (int16): word 2p + h holds -(the sum of the 16 q of 16-weight
 // sub-block 4k + 2 (p % 2) + h), which meets 32 * that sub-block's scale (Q6_K's offset of 32).
-void kq_side(int qt, const int16_t* bs, float d, uint8_t* kx) {
+MS_INLINE void kq_side(int qt, const int16_t* bs, float d, uint8_t* kx) {  // (inlined: see f32_to_f16)
   for (int p = 0; p < 16; ++p) {
     const int k = p / 4, e = p % 2;
     if (qt == kQ4_K) {
@@ -1418,6 +1421,161 @@ void quantize_q32_512(int offset, const float* x, int64_t K, int8_t* q, int32_t*
     bs[2 * b + 1] = int16_t(sl[4] + sl[5] + sl[6] + sl[7]);
   }
 }
+
+// The lane terms every vector rounding stores for one run of q (lanes of 4 q, 16 per 64 q): nxo = -o * the lane's sum,
+// dl = d, xs = d * the lane's sum (one f32 product, as the scalar loop), bs = each 16 q's sum (4 lanes).
+MS_INLINE void lane_terms_512(const int8_t* q, int offset, float d, int32_t* nxo, float* dl, float* xs, int16_t* bs) {
+  const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_loadu_si512(q));
+  _mm512_storeu_si512(nxo, _mm512_mullo_epi32(s, _mm512_set1_epi32(-offset)));
+  _mm512_storeu_ps(dl, _mm512_set1_ps(d));
+  _mm512_storeu_ps(xs, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(s)));
+  __m512i t = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_CDAB));
+  t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));  // each 128-bit lane: its 16 q's sum, 4 times
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(bs), _mm_cvtepi32_epi16(_mm512_castsi512_si128(_mm512_maskz_compress_epi32(0x1111, t))));
+}
+
+// quantize_row's per-256 (Q8_K, Q4_K / Q6_K weights) quantization, vectorized: the same bytes as the scalar loop.
+// The scale comes from the first element of largest magnitude (the scalar strict '>' scan; NaN never wins:
+// VMAXPS returns its second operand, the running max, where |v| is NaN), q = x * (-127 / max) converted by VCVTPS2DQ
+// in the current rounding mode (nearest even, as nearbyint), min 127, the low byte kept (the int8_t conversion; a NaN
+// product gives 0x80000000's low byte either way), d = 1 / iscale. The scalar loop spent ~3 ns a value (nearbyint is
+// a libm call without SSE4.1): 4 rows of 2048 took ~25 us, a tenth of a Qwen3-30B-A3B Q4_K expert at m = 4; now 3.5 us.
+void quantize_q256_512(int qt, const float* x, int64_t K, int8_t* q, int32_t* nxo, float* dl, float* xs, int16_t* bs,
+                       uint8_t* kx) {
+  const __m512i absmask = _mm512_set1_epi32(0x7fffffff), c127 = _mm512_set1_epi32(127);
+  const int offset = qt == kQ4_K ? 0 : 32;
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const float* v = x + 256 * b;
+    int8_t* o = q + 256 * b;
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i)
+      m = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(v + 16 * i), absmask)), m);
+    const float amax = _mm512_reduce_max_ps(m);
+    float d = 0.0f;
+    if (amax != 0.0f) {
+      const __m512 am = _mm512_set1_ps(amax);
+      int j = 0;
+      for (int i = 0; i < 16; ++i) {
+        const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(v + 16 * i), absmask));
+        const __mmask16 hit = _mm512_cmp_ps_mask(a, am, _CMP_EQ_OQ);
+        if (hit) {
+          j = 16 * i + __builtin_ctz(unsigned(hit));
+          break;
+        }
+      }
+      const float iscale = -127.0f / v[j];
+      const __m512 is = _mm512_set1_ps(iscale);
+      for (int i = 0; i < 16; ++i) {
+        const __m512i r = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * i), is)), c127);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16 * i), _mm512_cvtepi32_epi8(r));
+      }
+      d = 1.0f / iscale;
+    } else {
+      std::memset(o, 0, 256);
+    }
+    for (int c = 0; c < 4; ++c)
+      lane_terms_512(o + 64 * c, offset, d, nxo + 64 * b + 16 * c, dl + 64 * b + 16 * c, xs + 64 * b + 16 * c,
+                     bs + 16 * b + 4 * c);
+    kq_side(qt, bs + 16 * b, d, kx + 64 * b);
+  }
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+// The AVX2 path's activation rounding, both kinds, vectorized as the AVX-512 ones above (the same bytes as the scalar
+// loop): Q8_0 per 32 (round half away from zero: trunc, then +-1 where the exact fraction is >= 1/2) and Q8_K per 256.
+
+// The low bytes of 4 x 8 int32 (as the int8_t conversion; masked to 0..255 so the unsigned packs never saturate).
+MS_INLINE __m256i low_bytes_avx2(__m256i a, __m256i b, __m256i c, __m256i e) {
+  const __m256i ff = _mm256_set1_epi32(0xff);
+  const __m256i ab = _mm256_packus_epi32(_mm256_and_si256(a, ff), _mm256_and_si256(b, ff));
+  const __m256i ce = _mm256_packus_epi32(_mm256_and_si256(c, ff), _mm256_and_si256(e, ff));
+  return _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, ce), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+MS_INLINE float hmax256(__m256 m) {  // no NaN in m
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+// Lane terms of 32 q (8 lanes, 2 bs), as lane_terms_512.
+MS_INLINE void lane_terms_avx2(__m256i qv, int offset, float d, int32_t* nxo, float* dl, float* xs, int16_t* bs) {
+  const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), qv), _mm256_set1_epi16(1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(nxo), _mm256_mullo_epi32(s, _mm256_set1_epi32(-offset)));
+  _mm256_storeu_ps(dl, _mm256_set1_ps(d));
+  _mm256_storeu_ps(xs, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s)));
+  __m256i t = _mm256_add_epi32(s, _mm256_shuffle_epi32(s, 0xB1));
+  t = _mm256_add_epi32(t, _mm256_shuffle_epi32(t, 0x4E));
+  bs[0] = int16_t(_mm256_extract_epi32(t, 0));
+  bs[1] = int16_t(_mm256_extract_epi32(t, 4));
+}
+
+void quantize_q32_avx2(int offset, const float* x, int64_t K, int8_t* q, int32_t* nxo, float* dl, float* xs, int16_t* bs) {
+  const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* v = x + 32 * b;
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + 8 * i), absmask), m);
+    const float dd = hmax256(m) / 127.0f;
+    const __m256 id = _mm256_set1_ps(dd != 0.0f ? 1.0f / dd : 0.0f);
+    __m256i r[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(v + 8 * i), id);
+      const __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      const __m256 fr = _mm256_and_ps(_mm256_sub_ps(y, t), absmask);
+      const __m256 sgn = _mm256_or_ps(_mm256_andnot_ps(absmask, y), one);
+      const __m256 up = _mm256_and_ps(_mm256_cmp_ps(fr, half, _CMP_GE_OQ), sgn);  // +-1 or +0
+      r[i] = _mm256_cvttps_epi32(_mm256_add_ps(t, up));
+    }
+    const __m256i qv = low_bytes_avx2(r[0], r[1], r[2], r[3]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), qv);
+    lane_terms_avx2(qv, offset, g_f16[f32_to_f16(dd)], nxo + 8 * b, dl + 8 * b, xs + 8 * b, bs + 2 * b);
+  }
+}
+
+void quantize_q256_avx2(int qt, const float* x, int64_t K, int8_t* q, int32_t* nxo, float* dl, float* xs, int16_t* bs,
+                        uint8_t* kx) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i c127 = _mm256_set1_epi32(127);
+  const int offset = qt == kQ4_K ? 0 : 32;
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const float* v = x + 256 * b;
+    int8_t* o = q + 256 * b;
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 32; ++i) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + 8 * i), absmask), m);
+    const float amax = hmax256(m);
+    float d = 0.0f;
+    if (amax != 0.0f) {
+      const __m256 am = _mm256_set1_ps(amax);
+      int j = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(v + 8 * i), absmask), am, _CMP_EQ_OQ));
+        if (hit) {
+          j = 8 * i + __builtin_ctz(unsigned(hit));
+          break;
+        }
+      }
+      const float iscale = -127.0f / v[j];
+      const __m256 is = _mm256_set1_ps(iscale);
+      for (int c = 0; c < 8; ++c) {
+        __m256i r[4];
+        for (int i = 0; i < 4; ++i)
+          r[i] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 32 * c + 8 * i), is)), c127);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * c), low_bytes_avx2(r[0], r[1], r[2], r[3]));
+      }
+      d = 1.0f / iscale;
+    } else {
+      std::memset(o, 0, 256);
+    }
+    for (int c = 0; c < 8; ++c)
+      lane_terms_avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32 * c)), offset, d, nxo + 64 * b + 8 * c,
+                      dl + 64 * b + 8 * c, xs + 64 * b + 8 * c, bs + 16 * b + 2 * c);
+    kq_side(qt, bs + 16 * b, d, kx + 64 * b);
+  }
+}
 #pragma GCC pop_options
 #endif
 
@@ -1429,13 +1587,22 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
   int16_t* bs = reinterpret_cast<int16_t*>(dst + 4 * Kp);
   std::memset(dst, 0, size_t(4 * Kp + bs_bytes(Kp) + kx_bytes(Kp)));
   const int xb = sp.xblk;
+  uint8_t* kx = dst + 4 * Kp + bs_bytes(Kp);
+  const int kqt = sp.offset == 0 ? kQ4_K : kQ6_K;  // the K-quant whose kq_side a Q8_K row carries
 #if MS_X86
-  const bool vec32 = xb == 32 && g_isa.load(std::memory_order_relaxed) >= kAvx512Bf16;
-  if (vec32) quantize_q32_512(sp.offset, x, K, q, nxo, dl, xs, bs);
+  const int isa = g_isa.load(std::memory_order_relaxed);
+  const bool vec = isa >= kAvx2;
+  if (isa >= kAvx512Bf16) {
+    if (xb == 32) quantize_q32_512(sp.offset, x, K, q, nxo, dl, xs, bs);
+    else quantize_q256_512(kqt, x, K, q, nxo, dl, xs, bs, kx);
+  } else if (vec) {
+    if (xb == 32) quantize_q32_avx2(sp.offset, x, K, q, nxo, dl, xs, bs);
+    else quantize_q256_avx2(kqt, x, K, q, nxo, dl, xs, bs, kx);
+  }
 #else
-  const bool vec32 = false;
+  const bool vec = false;
 #endif
-  for (int64_t b = 0; b < (vec32 ? 0 : K / xb); ++b) {
+  for (int64_t b = 0; b < (vec ? 0 : K / xb); ++b) {
     const float* v = x + b * xb;
     int8_t* o = q + b * xb;
     float d;
@@ -1467,7 +1634,7 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
       for (int k = 0; k < 16; ++k) s16 += o[16 * t + k];
       bs[b * (xb / 16) + t] = int16_t(s16);
     }
-    if (xb == 256) kq_side(sp.offset == 0 ? kQ4_K : kQ6_K, bs + 16 * b, d, dst + 4 * Kp + bs_bytes(Kp) + 64 * b);
+    if (xb == 256) kq_side(kqt, bs + 16 * b, d, kx + 64 * b);
     for (int l = 0; l < xb / 4; ++l) {
       const int64_t lane = b * (xb / 4) + l;
       const int s = o[4 * l] + o[4 * l + 1] + o[4 * l + 2] + o[4 * l + 3];
@@ -1477,7 +1644,7 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
     }
   }
   if (xb == 32) {
-    uint8_t* ux = dst + 4 * Kp + bs_bytes(Kp) + kx_bytes(Kp);
+    uint8_t* ux = kx + kx_bytes(Kp);
     std::memset(ux, 0, size_t(ux_bytes(Kp)));
     q32_units(q, nxo, dl, K, sp.offset == 8, ux);
   }
@@ -1682,113 +1849,231 @@ MS_INLINE void q4k_scales_mins(const uint8_t* sb, uint64_t& sc, uint64_t& mn) {
   mn = uint64_t(b & 0x3f3f3f3fu) | uint64_t(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
 }
 
-template <int QT>
-MS_INLINE __m256i kdot_avx2(const uint8_t* sb, const int8_t* q, const int16_t* bs16, __m256i& t) {
-  const __m256i m4 = _mm256_set1_epi8(15);
-  __m256i v = _mm256_setzero_si256();
-  if constexpr (QT == kQ4_K) {
-    uint64_t sc, mn;
-    q4k_scales_mins(sb, sc, mn);
-    for (int g = 0; g < 4; ++g) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * g));
-      const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32));
-      const __m256i s0 = _mm256_set1_epi16(short((sc >> (16 * g)) & 0xff)), s1 = _mm256_set1_epi16(short((sc >> (16 * g + 8)) & 0xff));
-      v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0));
-      v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1));
-    }
-    const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn)));
-    const __m256i per16 = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
-    t = _mm256_madd_epi16(per16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16)));
-  } else {
-    const int8_t* scs = reinterpret_cast<const int8_t*>(sb + 192);
-    const __m256i m3 = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * h));
-      for (int part = 0; part < 2; ++part) {  // ql bytes 64h + 32 part .. + 31
-        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h + 32 * part));
-        const __m256i hb = part ? _mm256_srli_epi16(qh, 2) : qh;
-        for (int p = 0; p < 2; ++p) {  // low / high nibbles: groups 2h (p 0) and 2h + 1 (p 1)
-          const int g = 2 * h + p, sub = 4 * g + 2 * part;  // first 16-weight scale index of these 32 weights
-          const __m256i u = _mm256_or_si256(
-              _mm256_and_si256(p ? _mm256_srli_epi16(ql, 4) : ql, m4),
-              _mm256_slli_epi16(_mm256_and_si256(p ? _mm256_srli_epi16(hb, 4) : hb, m3), 4));
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32 * part));
-          const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(short(scs[sub + 1])), _mm_set1_epi16(short(scs[sub])));
-          v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), sv));
-        }
-      }
-    }
-    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scs)));
-    t = _mm256_madd_epi16(s16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16)));
+// The AVX2 block kernels' activation-row count (1..4, kQMR) as a compile-time constant: f(std::integral_constant).
+template <class F>
+MS_INLINE void with_rows(int mr, F&& f) {
+  switch (mr) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    default: return f(std::integral_constant<int, 4>());
   }
-  return v;
 }
 
+// One activation row's r outputs (at y_row[nc[j]]) from an accumulator laid out [rows 0..3 | rows 0..3]: the halves
+// summed once, at the end.
+MS_INLINE void put_quad_avx2(__m256 v, int r, float* y_row, const int* nc, bool acc) {
+  alignas(16) float o[4];
+  _mm_store_ps(o, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+  for (int j = 0; j < r; ++j) put(y_row + nc[j], o[j], acc);
+}
+
+// Weights 32c .. 32c + 31 of a super-block: unsigned codes (the activations' order) and the 16-bit sub-block scales
+// VPMADDWD takes. Made in registers per 32 weights and used by every activation row of the call before the next.
 template <int QT>
-void qmk_avx2_k(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1, float* y,
-                size_t ldy, const int* nc, bool acc) {
+MS_INLINE void kcodes_avx2(const uint8_t* sb, int c, uint64_t sc, __m256i& u, __m256i& sv) {
+  const __m256i m4 = _mm256_set1_epi8(15);
+  if constexpr (QT == kQ4_K) {  // 32 bytes per 64 weights: low nibbles 64g .., high 64g + 32 ..
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * (c / 2)));
+    u = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(raw, 4) : raw, m4);
+    sv = _mm256_set1_epi16(short((sc >> (8 * c)) & 0xff));
+  } else {  // c = 2g + part, g = 2h + p: ql bytes 64h + 32 part .., nibble p; qh bytes 128 + 32h .., bits 2 part + 4p
+    const int h = c / 4, p = (c / 2) % 2, part = c % 2, sub = 2 * c;  // first 16-weight scale: 4g + 2 part
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h + 32 * part));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * h));
+    const __m256i hb = _mm256_srli_epi16(qh, 2 * part + 4 * p);
+    u = _mm256_or_si256(_mm256_and_si256(p ? _mm256_srli_epi16(ql, 4) : ql, m4),
+                        _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(3)), 4));
+    const int8_t* scs = reinterpret_cast<const int8_t*>(sb + 192);
+    sv = _mm256_set_m128i(_mm_set1_epi16(short(scs[sub + 1])), _mm_set1_epi16(short(scs[sub])));
+  }
+}
+
+// K-quants on AVX2 for MR activation rows: per super-block and weight row, each 32 weights' codes are made once
+// (kcodes_avx2) and taken by all MR rows (8 int32 lanes each, exact over the super-block); then per row the min /
+// offset term t (the per-16 scales times the activations' 16-sums) and the float scales, once per 256 weights.
+template <int QT, int MR>
+void qmk_avx2_k_rows(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, float* y,
+                     size_t ldy, const int* nc, bool acc) {
   constexpr int bytes = QT == kQ4_K ? 144 : 210;
-  __m256 accv[kQR][kQMR];
-  for (int j = 0; j < kQR; ++j)
-    for (int i = 0; i < kQMR; ++i) accv[j][i] = _mm256_setzero_ps();
+  __m256 accv[kQR][MR];
+  QRow xr[MR];
+  for (int i = 0; i < MR; ++i) {
+    xr[i] = a.row(m0 + i);
+    for (int j = 0; j < kQR; ++j) accv[j][i] = _mm256_setzero_ps();
+  }
   for (int64_t s = g0 / 4; s < (g1 + 3) / 4; ++s)
     for (int j = 0; j < r; ++j) {
       const uint8_t* sb = wr[j] + s * bytes;
+      for (int o = 0; o < bytes; o += 64)  // every cache line of the super-block, as the Q4_0 / Q8_0 kernels
+        _mm_prefetch(reinterpret_cast<const char*>(sb) + MS_QPREFETCH + o, _MM_HINT_T1);
+      uint64_t sc = 0, mn = 0;
+      if constexpr (QT == kQ4_K) q4k_scales_mins(sb, sc, mn);
+      __m256i v[MR];
+      for (int i = 0; i < MR; ++i) v[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        __m256i u, sv;
+        kcodes_avx2<QT>(sb, c, sc, u, sv);
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; ++i) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[i].q + 256 * s + 32 * c));
+          v[i] = _mm256_add_epi32(v[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), sv));
+        }
+      }
+      __m256i m16;
+      if constexpr (QT == kQ4_K) {
+        const __m128i m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn)));
+        m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+      } else {
+        m16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)));
+      }
       const float d = f16_at(QT == kQ4_K ? sb : sb + 208), dmin = QT == kQ4_K ? f16_at(sb + 2) : 0.0f;
-      for (int i = 0; i < mr; ++i) {
-        const QRow x = a.row(m0 + i);
-        __m256i t;
-        __m256i v = kdot_avx2<QT>(sb, x.q + 256 * s, x.bs + 16 * s, t);
-        const float dx = x.dl[64 * s];
-        if constexpr (QT == kQ6_K) v = _mm256_sub_epi32(v, _mm256_slli_epi32(t, 5));
-        accv[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(d * dx), accv[j][i]);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i t = _mm256_madd_epi16(m16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[i].bs + 16 * s)));
+        const float dx = xr[i].dl[64 * s];
+        __m256i vi = v[i];
+        if constexpr (QT == kQ6_K) vi = _mm256_sub_epi32(vi, _mm256_slli_epi32(t, 5));
+        accv[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(vi), _mm256_set1_ps(d * dx), accv[j][i]);
         if constexpr (QT == kQ4_K)
           accv[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(-(dmin * dx)), accv[j][i]);
       }
     }
   for (int j = 0; j < r; ++j)
-    for (int i = 0; i < mr; ++i) put(y + (m0 + i) * ldy + nc[j], hsum256(accv[j][i]), acc);
+    for (int i = 0; i < MR; ++i) put(y + (m0 + i) * ldy + nc[j], hsum256(accv[j][i]), acc);
 }
 
-// Q4_0 on AVX2, per 32-weight block: the 16 nibble bytes widened in registers (low nibbles weights 0..15, high
-// 16..31, the activations' order), VPMADDUBSW (pairs of products, at most 2 * 15 * 127: nothing saturates) and
-// VPMADDWD by ones into one exact int32 lane per 4 weights, plus the lane's offset term, then the same f32 lane
-// terms as the generic path: cvt(v) * (d_w * d_x) per lane, in block order, lanes summed by hsum256. The generic
-// path unpacked every 64 weights through memory with scalar code (1.3-1.4 G weights/s, ~4 % of a core's read rate).
+template <int QT>
+void qmk_avx2_k(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1, float* y,
+                size_t ldy, const int* nc, bool acc) {
+  with_rows(mr, [&](auto MR) { qmk_avx2_k_rows<QT, decltype(MR)::value>(r, wr, a, m0, g0, g1, y, ldy, nc, acc); });
+}
+
+// Q4_0 on AVX2 in 2-block units (64 weights: the AVX-512 kernel's 4-block units, qmk512_u, in halves, so the
+// activations' ux layout serves both). Per weight row, two 16-byte loads give both blocks' nibbles: U = the low
+// nibbles (128-bit lane h: block 2g + h's weights 0..15), V = the high ones (16..31), against the unit's qa / qb halves.
+// Per activation row and weight row: VPMADDUBSW of U and of V (pair sums <= 2 * 15 * 127) added in 16 bits (<= 7620)
+// and VPMADDWD by ones (4 dwords per block, <= 15240); then the 4 weight rows' dwords are packed to 16 bits and
+// pair-added twice (<= 30480 in 16 bits, <= 60960 in 32: nothing saturates) into one exact int32 per block and row,
+// lanes [block 2g: rows 0..3 | block 2g + 1: rows 0..3], plus the block's offset term (-8 * its activation sum). One
+// conversion, one multiply (the rows' f16 scales times d_x) and one FMA per 64 weights then serve 4 outputs, where
+// the per-block kernel (vpmaddubsw + vpmaddwd into a lane per 4 weights) took 8 operations per block and output.
+// Each output's terms go to its two lanes in K order, summed once at the end (block 2g's lane + block 2g + 1's).
+template <int MR>
+void qmk_avx2_q4_0_u(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K,
+                     float* y, size_t ldy, const int* nc, bool acc) {
+  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 accv[MR];
+  const uint8_t* xu[MR];
+  for (int i = 0; i < MR; ++i) {
+    accv[i] = _mm256_setzero_ps();
+    xu[i] = a.row(m0 + i).ux;
+  }
+  const int64_t nblk = K / 32;
+  for (int64_t g = g0; g < g1; ++g) {
+    const bool two = 2 * g + 1 < nblk;  // a row's last unit may hold one block (zeros in the activations' lane 1)
+    __m256i U[4], V[4];
+    float sc[8];  // built in registers (stored one by one and loaded as a vector, they stalled the store forwarding)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      sc[j] = sc[4 + j] = 0.0f;
+      if (j >= r) {
+        U[j] = V[j] = _mm256_setzero_si256();
+        continue;
+      }
+      const uint8_t* p = wr[j] + 2 * g * 18;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + MS_QPREFETCH, _MM_HINT_T1);
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2));
+      const __m128i hi = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 20)) : _mm_setzero_si128();
+      const __m256i raw = _mm256_set_m128i(hi, lo);
+      U[j] = _mm256_and_si256(raw, m4);
+      V[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      sc[j] = f16_at(p);
+      if (two) sc[4 + j] = f16_at(p + 18);
+    }
+    const __m256 dw = _mm256_setr_ps(sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7]);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const uint8_t* x = xu[i] + 256 * (g / 2) + 32 * (g % 2);
+      const __m256i qa = _mm256_load_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i qb = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 64));
+      __m256i s[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+        s[j] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(U[j], qa), _mm256_maddubs_epi16(V[j], qb)), ones);
+      const __m256i s01 = _mm256_madd_epi16(_mm256_packs_epi32(s[0], s[1]), ones);
+      const __m256i s23 = _mm256_madd_epi16(_mm256_packs_epi32(s[2], s[3]), ones);
+      const __m256i v = _mm256_add_epi32(_mm256_madd_epi16(_mm256_packs_epi32(s01, s23), ones),
+                                         _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 128)));
+      accv[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dw, _mm256_load_ps(reinterpret_cast<const float*>(x + 192))),
+                                accv[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) put_quad_avx2(accv[i], r, y + (m0 + i) * ldy, nc, acc);
+}
+
 void qmk_avx2_q4_0(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1,
                    int64_t K, float* y, size_t ldy, const int* nc, bool acc) {
-  __m256 accv[kQR][kQMR];
-  for (int j = 0; j < kQR; ++j)
-    for (int i = 0; i < kQMR; ++i) accv[j][i] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(15);
+  with_rows(mr, [&](auto MR) { qmk_avx2_q4_0_u<decltype(MR)::value>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc); });
+}
+
+// Q8_0 on AVX2, per 32-weight block, as llama.cpp's AVX2 q8_0 x q8_0: VPSIGNB moves each weight's sign onto its
+// activation, VPMADDUBSW takes |w| (at most 128) times that (pair sums <= 2 * 128 * 127: nothing saturates), VPMADDWD
+// by ones gives 8 dwords of 4 products; three VPHADDD reduce 4 weight rows to [rows 0..3 | rows 0..3] (each 128-bit
+// half: 16 of the block's 32 products, exact), then one conversion and one FMA by (the rows' f16 scales times d_x)
+// per block and 4 outputs, where the generic path unpacked 64 weights through memory and took per lane of 4 weights
+// a conversion, a multiply and two FMAs per output. The halves are summed once at the end.
+template <int MR>
+void qmk_avx2_q8_0_b(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K,
+                     float* y, size_t ldy, const int* nc, bool acc) {
   const __m256i ones = _mm256_set1_epi16(1);
-  QRow xr[kQMR];
-  for (int i = 0; i < mr; ++i) xr[i] = a.row(m0 + i);
+  __m256 accv[MR];
+  QRow xr[MR];
+  for (int i = 0; i < MR; ++i) {
+    accv[i] = _mm256_setzero_ps();
+    xr[i] = a.row(m0 + i);
+  }
   const int64_t b1 = std::min<int64_t>(2 * g1, K / 32);
-  for (int64_t b = 2 * g0; b < b1; ++b)
-    for (int j = 0; j < r; ++j) {
-      const uint8_t* blk = wr[j] + b * 18;
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-      const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
-      const __m256 dw = _mm256_set1_ps(f16_at(blk));
-      for (int i = 0; i < mr; ++i) {
-        const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(xr[i].q + 32 * b));
-        __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
-        v = _mm256_add_epi32(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(xr[i].nxo + 8 * b)));
-        const __m256 sd = _mm256_mul_ps(dw, _mm256_load_ps(xr[i].dl + 8 * b));
-        accv[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sd, accv[j][i]);
+  for (int64_t b = 2 * g0; b < b1; ++b) {
+    __m256i w[4], aw[4];
+    float sc[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      sc[j] = 0.0f;
+      if (j >= r) {
+        w[j] = aw[j] = _mm256_setzero_si256();
+        continue;
       }
+      const uint8_t* p = wr[j] + b * 34;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + MS_QPREFETCH, _MM_HINT_T1);
+      w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+      aw[j] = _mm256_abs_epi8(w[j]);
+      sc[j] = f16_at(p);
     }
-  for (int j = 0; j < r; ++j)
-    for (int i = 0; i < mr; ++i) put(y + (m0 + i) * ldy + nc[j], hsum256(accv[j][i]), acc);
+    const __m256 dw = _mm256_setr_ps(sc[0], sc[1], sc[2], sc[3], sc[0], sc[1], sc[2], sc[3]);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(xr[i].q + 32 * b));
+      __m256i m[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) m[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(q, w[j])), ones);
+      const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
+      accv[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(dw, _mm256_broadcast_ss(xr[i].dl + 8 * b)), accv[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) put_quad_avx2(accv[i], r, y + (m0 + i) * ldy, nc, acc);
+}
+
+void qmk_avx2_q8_0(int r, const uint8_t* const* wr, const QAct& a, int64_t m0, int mr, int64_t g0, int64_t g1,
+                   int64_t K, float* y, size_t ldy, const int* nc, bool acc) {
+  with_rows(mr, [&](auto MR) { qmk_avx2_q8_0_b<decltype(MR)::value>(r, wr, a, m0, g0, g1, K, y, ldy, nc, acc); });
 }
 
 void qmk_avx2(QMK_ARGS) {
   if (qt == kQ4_K) return qmk_avx2_k<kQ4_K>(r, wr, a, m0, mr, g0, g1, y, ldy, nc, acc);
   if (qt == kQ6_K) return qmk_avx2_k<kQ6_K>(r, wr, a, m0, mr, g0, g1, y, ldy, nc, acc);
   if (qt == kQ4_0) return qmk_avx2_q4_0(r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
+  if (qt == kQ8_0) return qmk_avx2_q8_0(r, wr, a, m0, mr, g0, g1, K, y, ldy, nc, acc);
   __m256 accv[kQR][kQMR];
   for (int j = 0; j < kQR; ++j)
     for (int i = 0; i < kQMR; ++i) accv[j][i] = _mm256_setzero_ps();
@@ -3108,6 +3393,26 @@ int ms_qquantize(const float* x, int64_t M, int64_t K, int qtype, int8_t* q, flo
     std::memcpy(q + m * K, r.q, size_t(K));
     for (int64_t b = 0; b < K / sp.xblk; ++b) d[m * (K / sp.xblk) + b] = r.dl[b * sp.xblk / 4];
   }
+  return 0;
+}
+
+// Every byte the kernels read of x [M, K] f32 quantized for weights of qtype: row m's layout (QRow: q, nxo, dl, xs, bs,
+// kx, and for Q8_0 / Q4_0 ux) at out + m * ms_qrow_bytes(qtype, K). For tests: each ISA path's rounding, bit for bit.
+int64_t ms_qrow_bytes(int qtype, int64_t K) {
+  QSpec sp;
+  if (!qspec(qtype, sp)) return -1;
+  const int64_t kp = pad64(K);
+  return 4 * kp + bs_bytes(kp) + kx_bytes(kp) + (sp.xblk == 32 ? ux_bytes(kp) : 0);
+}
+
+int ms_qquantize_rows(const float* x, int64_t M, int64_t K, int qtype, uint8_t* out) {
+  const std::string bad = qcheck(qtype, K, "ms_qquantize_rows: x");
+  if (!bad.empty()) return fail(bad);
+  QSpec sp;
+  qspec(qtype, sp);
+  const QAct a = quantize_rows(sp, x, false, size_t(K), nullptr, M, K, t_scratch.xa);
+  const int64_t n = ms_qrow_bytes(qtype, K);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * n, a.base + m * a.stride, size_t(n));
   return 0;
 }
 
