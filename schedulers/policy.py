@@ -14,7 +14,7 @@ Cache organisations used by the policies:
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import numpy as np
 
@@ -222,6 +222,30 @@ def split_by_availability(state: LayerState) -> tuple[np.ndarray, np.ndarray]:
     active = state.active
     avail = state.available(state.layer)[active]
     return active[avail], active[~avail]
+
+
+class ExpertTimes(NamedTuple):
+    """Per expert of a layer (lists over every expert id): tokens, GPU time in a call of its own, CPU time."""
+
+    tokens: list[float]
+    gpu: list[float]
+    cpu: list[float]
+
+
+def expert_times(tokens: np.ndarray, cost) -> ExpertTimes:
+    """`ExpertTimes` of a layer's token counts (int [E]; elementwise `t_g` / `t_c`: the values each expert's own
+    `t_g(m)` / `t_c(m)` gives)."""
+    return ExpertTimes(np.asarray(tokens).tolist(), np.atleast_1d(cost.t_g(tokens)).tolist(),
+                       np.atleast_1d(cost.t_c(tokens)).tolist())
+
+
+def layer_expert_times(state: LayerState) -> ExpertTimes:
+    """`expert_times` of `state`'s tokens, made once per layer state: PreSched's walk, Horizon's candidate splits
+    (HybriMoE's HSS, DALI's list, `layer_time`) and DALI's own plan read the same per-expert times."""
+    times = state.__dict__.get("_expert_times")
+    if times is None:
+        times = state.__dict__["_expert_times"] = expert_times(state.tokens, state.cost)
+    return times
 
 
 def by_tokens(experts: np.ndarray, tokens: np.ndarray, descending: bool = False) -> np.ndarray:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from schedulers.base import LayerPlan, LayerState, Phase, SchedulerSettings, register
-from schedulers.policy import OffloadPolicy, by_tokens
+from schedulers.policy import OffloadPolicy, by_tokens, layer_expert_times
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ def greedy_assignment(state: LayerState, may_move_resident: bool) -> tuple[list[
     cpu: list[int] = []
     gpu: list[int] = []
     loads: list[int] = []
-    t_g = np.atleast_1d(cost.t_g(tok)).tolist()  # per expert, as `t_g(m)` / `t_c(m)` give them one at a time
-    t_c = np.atleast_1d(cost.t_c(tok)).tolist()
+    times = layer_expert_times(state)  # per expert, as `t_g(m)` / `t_c(m)` give them one at a time
+    t_g, t_c = times.gpu, times.cpu
     for e in by_tokens(state.active, tok, descending=True).tolist():
         if avail[e]:
             g_end = max(gpu_t, landing.get(e, 0.0)) + t_g[e]

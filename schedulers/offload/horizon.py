@@ -72,7 +72,7 @@ from schedulers.offload.dali import greedy_assignment
 from schedulers.offload.hybrimoe import hybrid_scheduling
 from schedulers.offload.layerwise import greedy_split
 from schedulers.offload.presched import Lookahead, PreSched, PreSchedSettings
-from schedulers.policy import by_tokens, split_by_availability
+from schedulers.policy import by_tokens, layer_expert_times, split_by_availability
 
 
 @dataclass(frozen=True)
@@ -185,12 +185,11 @@ def layer_parts(state: LayerState) -> LayerParts:
     parts = state.__dict__.get("_horizon_parts")
     if parts is None:
         cost = state.cost
-        m = state.tokens.astype(np.float64)
-        t_g = np.atleast_1d(cost.t_g(m)).tolist()
-        in_group = cost.t_g_shares(m).tolist()
+        times = layer_expert_times(state)  # shared with HSS, DALI's list and PreSched's walk
+        in_group = cost.t_g_shares(state.tokens.astype(np.float64)).tolist()
         landing = {t.expert: t.remaining_s for t in state.inflight if t.layer == state.layer}
         parts = state.__dict__["_horizon_parts"] = LayerParts(landing, cost.t_shared(state.batch_tokens), {},
-                                                              state.tokens.tolist(), t_g, in_group)
+                                                              times.tokens, times.gpu, in_group)
     return parts
 
 
@@ -202,7 +201,7 @@ def group_time(state: LayerState, experts: tuple[int, ...]) -> float:
     groups = parts.groups
     if experts not in groups:
         each = [parts.in_group[e] for e in experts]
-        groups[experts] = float(np.sum(state.cost.with_dispatch(each, [parts.tokens[e] for e in experts]))) \
+        groups[experts] = float(state.cost.with_dispatch(each, [parts.tokens[e] for e in experts]).sum()) \
             if experts else 0.0
     return groups[experts]
 
@@ -223,7 +222,8 @@ def candidate_splits(state: LayerState, names: Sequence[str], may_move_resident:
             loads = tuple(cur[i:][::-1].tolist())
             out.append(Split(name, tuple(cur[:i].tolist()), ready_t + loads, loads))
         elif name == "hss" and may_move_resident:
-            cpu, gpu = hybrid_scheduling(ready, missing, tok, state.t_io_s, cost, state.alpha_s)
+            cpu, gpu = hybrid_scheduling(ready, missing, tok, state.t_io_s, cost, state.alpha_s,
+                                         layer_expert_times(state))
             miss = set(int(e) for e in missing)
             loads = tuple(e for e in gpu if e in miss)
             out.append(Split(name, tuple(int(e) for e in cpu), tuple(e for e in gpu if e not in miss) + loads, loads))
@@ -434,10 +434,14 @@ class Horizon(PreSched):
         kept = [i for i, r in enumerate(plan.retain) if r]
         evict = list(plan.evict)
         retain = list(plan.retain)
+        if not evict:
+            return plan
+        # every key the walk may compare, in one call each (elementwise: the values one call per key gives)
+        loads = self.next_use_key(state, np.full(len(kept), state.layer), np.array([plan.ondemand[i] for i in kept],
+                                                                                   dtype=np.int64)).tolist()
+        victims = self.next_use_key(state, *np.array(evict, dtype=np.int64).T).tolist()
         while kept and evict:
-            load = self.next_use_key(state, np.array([state.layer]), np.array([plan.ondemand[kept[-1]]]))[0]
-            victim = evict[-1]
-            if load > self.next_use_key(state, np.array([victim[0]]), np.array([victim[1]]))[0]:
+            if loads[len(kept) - 1] > victims[len(evict) - 1]:
                 break
             retain[kept.pop()] = False
             evict.pop()
