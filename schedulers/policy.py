@@ -122,10 +122,10 @@ class OffloadPolicy:
         cand = state.resident & ~self.pinned
         if self.settings.eviction is Eviction.token_share and state.layer != 0:
             cand[0] = False
-        for t in state.inflight:
-            cand[t.layer, t.expert] = False
-        for layer, e in protect:
-            cand[layer, e] = False
+        held = [(t.layer, t.expert) for t in state.inflight] + list(protect)
+        if held:  # one scatter, not one numpy call per expert (a plan protects up to a layer's every active expert)
+            layers, experts = zip(*held)
+            cand[list(layers), list(experts)] = False
         return np.nonzero(cand)
 
     def eviction_order(self, state: LayerState, layers: np.ndarray, experts: np.ndarray, need: int) -> np.ndarray:
@@ -218,10 +218,16 @@ def routed_share(tokens: np.ndarray, top_k: int) -> np.ndarray:
 
 
 def split_by_availability(state: LayerState) -> tuple[np.ndarray, np.ndarray]:
-    """(ready, missing): active experts of this layer that are / are not resident or landing."""
-    active = state.active
-    avail = state.available(state.layer)[active]
-    return active[avail], active[~avail]
+    """(ready, missing): active experts of this layer that are / are not resident or landing. Made once per layer state
+    (PreSched's plan and Horizon's candidate splits both ask): read-only arrays."""
+    both = state.__dict__.get("_by_availability")
+    if both is None:
+        active = state.active
+        avail = state.available(state.layer)[active]
+        both = state.__dict__["_by_availability"] = (active[avail], active[~avail])
+        for part in both:
+            part.setflags(write=False)
+    return both
 
 
 class ExpertTimes(NamedTuple):

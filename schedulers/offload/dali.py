@@ -40,7 +40,8 @@ def greedy_assignment(state: LayerState, may_move_resident: bool) -> tuple[list[
     """(cpu experts, gpu experts, loads in link order, expected span): descending workload, each expert to the
     side that finishes it first (GPU: after its transfer when missing)."""
     cost, tok = state.cost, state.tokens
-    avail = state.available(state.layer)
+    avail = state.available(state.layer).tolist()  # Python bools: the loop below indexes them per expert
+    t_io = state.t_io_s
     landing = {t.expert: t.remaining_s for t in state.inflight if t.layer == state.layer}
     gpu_t = cost.t_shared(state.batch_tokens)
     link = state.alpha_s
@@ -59,7 +60,7 @@ def greedy_assignment(state: LayerState, may_move_resident: bool) -> tuple[list[
                 continue
             new_link = link
         else:
-            new_link = link + state.t_io_s
+            new_link = link + t_io
             g_end = max(gpu_t, new_link) + t_g[e]
         c_end = cpu_t + t_c[e]
         if g_end <= c_end:

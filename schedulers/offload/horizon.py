@@ -72,7 +72,7 @@ from schedulers.offload.dali import greedy_assignment
 from schedulers.offload.hybrimoe import hybrid_scheduling
 from schedulers.offload.layerwise import greedy_split
 from schedulers.offload.presched import Lookahead, PreSched, PreSchedSettings
-from schedulers.policy import by_tokens, layer_expert_times, split_by_availability
+from schedulers.policy import layer_expert_times, split_by_availability
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,9 @@ class Split:
     loads: tuple[int, ...]
 
 
+_QUEUE_NUMPY_FROM = 32  # `layer_time` plays a link queue longer than this in numpy (numpy's per-call cost amortised)
+
+
 def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> float:
     """Seconds from the gate until the layer's CPU and GPU sides are both done, as the mechanism runs `split`:
     shared + resident experts in one call, landing ones at arrival, loads serial on the link behind `alpha`
@@ -157,10 +160,15 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
     queue = [e for e in split.gpu if e in held] + list(split.loads) if held else split.loads
     if queue:
         alpha, t_io = state.alpha_s, state.t_io_s
-        tail, last = 0.0, -math.inf
-        for k in range(len(queue) - 1, -1, -1):  # tail sums from the last load back, as a reversed cumsum adds
-            tail += t_g[queue[k]]
-            last = max(last, alpha + t_io * (k + 1) + tail)
+        if len(queue) > _QUEUE_NUMPY_FROM:  # the same sums, in the same order, in four array calls
+            tails = np.cumsum([t_g[e] for e in reversed(queue)])  # np.cumsum adds left to right, as the loop below
+            tail = float(tails[-1])
+            last = float(np.max(alpha + t_io * np.arange(len(queue), 0, -1) + tails))
+        else:
+            tail, last = 0.0, -math.inf
+            for k in range(len(queue) - 1, -1, -1):  # tail sums from the last load back, as a reversed cumsum adds
+                tail += t_g[queue[k]]
+                last = max(last, alpha + t_io * (k + 1) + tail)
         gpu = max(gpu + tail, last)
     cpu = cost.t_c_sum([tok[e] for e in split.cpu])
     s = cost.device_cpu_share  # where the device is the host, each side also waits for its share of the other
@@ -210,29 +218,30 @@ def candidate_splits(state: LayerState, names: Sequence[str], may_move_resident:
     """The candidate splits of `names` other than PreSched's (which comes from its plan)."""
     tok, cost = state.tokens, state.cost
     ready, missing = split_by_availability(state)
-    cur = by_tokens(missing, tok)  # ascending
+    tokens = layer_parts(state).tokens
+    cur = sorted(missing.tolist(), key=tokens.__getitem__)  # ascending (stable: ties by id, as `by_tokens`)
     ready_t = tuple(ready.tolist())
     out: list[Split] = []
     for name in names:
         if name == "greedy":
             ready_s = cost.t_shared(state.batch_tokens) + group_time(state, ready_t) if ready.size \
                 else cost.t_shared(state.batch_tokens)
-            t_g = float(cost.t_g(max(int(tok.max(initial=1)), 1)))
-            i = greedy_split(tok[cur].astype(np.float64), ready_s, state.alpha_s, state.t_io_s, t_g, cost)
-            loads = tuple(cur[i:][::-1].tolist())
-            out.append(Split(name, tuple(cur[:i].tolist()), ready_t + loads, loads))
+            t_g = float(cost.t_g(max(max(tokens, default=1), 1)))
+            i = greedy_split([float(tokens[e]) for e in cur], ready_s, state.alpha_s, state.t_io_s, t_g, cost)
+            loads = tuple(cur[i:][::-1])
+            out.append(Split(name, tuple(cur[:i]), ready_t + loads, loads))
         elif name == "hss" and may_move_resident:
             cpu, gpu = hybrid_scheduling(ready, missing, tok, state.t_io_s, cost, state.alpha_s,
                                          layer_expert_times(state))
-            miss = set(int(e) for e in missing)
+            miss = set(missing.tolist())
             loads = tuple(e for e in gpu if e in miss)
-            out.append(Split(name, tuple(int(e) for e in cpu), tuple(e for e in gpu if e not in miss) + loads, loads))
+            out.append(Split(name, tuple(cpu), tuple(e for e in gpu if e not in miss) + loads, loads))
         elif name == "dali":
             out.append(list_split(state, may_move_resident))
         elif name == "all_cpu":
-            out.append(Split(name, tuple(cur.tolist()), ready_t, ()))
+            out.append(Split(name, tuple(cur), ready_t, ()))
         elif name == "all_gpu":
-            loads = tuple(cur[::-1].tolist())
+            loads = tuple(cur[::-1])
             out.append(Split(name, (), ready_t + loads, loads))
     return out
 
@@ -281,7 +290,7 @@ def next_layer(state: LayerState, e_next: Optional[tuple[Sequence[int], Sequence
     ready = pred[some[avail]]
     ready_s = cost.t_shared(state.batch_tokens) + (float(np.sum(cost.t_g_group(ready))) if ready.size else 0.0)
     return NextLayer(target, experts, np.concatenate([[0.0], cost.t_c_prefix(m)]),
-                     np.atleast_1d(cost.t_g(np.asarray(m, dtype=np.float64))).astype(np.float64), ready_s)
+                     np.atleast_1d(cost.t_g(np.asarray(m, dtype=np.float64))), ready_s)
 
 
 def next_layer_times(state: LayerState, nxt: NextLayer, owed: np.ndarray, counts: int) -> np.ndarray:
@@ -451,8 +460,8 @@ class Horizon(PreSched):
         """float64 [n]: usage (PreSched's token share) per layer until the expert's layer comes back (a whole pass
         for this layer's): the lower, the sooner it goes."""
         L = state.num_layers
-        comes_back = (layers - state.layer) % L
-        return self.standing(layers, experts) / np.where(comes_back == 0, L, comes_back)
+        comes_back = (np.arange(L) - state.layer) % L  # per layer, not per cached expert: the same integers
+        return self.standing(layers, experts) / np.where(comes_back == 0, L, comes_back)[layers]
 
     def eviction_order(self, state: LayerState, layers: np.ndarray, experts: np.ndarray, need: int) -> np.ndarray:
         """Next use first (`evict_next_use`): a pass runs the layers in order, so a cached expert of the layer that
