@@ -53,7 +53,8 @@ def greedy_assignment(state: LayerState, may_move_resident: bool) -> tuple[list[
     t_g, t_c = times.gpu, times.cpu
     for e in by_tokens(state.active, tok, descending=True).tolist():
         if avail[e]:
-            g_end = max(gpu_t, landing.get(e, 0.0)) + t_g[e]
+            arrives = landing.get(e, 0.0)
+            g_end = (arrives if arrives > gpu_t else gpu_t) + t_g[e]  # max() without its call, same value
             if not may_move_resident:
                 gpu_t = g_end
                 gpu.append(e)
@@ -61,7 +62,7 @@ def greedy_assignment(state: LayerState, may_move_resident: bool) -> tuple[list[
             new_link = link
         else:
             new_link = link + t_io
-            g_end = max(gpu_t, new_link) + t_g[e]
+            g_end = (new_link if new_link > gpu_t else gpu_t) + t_g[e]
         c_end = cpu_t + t_c[e]
         if g_end <= c_end:
             gpu_t, link = g_end, new_link
