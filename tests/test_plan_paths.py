@@ -161,3 +161,11 @@ def test_evictable_spares_landing_and_protected_experts(cost: CostModel) -> None
     spared = protect | {(t.layer, t.expert) for t in s.inflight}
     assert not got & spared
     assert got == {(int(l), int(e)) for l, e in np.argwhere(s.resident) if l != 0} - spared  # layer 0: its own loads
+
+
+def test_scalar_and_array_cost_paths_agree(cost: CostModel) -> None:
+    """The plans mix `t_g(m)` / `t_c(m)` on one float with the same over an array (`next_layer`, `greedy_split`):
+    both paths must give the same values, 0 included."""
+    m = np.concatenate([[0.0, 1.0], np.random.default_rng(6).uniform(0, 300, 200), np.arange(1, 65)])
+    assert [cost.t_g(x) for x in m.tolist()] == cost.t_g(m).tolist()
+    assert [cost.t_c(x) for x in m.tolist()] == cost.t_c(m).tolist()

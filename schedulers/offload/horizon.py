@@ -291,8 +291,10 @@ def next_layer(state: LayerState, e_next: Optional[tuple[Sequence[int], Sequence
         experts, m = tuple(e_next[0]), list(e_next[1])
     ready = pred[some[avail]]
     ready_s = cost.t_shared(state.batch_tokens) + (float(np.sum(cost.t_g_group(ready))) if ready.size else 0.0)
-    return NextLayer(target, experts, np.concatenate([[0.0], cost.t_c_prefix(m)]),
-                     np.atleast_1d(cost.t_g(np.asarray(m, dtype=np.float64))), ready_s)
+    # each expert's `t_g`: on Python floats for a few (the scalar and array paths give the same values)
+    gpu_each = np.array([cost.t_g(x) for x in m], dtype=np.float64) if len(m) <= _QUEUE_NUMPY_FROM \
+        else np.atleast_1d(cost.t_g(np.asarray(m, dtype=np.float64)))
+    return NextLayer(target, experts, np.concatenate([[0.0], cost.t_c_prefix(m)]), gpu_each, ready_s)
 
 
 def next_layer_times(state: LayerState, nxt: NextLayer, owed: np.ndarray, counts: int) -> np.ndarray:
