@@ -169,3 +169,20 @@ def test_scalar_and_array_cost_paths_agree(cost: CostModel) -> None:
     m = np.concatenate([[0.0, 1.0], np.random.default_rng(6).uniform(0, 300, 200), np.arange(1, 65)])
     assert [cost.t_g(x) for x in m.tolist()] == cost.t_g(m).tolist()
     assert [cost.t_c(x) for x in m.tolist()] == cost.t_c(m).tolist()
+
+
+@pytest.mark.slow
+def test_bench_planning_compares_every_plan_with_another_tree() -> None:
+    """`bench_planning.py --base-tree`: this tree against itself in two worker processes, alternated; every plan of
+    both systems the same, a time for each side."""
+    from pathlib import Path
+
+    from engine.bench import bench_planning
+
+    root = Path(bench_planning.__file__).resolve().parents[2]
+    out = bench_planning.main(["--points", "mixtral_8x7b:1", "--gen-len", "2", "--repeats", "2",
+                               "--base-tree", str(root)])
+    for system in ("presched", "horizon"):
+        assert out[f"mixtral_8x7b b1 {system} plans identical"] is True
+        median, p99, n = out[f"mixtral_8x7b b1 {system}@base"]
+        assert n == out[f"mixtral_8x7b b1 {system}"][2] > 0 and 0 < median <= p99
