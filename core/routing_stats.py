@@ -183,7 +183,7 @@ class TransitionTable:
             d = self._derived = (self.counts, self.target_freq, self.conditional(), 1e-6 * prior)
         # the k source rows summed in source order, as `[src].sum(axis=1)` adds them, but over [k, T, E] blocks (one
         # contiguous add per source expert instead of a strided reduction: the same values, 1.2-2x faster)
-        return np.add.reduce(d[2][src.T.astype(np.int64)], axis=0) + d[3]
+        return np.add.reduce(d[2][np.asarray(src).T], axis=0) + d[3]  # any integer dtype indexes alike
 
     def predict(self, src: np.ndarray, k: int) -> np.ndarray:
         return topk_experts(self.scores(src), k)

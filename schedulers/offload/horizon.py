@@ -290,7 +290,9 @@ def next_layer(state: LayerState, e_next: Optional[tuple[Sequence[int], Sequence
     else:
         experts, m = tuple(e_next[0]), list(e_next[1])
     ready = pred[some[avail]]
-    ready_s = cost.t_shared(state.batch_tokens) + (float(np.sum(cost.t_g_group(ready))) if ready.size else 0.0)
+    # `sum(t_g_group(ready))`, the dispatch placed on a list (the same array summed)
+    ready_s = cost.t_shared(state.batch_tokens) + \
+        (float(cost.with_dispatch(cost.t_g_shares(ready), ready.tolist()).sum()) if ready.size else 0.0)
     # each expert's `t_g`: on Python floats for a few (the scalar and array paths give the same values)
     gpu_each = np.array([cost.t_g(x) for x in m], dtype=np.float64) if len(m) <= _QUEUE_NUMPY_FROM \
         else np.atleast_1d(cost.t_g(np.asarray(m, dtype=np.float64)))
@@ -490,12 +492,11 @@ class Horizon(PreSched):
         cold expert still goes before a hot one of a layer a little further away."""
         if not self.settings.evict_next_use:
             return super().eviction_order(state, layers, experts, need)
-        lru = self.last_used[layers, experts]
         key = self.next_use_key(state, layers, experts)
         if need < key.size:  # sort only what can be chosen (as PreSched's order): keys up to the need-th smallest
             some = np.flatnonzero(key <= np.partition(key, need - 1)[need - 1])
-            return some[np.lexsort((lru[some], key[some]))][:need]
-        return np.lexsort((lru, key))
+            return some[np.lexsort((self.last_used[layers[some], experts[some]], key[some]))][:need]
+        return np.lexsort((self.last_used[layers, experts], key))
 
 
 def plan_time(state: LayerState, plan: LayerPlan) -> float:
