@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from schedulers.base import LayerPlan, LayerState, Phase, SchedulerSettings, register
 from schedulers.policy import OffloadPolicy, by_tokens, layer_expert_times
 
