@@ -335,9 +335,13 @@ class CostModel:
         """float64 [n]: `shares` (each expert's `t_g_shares` in a call) with the call's dispatch added to the first
         expert that has tokens (`m` > 0): the per-expert times `t_g_group` gives."""
         out = np.array(shares, dtype=np.float64)
-        live = np.flatnonzero(np.atleast_1d(np.asarray(m)) > 0)
-        if live.size:
-            out[live[0]] += self.call_overhead_s
+        if isinstance(m, list):  # a plan's few experts: the first live one without numpy's per-call overhead
+            first = next((i for i, x in enumerate(m) if x > 0), None)
+        else:
+            live = np.flatnonzero(np.atleast_1d(np.asarray(m)) > 0)
+            first = int(live[0]) if live.size else None
+        if first is not None:
+            out[first] += self.call_overhead_s
         return out
 
     def t_g_group_sum(self, ms: Sequence[float]) -> float:

@@ -9,7 +9,11 @@ call (the forecasts it reads are made inside it, so the predictor's time is part
 `planning_ms`). The systems alternate round by round (`--repeats`), so a loaded machine slows them alike; printed:
 median and p99 over the decode layers of all rounds. `--base <commit>` adds that commit's Horizon
 (`horizon@base`, its `horizon.py` loaded beside this tree's other modules) to the rotation and checks that every plan
-of both is the same: a before / after of Horizon's own code under one load.
+of both is the same: a before / after of Horizon's own code under one load. `--base-tree DIR` (another checkout, e.g.
+`git worktree add --detach DIR <commit>`) runs every system in both trees instead, each in a worker process of its own
+(`plan_worker.py`: the tree's own modules, PreSched, the cache, the cost model and the predictors included), the
+requests alternated between the two workers round by round, and checks that every plan of each system is the same
+in both (`<system>@base` in the table): a before / after of any planning code under one load.
 
 The budget: one decode MoE layer of the model with every expert in GPU memory, from the cost model of `--machine`
 (attention at the prompt's context, the shared experts, the routed experts active at that batch in one device call;
@@ -230,6 +234,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--base", default=None,
                     help="a git commit: its Horizon (`horizon@base`) alternated with this tree's, plans compared")
+    ap.add_argument("--base-tree", default=None,
+                    help="another checkout: every system timed there too (`<system>@base`), plans compared")
     ap.add_argument("--study", action="store_true", help="the charged-planning study instead (see the docstring)")
     ap.add_argument("--study-models", default="mixtral_8x7b,qwen3_30b_a3b,deepseek_v2_lite")
     ap.add_argument("--study-batches", default="4,16,64")
@@ -243,6 +249,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.study:
         return {"rows": charged_study(args)}
     points = [(p.split(":")[0], int(p.split(":")[1])) for p in args.points.split(",")]
+    if args.base_tree:
+        out = tree_rounds(points, args)
+        return out | budget(points, args.machine)
     systems = args.systems.split(",") + (["horizon@base"] if args.base else [])
     policies = {"horizon@base": horizon_at(args.base)} if args.base else {}
     out: dict[str, Any] = {}
@@ -268,14 +277,95 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             out[f"{model} b{batch} {s}"] = (float(np.median(us)), float(np.percentile(us, 99)), us.size)
             print(f"{model} b{batch} {args.machine} {s:>9}: plan per decode layer median {np.median(us):8.0f} us, "
                   f"p99 {np.percentile(us, 99):8.0f} us ({us.size} layers)")
+    return out | budget(points, args.machine)
+
+
+def budget(points: list[tuple[str, int]], machine: str) -> dict[str, Any]:
+    """Prints and returns the in-memory decode MoE layer of each model at batch 1 and 64 (as fitted, roofline)."""
+    out: dict[str, Any] = {}
     for model in dict(points):
         for batch in (1, 64):
-            t, r = gpu_layer_s(model, batch, args.machine), gpu_layer_s(model, batch, args.machine, roofline=True)
+            t, r = gpu_layer_s(model, batch, machine), gpu_layer_s(model, batch, machine, roofline=True)
             out[f"{model} gpu layer b{batch}"] = (t, r)
-            print(f"budget: {model} {args.machine} in-memory decode MoE layer at batch {batch}: {t * 1e6:8.0f} us as "
+            print(f"budget: {model} {machine} in-memory decode MoE layer at batch {batch}: {t * 1e6:8.0f} us as "
                   f"the profile has it (per-call overheads fitted to the paper's PyTorch), {r * 1e6:6.0f} us at the "
                   "roofline")
     return out
+
+
+class TreeWorker:
+    """`plan_worker.py` serving from `tree` (its modules imported there), one request at a time."""
+
+    def __init__(self, tree: Path):
+        worker = Path(__file__).resolve().with_name("plan_worker.py")
+        self.tree = tree
+        self.proc = subprocess.Popen([sys.executable, str(worker)], cwd=tree, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def run(self, model: str, batch: int, machine: str, system: str, gen_len: int, plans: bool
+            ) -> tuple[list[float], list[str]]:
+        """(seconds of every decode plan call, repr of every plan when `plans`) of one simulated run."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        req = {"model": model, "batch": batch, "machine": machine, "system": system, "gen_len": gen_len,
+               "plans": plans}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"{self.tree}: the planning worker stopped (exit {self.proc.wait()}) on {req}")
+        answer = json.loads(line)
+        return answer["seconds"], answer["plans"]
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def tree_rounds(points: list[tuple[str, int]], args: argparse.Namespace) -> dict[str, Any]:
+    """`--base-tree`: every system in this tree and in the other, each tree in a worker of its own, the two
+    alternated run by run (each round flips which goes first); every plan compared per system and point."""
+    workers = {"": TreeWorker(Path(__file__).resolve().parents[2]), "@base": TreeWorker(Path(args.base_tree).resolve())}
+    out: dict[str, Any] = {}
+    try:
+        for model, batch in points:
+            seconds: dict[str, list[float]] = {}
+            plans: dict[str, list[str]] = {}
+            for r in range(args.repeats):
+                for system in args.systems.split(","):
+                    for tag in (("", "@base") if r % 2 == 0 else ("@base", "")):
+                        took, made = workers[tag].run(model, batch, args.machine, system, args.gen_len, r == 0)
+                        seconds.setdefault(system + tag, []).extend(took)
+                        if r == 0:
+                            plans[system + tag] = made
+            for system in args.systems.split(","):
+                same = plans[system] == plans[system + "@base"]
+                out[f"{model} b{batch} {system} plans identical"] = same
+                print(f"{model} b{batch}: every plan of {system} in both trees identical: {same} "
+                      f"({len(plans[system])} plans)")
+            for name, took in seconds.items():
+                us = np.asarray(took) * 1e6
+                out[f"{model} b{batch} {name}"] = (float(np.median(us)), float(np.percentile(us, 99)), us.size)
+                print(f"{model} b{batch} {args.machine} {name:>15}: plan per decode layer median {np.median(us):8.0f} "
+                      f"us, p99 {np.percentile(us, 99):8.0f} us ({us.size} layers)", flush=True)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    print("\n".join(tree_table(out, points, args.systems.split(","))))
+    return out
+
+
+def tree_table(out: dict[str, Any], points: list[tuple[str, int]], systems: list[str]) -> list[str]:
+    """Markdown: per point and system, median / p99 µs per decode layer in the other tree and this one, the ratio of
+    the medians, and whether every plan is the same."""
+    lines = ["| point | system | base median / p99 µs | this median / p99 µs | this / base (median) | plans identical |",
+             "|---|---|---|---|---|---|"]
+    for model, batch in points:
+        for system in systems:
+            (bm, bp, _), (tm, tp, _) = out[f"{model} b{batch} {system}@base"], out[f"{model} b{batch} {system}"]
+            lines.append(f"| {model} b{batch} | {system} | {bm:,.0f} / {bp:,.0f} | {tm:,.0f} / {tp:,.0f} | "
+                         f"{tm / bm:.2f} | {out[f'{model} b{batch} {system} plans identical']} |")
+    return lines
 
 
 if __name__ == "__main__":

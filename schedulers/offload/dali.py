@@ -23,10 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from schedulers.base import LayerPlan, LayerState, Phase, SchedulerSettings, register
-from schedulers.policy import OffloadPolicy, by_tokens
+from schedulers.policy import OffloadPolicy, by_tokens, layer_expert_times
 
 
 @dataclass(frozen=True)
@@ -40,7 +38,8 @@ def greedy_assignment(state: LayerState, may_move_resident: bool) -> tuple[list[
     """(cpu experts, gpu experts, loads in link order, expected span): descending workload, each expert to the
     side that finishes it first (GPU: after its transfer when missing)."""
     cost, tok = state.cost, state.tokens
-    avail = state.available(state.layer)
+    avail = state.available(state.layer).tolist()  # Python bools: the loop below indexes them per expert
+    t_io = state.t_io_s
     landing = {t.expert: t.remaining_s for t in state.inflight if t.layer == state.layer}
     gpu_t = cost.t_shared(state.batch_tokens)
     link = state.alpha_s
@@ -48,19 +47,20 @@ def greedy_assignment(state: LayerState, may_move_resident: bool) -> tuple[list[
     cpu: list[int] = []
     gpu: list[int] = []
     loads: list[int] = []
-    t_g = np.atleast_1d(cost.t_g(tok)).tolist()  # per expert, as `t_g(m)` / `t_c(m)` give them one at a time
-    t_c = np.atleast_1d(cost.t_c(tok)).tolist()
+    times = layer_expert_times(state)  # per expert, as `t_g(m)` / `t_c(m)` give them one at a time
+    t_g, t_c = times.gpu, times.cpu
     for e in by_tokens(state.active, tok, descending=True).tolist():
         if avail[e]:
-            g_end = max(gpu_t, landing.get(e, 0.0)) + t_g[e]
+            arrives = landing.get(e, 0.0)
+            g_end = (arrives if arrives > gpu_t else gpu_t) + t_g[e]  # max() without its call, same value
             if not may_move_resident:
                 gpu_t = g_end
                 gpu.append(e)
                 continue
             new_link = link
         else:
-            new_link = link + state.t_io_s
-            g_end = max(gpu_t, new_link) + t_g[e]
+            new_link = link + t_io
+            g_end = (new_link if new_link > gpu_t else gpu_t) + t_g[e]
         c_end = cpu_t + t_c[e]
         if g_end <= c_end:
             gpu_t, link = g_end, new_link

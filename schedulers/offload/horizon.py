@@ -72,7 +72,7 @@ from schedulers.offload.dali import greedy_assignment
 from schedulers.offload.hybrimoe import hybrid_scheduling
 from schedulers.offload.layerwise import greedy_split
 from schedulers.offload.presched import Lookahead, PreSched, PreSchedSettings
-from schedulers.policy import by_tokens, split_by_availability
+from schedulers.policy import layer_expert_times, split_by_availability
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,9 @@ class Split:
     loads: tuple[int, ...]
 
 
+_QUEUE_NUMPY_FROM = 32  # `layer_time` plays a link queue longer than this in numpy (numpy's per-call cost amortised)
+
+
 def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> float:
     """Seconds from the gate until the layer's CPU and GPU sides are both done, as the mechanism runs `split`:
     shared + resident experts in one call, landing ones at arrival, loads serial on the link behind `alpha`
@@ -157,10 +160,17 @@ def layer_time(state: LayerState, split: Split, held: Sequence[int] = ()) -> flo
     queue = [e for e in split.gpu if e in held] + list(split.loads) if held else split.loads
     if queue:
         alpha, t_io = state.alpha_s, state.t_io_s
-        tail, last = 0.0, -math.inf
-        for k in range(len(queue) - 1, -1, -1):  # tail sums from the last load back, as a reversed cumsum adds
-            tail += t_g[queue[k]]
-            last = max(last, alpha + t_io * (k + 1) + tail)
+        if len(queue) > _QUEUE_NUMPY_FROM:  # the same sums, in the same order, in four array calls
+            tails = np.cumsum([t_g[e] for e in reversed(queue)])  # np.cumsum adds left to right, as the loop below
+            tail = float(tails[-1])
+            last = float(np.max(alpha + t_io * np.arange(len(queue), 0, -1) + tails))
+        else:
+            tail, last = 0.0, -math.inf
+            for k in range(len(queue) - 1, -1, -1):  # tail sums from the last load back, as a reversed cumsum adds
+                tail += t_g[queue[k]]
+                done = alpha + t_io * (k + 1) + tail
+                if done > last:  # max() without its call
+                    last = done
         gpu = max(gpu + tail, last)
     cpu = cost.t_c_sum([tok[e] for e in split.cpu])
     s = cost.device_cpu_share  # where the device is the host, each side also waits for its share of the other
@@ -185,12 +195,11 @@ def layer_parts(state: LayerState) -> LayerParts:
     parts = state.__dict__.get("_horizon_parts")
     if parts is None:
         cost = state.cost
-        m = state.tokens.astype(np.float64)
-        t_g = np.atleast_1d(cost.t_g(m)).tolist()
-        in_group = cost.t_g_shares(m).tolist()
+        times = layer_expert_times(state)  # shared with HSS, DALI's list and PreSched's walk
+        in_group = cost.t_g_shares(state.tokens.astype(np.float64)).tolist()
         landing = {t.expert: t.remaining_s for t in state.inflight if t.layer == state.layer}
         parts = state.__dict__["_horizon_parts"] = LayerParts(landing, cost.t_shared(state.batch_tokens), {},
-                                                              state.tokens.tolist(), t_g, in_group)
+                                                              times.tokens, times.gpu, in_group)
     return parts
 
 
@@ -202,7 +211,7 @@ def group_time(state: LayerState, experts: tuple[int, ...]) -> float:
     groups = parts.groups
     if experts not in groups:
         each = [parts.in_group[e] for e in experts]
-        groups[experts] = float(np.sum(state.cost.with_dispatch(each, [parts.tokens[e] for e in experts]))) \
+        groups[experts] = float(state.cost.with_dispatch(each, [parts.tokens[e] for e in experts]).sum()) \
             if experts else 0.0
     return groups[experts]
 
@@ -211,28 +220,30 @@ def candidate_splits(state: LayerState, names: Sequence[str], may_move_resident:
     """The candidate splits of `names` other than PreSched's (which comes from its plan)."""
     tok, cost = state.tokens, state.cost
     ready, missing = split_by_availability(state)
-    cur = by_tokens(missing, tok)  # ascending
+    tokens = layer_parts(state).tokens
+    cur = sorted(missing.tolist(), key=tokens.__getitem__)  # ascending (stable: ties by id, as `by_tokens`)
     ready_t = tuple(ready.tolist())
     out: list[Split] = []
     for name in names:
         if name == "greedy":
             ready_s = cost.t_shared(state.batch_tokens) + group_time(state, ready_t) if ready.size \
                 else cost.t_shared(state.batch_tokens)
-            t_g = float(cost.t_g(max(int(tok.max(initial=1)), 1)))
-            i = greedy_split(tok[cur].astype(np.float64), ready_s, state.alpha_s, state.t_io_s, t_g, cost)
-            loads = tuple(cur[i:][::-1].tolist())
-            out.append(Split(name, tuple(cur[:i].tolist()), ready_t + loads, loads))
+            t_g = float(cost.t_g(max(max(tokens, default=1), 1)))
+            i = greedy_split([float(tokens[e]) for e in cur], ready_s, state.alpha_s, state.t_io_s, t_g, cost)
+            loads = tuple(cur[i:][::-1])
+            out.append(Split(name, tuple(cur[:i]), ready_t + loads, loads))
         elif name == "hss" and may_move_resident:
-            cpu, gpu = hybrid_scheduling(ready, missing, tok, state.t_io_s, cost, state.alpha_s)
-            miss = set(int(e) for e in missing)
+            cpu, gpu = hybrid_scheduling(ready, missing, tok, state.t_io_s, cost, state.alpha_s,
+                                         layer_expert_times(state))
+            miss = set(missing.tolist())
             loads = tuple(e for e in gpu if e in miss)
-            out.append(Split(name, tuple(int(e) for e in cpu), tuple(e for e in gpu if e not in miss) + loads, loads))
+            out.append(Split(name, tuple(cpu), tuple(e for e in gpu if e not in miss) + loads, loads))
         elif name == "dali":
             out.append(list_split(state, may_move_resident))
         elif name == "all_cpu":
-            out.append(Split(name, tuple(cur.tolist()), ready_t, ()))
+            out.append(Split(name, tuple(cur), ready_t, ()))
         elif name == "all_gpu":
-            loads = tuple(cur[::-1].tolist())
+            loads = tuple(cur[::-1])
             out.append(Split(name, (), ready_t + loads, loads))
     return out
 
@@ -279,9 +290,13 @@ def next_layer(state: LayerState, e_next: Optional[tuple[Sequence[int], Sequence
     else:
         experts, m = tuple(e_next[0]), list(e_next[1])
     ready = pred[some[avail]]
-    ready_s = cost.t_shared(state.batch_tokens) + (float(np.sum(cost.t_g_group(ready))) if ready.size else 0.0)
-    return NextLayer(target, experts, np.concatenate([[0.0], cost.t_c_prefix(m)]),
-                     np.atleast_1d(cost.t_g(np.asarray(m, dtype=np.float64))).astype(np.float64), ready_s)
+    # `sum(t_g_group(ready))`, the dispatch placed on a list (the same array summed)
+    ready_s = cost.t_shared(state.batch_tokens) + \
+        (float(cost.with_dispatch(cost.t_g_shares(ready), ready.tolist()).sum()) if ready.size else 0.0)
+    # each expert's `t_g`: on Python floats for a few (the scalar and array paths give the same values)
+    gpu_each = np.array([cost.t_g(x) for x in m], dtype=np.float64) if len(m) <= _QUEUE_NUMPY_FROM \
+        else np.atleast_1d(cost.t_g(np.asarray(m, dtype=np.float64)))
+    return NextLayer(target, experts, np.concatenate([[0.0], cost.t_c_prefix(m)]), gpu_each, ready_s)
 
 
 def next_layer_times(state: LayerState, nxt: NextLayer, owed: np.ndarray, counts: int) -> np.ndarray:
@@ -315,6 +330,20 @@ def next_layer_times(state: LayerState, nxt: NextLayer, owed: np.ndarray, counts
     return np.where(loads >= 0, t, np.inf).min(axis=2)
 
 
+def split_times(state: LayerState, splits: Sequence[Split]) -> list[float]:
+    """`layer_time` of every split, played once per distinct (cpu, gpu, loads): the candidates often coincide (eq. 4's
+    split and eq. 1's, HSS and DALI's list, all loaded and eq. 1's on a short link; 1,527 distinct of 2,880 at
+    Mixtral b1, 4,295 of 4,320 at Qwen3 b64, `bench_planning.py`'s points)."""
+    played: dict[tuple, float] = {}
+    out = []
+    for split in splits:
+        key = (split.cpu, split.gpu, split.loads)
+        if key not in played:
+            played[key] = layer_time(state, split)
+        out.append(played[key])
+    return out
+
+
 def search(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer], counts: int, baseline: int = 0
            ) -> tuple[Split, Optional[int], float]:
     """The split, and how many of the next layer's hottest forecast experts to prefetch (None: PreSched's own
@@ -324,11 +353,11 @@ def search(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer],
     choice saves by the same estimate against the first split (PreSched's) with `baseline` prefetches (its own count
     of the next layer's hottest, up to `counts`)."""
     if nxt is None or not nxt.experts or counts <= 0:
-        times = [layer_time(state, split) for split in splits]
+        times = split_times(state, splits)
         first = min(range(len(splits)), key=times.__getitem__)
         return splits[first], None, times[0] - times[first]
     t_io = state.t_io_s
-    t = np.array([layer_time(state, split) for split in splits])
+    t = np.array(split_times(state, splits))
     owed = state.alpha_s + np.array([len(split.loads) for split in splits]) * t_io - t - state.t_attn_next_s
     # [split, k]: every split's two-layer time per prefetch count, in one array pass
     totals = (t[:, None] + next_layer_times(state, nxt, owed, counts)).tolist()
@@ -434,10 +463,14 @@ class Horizon(PreSched):
         kept = [i for i, r in enumerate(plan.retain) if r]
         evict = list(plan.evict)
         retain = list(plan.retain)
+        if not evict:
+            return plan
+        # every key the walk may compare, in one call each (elementwise: the values one call per key gives)
+        loads = self.next_use_key(state, np.full(len(kept), state.layer), np.array([plan.ondemand[i] for i in kept],
+                                                                                   dtype=np.int64)).tolist()
+        victims = self.next_use_key(state, *np.array(evict, dtype=np.int64).T).tolist()
         while kept and evict:
-            load = self.next_use_key(state, np.array([state.layer]), np.array([plan.ondemand[kept[-1]]]))[0]
-            victim = evict[-1]
-            if load > self.next_use_key(state, np.array([victim[0]]), np.array([victim[1]]))[0]:
+            if loads[len(kept) - 1] > victims[len(evict) - 1]:
                 break
             retain[kept.pop()] = False
             evict.pop()
@@ -447,8 +480,8 @@ class Horizon(PreSched):
         """float64 [n]: usage (PreSched's token share) per layer until the expert's layer comes back (a whole pass
         for this layer's): the lower, the sooner it goes."""
         L = state.num_layers
-        comes_back = (layers - state.layer) % L
-        return self.standing(layers, experts) / np.where(comes_back == 0, L, comes_back)
+        comes_back = (np.arange(L) - state.layer) % L  # per layer, not per cached expert: the same integers
+        return self.standing(layers, experts) / np.where(comes_back == 0, L, comes_back)[layers]
 
     def eviction_order(self, state: LayerState, layers: np.ndarray, experts: np.ndarray, need: int) -> np.ndarray:
         """Next use first (`evict_next_use`): a pass runs the layers in order, so a cached expert of the layer that
@@ -459,12 +492,11 @@ class Horizon(PreSched):
         cold expert still goes before a hot one of a layer a little further away."""
         if not self.settings.evict_next_use:
             return super().eviction_order(state, layers, experts, need)
-        lru = self.last_used[layers, experts]
         key = self.next_use_key(state, layers, experts)
         if need < key.size:  # sort only what can be chosen (as PreSched's order): keys up to the need-th smallest
             some = np.flatnonzero(key <= np.partition(key, need - 1)[need - 1])
-            return some[np.lexsort((lru[some], key[some]))][:need]
-        return np.lexsort((lru, key))
+            return some[np.lexsort((self.last_used[layers[some], experts[some]], key[some]))][:need]
+        return np.lexsort((self.last_used[layers, experts], key))
 
 
 def plan_time(state: LayerState, plan: LayerPlan) -> float:

@@ -26,39 +26,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
-
 import numpy as np
 
 from schedulers.base import LayerPlan, LayerState, Phase, SchedulerSettings, SchedulerSetup, register
-from schedulers.policy import OffloadPolicy, by_tokens, split_by_availability
+from schedulers.policy import ExpertTimes, OffloadPolicy, by_tokens, expert_times, split_by_availability
 
 
 def hybrid_scheduling(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarray, t_io: float, cost,
-                      alpha: float = 0.0) -> tuple[list[int], list[int]]:
-    """HSS: (cpu experts in assignment order, gpu experts in assignment order)."""
-    cpu, gpu, _ = _hss(cached, uncached, tokens, t_io, cost, alpha)
+                      alpha: float = 0.0, times: ExpertTimes | None = None) -> tuple[list[int], list[int]]:
+    """HSS: (cpu experts in assignment order, gpu experts in assignment order). `times`: `expert_times(tokens, cost)`
+    where the caller has them."""
+    cpu, gpu, _ = _hss(cached, uncached, tokens, t_io, cost, alpha, times)
     return cpu, gpu
 
 
 def hss_time(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarray, t_io: float, cost,
-             alpha: float = 0.0, times: "ExpertTimes | None" = None) -> float:
+             alpha: float = 0.0, times: ExpertTimes | None = None) -> float:
     """The layer time HSS expects: the later of its GPU side (transfers included) and its CPU side."""
     return _hss(cached, uncached, tokens, t_io, cost, alpha, times)[2]
-
-
-class ExpertTimes(NamedTuple):
-    """Per expert of a layer (lists over every expert id): tokens, GPU time in a call of its own, CPU time."""
-
-    tokens: list[float]
-    gpu: list[float]
-    cpu: list[float]
-
-
-def expert_times(tokens: np.ndarray, cost) -> ExpertTimes:
-    """`ExpertTimes` of a layer's token counts (elementwise `t_g` / `t_c`: the values HSS reads for each expert)."""
-    return ExpertTimes(np.asarray(tokens).tolist(), np.atleast_1d(cost.t_g(tokens)).tolist(),
-                       np.atleast_1d(cost.t_c(tokens)).tolist())
 
 
 def _hss(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarray, t_io: float, cost,

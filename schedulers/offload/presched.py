@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -125,16 +126,16 @@ def cross_layer_queue(cur: Sequence[int], cur_tokens: Sequence[float], nxt: Sequ
     """Eq. 3. `cur`, `nxt`: expert ids (any order) with their (predicted) token counts."""
     entries = [(float(m), True, int(e)) for e, m in zip(cur, cur_tokens)] + \
               [(float(m), False, int(e)) for e, m in zip(nxt, nxt_tokens)]
-    entries.sort(key=lambda x: (x[0], x[1]))  # ascending tokens; ties: next-layer expert first (stable)
+    entries.sort(key=itemgetter(0, 1))  # ascending tokens; ties: next-layer expert first (stable)
     n_all = len(entries)
-    tokens = tuple(m for m, _, _ in entries)
+    tokens, current, experts = zip(*entries) if entries else ((), (), ())
     t_cpu = cost.t_c_prefix(tokens)  # the CPU side's hand-over counted once
     if n_all > _NUMPY_FROM:  # the same comparisons elementwise (a layer of many small experts)
         k = np.arange(n_all)
         joins = tuple((np.maximum(alpha + (n_all - k) * t_io, gpu_busy) + t_g < np.asarray(t_cpu) + t_attn).tolist())
     else:
         joins = tuple(max(alpha + (n_all - k) * t_io, gpu_busy) + t_g < t_cpu[k] + t_attn for k in range(n_all))
-    return CrossLayerQueue(tuple(e for _, _, e in entries), tokens, tuple(c for _, c, _ in entries), joins)
+    return CrossLayerQueue(experts, tokens, current, joins)
 
 
 def ondemand_passes(cur_tokens_sorted: Sequence[float], alpha: float, t_io: float, t_g: float, cost: CostModel,
