@@ -2567,18 +2567,18 @@ MS_INLINE void amx_c_to_y(float* cb, int64_t t0, int nt, int64_t M, int nr, floa
 // One 32-k tile step of amx_bf16_steps (A: the strip's 16 rows at this step, lda bytes apart).
 MS_INLINE void amx_bf16_step(const uint16_t* A, size_t lda, const uint16_t* b, int64_t KB, int64_t kb, int nt) {
   _tile_loadd(4, A, lda);
-  _tile_loadd(6, b + kb * 512, 64);
+  _tile_stream_loadd(6, b + kb * 512, 64);
   _tile_dpbf16ps(0, 4, 6);
   if (nt > 1) {
-    _tile_loadd(7, b + (KB + kb) * 512, 64);
+    _tile_stream_loadd(7, b + (KB + kb) * 512, 64);
     _tile_dpbf16ps(1, 4, 7);
   }
   if (nt > 2) {
-    _tile_loadd(6, b + (2 * KB + kb) * 512, 64);
+    _tile_stream_loadd(6, b + (2 * KB + kb) * 512, 64);
     _tile_dpbf16ps(2, 4, 6);
   }
   if (nt > 3) {
-    _tile_loadd(7, b + (3 * KB + kb) * 512, 64);
+    _tile_stream_loadd(7, b + (3 * KB + kb) * 512, 64);
     _tile_dpbf16ps(3, 4, 7);
   }
 }
@@ -2609,18 +2609,18 @@ MS_INLINE void amx_zero_c() {
 // cost ~60% of a 4-tile pass with its dequantization).
 MS_INLINE void amx_bf16_step6(const uint16_t* A, size_t lda, const uint16_t* b, int64_t KB, int64_t kb, int nt) {
   _tile_loadd(6, A, lda);
-  _tile_loadd(7, b + kb * 512, 64);
+  _tile_stream_loadd(7, b + kb * 512, 64);
   _tile_dpbf16ps(0, 6, 7);
-  _tile_loadd(7, b + (KB + kb) * 512, 64);
+  _tile_stream_loadd(7, b + (KB + kb) * 512, 64);
   _tile_dpbf16ps(1, 6, 7);
-  _tile_loadd(7, b + (2 * KB + kb) * 512, 64);
+  _tile_stream_loadd(7, b + (2 * KB + kb) * 512, 64);
   _tile_dpbf16ps(2, 6, 7);
-  _tile_loadd(7, b + (3 * KB + kb) * 512, 64);
+  _tile_stream_loadd(7, b + (3 * KB + kb) * 512, 64);
   _tile_dpbf16ps(3, 6, 7);
-  _tile_loadd(7, b + (4 * KB + kb) * 512, 64);
+  _tile_stream_loadd(7, b + (4 * KB + kb) * 512, 64);
   _tile_dpbf16ps(4, 6, 7);
   if (nt > 5) {
-    _tile_loadd(7, b + (5 * KB + kb) * 512, 64);
+    _tile_stream_loadd(7, b + (5 * KB + kb) * 512, 64);
     _tile_dpbf16ps(5, 6, 7);
   }
 }
@@ -2678,6 +2678,16 @@ MS_INLINE void store_bf16x32(uint16_t* dst, __m512 lo, __m512 hi) {
 
 MS_INLINE __m512 i8x16_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
 
+// One f32 broadcast to 16 lanes by a load (VBROADCASTSS from memory: a load port only). Left to itself the compiler
+// keeps a small array of scales in a register and broadcasts its lanes with shuffles (VPERMD, VSHUFPS + VBROADCASTSS),
+// on the shuffle port that already bounds the dequantization: Q4_K's and Q6_K's chunks 1.5x / 1.2x faster this way
+// (dequantization alone, L1-resident blocks, 60 -> 40 and 83 -> 69 ps per weight).
+MS_INLINE __m512 bcast_ps(const float* p) {
+  __m512 r;
+  __asm__("vbroadcastss %1, %0" : "=v"(r) : "m"(*p));
+  return r;
+}
+
 // Weights [k0, k1) of one row (k0 a multiple of 256; k1 - k0 <= 256, a multiple of the block) dequantized to bf16
 // into dst: the 4-bit types through a 16-entry bf16 table per scale group (VPERMW by the codes), Q8_0 / Q6_K by
 // converting the codes. Each value is ggml's f32 dequantized weight rounded to bf16, nearest even.
@@ -2687,9 +2697,9 @@ MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, ui
     for (int64_t b = k0 / 32; b < k1 / 32; ++b, dst += 32) {
       const uint8_t* blk = row + b * 34;
       const __m512 d = _mm512_set1_ps(f16_at(blk));
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-      store_bf16x32(dst, _mm512_mul_ps(i8x16_ps(_mm256_castsi256_si128(q)), d),
-                    _mm512_mul_ps(i8x16_ps(_mm256_extracti128_si256(q, 1)), d));
+      // each half's codes sign-extended straight from memory (no lane extract on the shuffle port: 1.1x)
+      store_bf16x32(dst, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))), d),
+                    _mm512_mul_ps(i8x16_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18))), d));
     }
   } else if constexpr (QT == kQ4_0) {
     const __m512 iota = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);  // u - 8
@@ -2715,15 +2725,15 @@ MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, ui
     const __m512i lo4 = _mm512_set1_epi16(15), hi_half = _mm512_set1_epi16(16);
     for (int g = 0; g < 4; ++g, dst += 64) {
       const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * g)));
-      const __m512 fa = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s8[2 * g])), _mm512_set1_ps(c8[2 * g]));
-      const __m512 fb = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s8[2 * g + 1])), _mm512_set1_ps(c8[2 * g + 1]));
+      const __m512 fa = _mm512_add_ps(_mm512_mul_ps(iota, bcast_ps(s8 + 2 * g)), bcast_ps(c8 + 2 * g));
+      const __m512 fb = _mm512_add_ps(_mm512_mul_ps(iota, bcast_ps(s8 + 2 * g + 1)), bcast_ps(c8 + 2 * g + 1));
       const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(fb, fa);
       _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_and_si512(w, lo4), tab));
       _mm512_storeu_si512(dst + 32, _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(w, 4), hi_half), tab));
     }
   } else {
     const uint8_t* sb = row + (k0 / 256) * 210;
-    alignas(64) float s16[16];  // d * sc_j of the 16 sub-blocks, broadcast from memory below (1.1-1.3x over scalars)
+    alignas(64) float s16[16];  // d * sc_j of the 16 sub-blocks, broadcast from memory below (bcast_ps)
     _mm512_store_ps(s16, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192))),
                                        _mm512_set1_ps(f16_at(sb + 208))));
     __m512i u[4];
@@ -2731,10 +2741,10 @@ MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, ui
     for (int g = 0; g < 4; ++g, dst += 64) {
       const __m512i v = _mm512_sub_epi8(u[g], _mm512_set1_epi8(32));
       __m512 f[4];
-      f[0] = _mm512_mul_ps(i8x16_ps(_mm512_castsi512_si128(v)), _mm512_set1_ps(s16[4 * g]));
-      f[1] = _mm512_mul_ps(i8x16_ps(_mm512_extracti32x4_epi32(v, 1)), _mm512_set1_ps(s16[4 * g + 1]));
-      f[2] = _mm512_mul_ps(i8x16_ps(_mm512_extracti32x4_epi32(v, 2)), _mm512_set1_ps(s16[4 * g + 2]));
-      f[3] = _mm512_mul_ps(i8x16_ps(_mm512_extracti32x4_epi32(v, 3)), _mm512_set1_ps(s16[4 * g + 3]));
+      f[0] = _mm512_mul_ps(i8x16_ps(_mm512_castsi512_si128(v)), bcast_ps(s16 + 4 * g));
+      f[1] = _mm512_mul_ps(i8x16_ps(_mm512_extracti32x4_epi32(v, 1)), bcast_ps(s16 + 4 * g + 1));
+      f[2] = _mm512_mul_ps(i8x16_ps(_mm512_extracti32x4_epi32(v, 2)), bcast_ps(s16 + 4 * g + 2));
+      f[3] = _mm512_mul_ps(i8x16_ps(_mm512_extracti32x4_epi32(v, 3)), bcast_ps(s16 + 4 * g + 3));
       store_bf16x32(dst, f[0], f[1]);
       store_bf16x32(dst + 32, f[2], f[3]);
     }
