@@ -2564,21 +2564,36 @@ MS_INLINE void amx_c_to_y(float* cb, int64_t t0, int nt, int64_t M, int nr, floa
   }
 }
 
+// An activation (B) tile into tile T. kStream: by TILELOADDT1, a hint that the line will not be read again soon, so the
+// B panel (L2-resident: 1 KiB a tile and 32-k step) streams past L1 and leaves it to the staged weights; for calls that
+// read each B tile once per weight strip (one pass over the strip: up to 96 rows for the block types, 64 for bf16).
+// Measured (bench_qlinear_ab, 1 thread, under load): 1.08-1.1x at 64-96 rows with it, but 0.9-0.95x at 256 rows,
+// whose several passes per strip read the panel back: there the plain load.
+// (A macro: GCC's tile intrinsics take the tile number as a literal.)
+#define MS_AMX_LOAD_B(T, p, stream)    \
+  do {                                 \
+    if (stream)                        \
+      _tile_stream_loadd(T, (p), 64);  \
+    else                               \
+      _tile_loadd(T, (p), 64);         \
+  } while (0)
+
 // One 32-k tile step of amx_bf16_steps (A: the strip's 16 rows at this step, lda bytes apart).
+template <bool kStream>
 MS_INLINE void amx_bf16_step(const uint16_t* A, size_t lda, const uint16_t* b, int64_t KB, int64_t kb, int nt) {
   _tile_loadd(4, A, lda);
-  _tile_stream_loadd(6, b + kb * 512, 64);
+  MS_AMX_LOAD_B(6, b + kb * 512, kStream);
   _tile_dpbf16ps(0, 4, 6);
   if (nt > 1) {
-    _tile_stream_loadd(7, b + (KB + kb) * 512, 64);
+    MS_AMX_LOAD_B(7, b + (KB + kb) * 512, kStream);
     _tile_dpbf16ps(1, 4, 7);
   }
   if (nt > 2) {
-    _tile_stream_loadd(6, b + (2 * KB + kb) * 512, 64);
+    MS_AMX_LOAD_B(6, b + (2 * KB + kb) * 512, kStream);
     _tile_dpbf16ps(2, 4, 6);
   }
   if (nt > 3) {
-    _tile_stream_loadd(7, b + (3 * KB + kb) * 512, 64);
+    MS_AMX_LOAD_B(7, b + (3 * KB + kb) * 512, kStream);
     _tile_dpbf16ps(3, 4, 7);
   }
 }
@@ -2586,13 +2601,14 @@ MS_INLINE void amx_bf16_step(const uint16_t* A, size_t lda, const uint16_t* b, i
 // C tiles 0 .. nt - 1 += the 16-row bf16 strip A (k-steps kb0 .. kb1 - 1 of 32; step kb at A + 32 (kb - kb0), rows
 // lda bytes apart) x the B tiles b[t][kb] (b: the panel's tiles of activation rows 16 t0 .., rows of KB tiles).
 // pf: prefetch A's next lines into L2 (weights read from memory).
+template <bool kStream>
 MS_INLINE void amx_bf16_steps(const uint16_t* A, size_t lda, const uint16_t* b, int64_t KB, int64_t kb0, int64_t kb1,
                               int nt, bool pf) {
   for (int64_t kb = kb0; kb < kb1; ++kb) {
     const uint16_t* at = A + 32 * (kb - kb0);
     if (pf && kb + 8 < kb1)  // the weights' next lines into L2 (16 rows a multiple of 4 KiB apart share an L1 set)
       for (int i = 0; i < 16; ++i) _mm_prefetch(reinterpret_cast<const char*>(at) + i * lda + 8 * 64, _MM_HINT_T1);
-    amx_bf16_step(at, lda, b, KB, kb, nt);
+    amx_bf16_step<kStream>(at, lda, b, KB, kb, nt);
   }
 }
 
@@ -2607,20 +2623,21 @@ MS_INLINE void amx_zero_c() {
 // the block types' passes of 65-96 activation rows, so that such a call makes one pass over its weights, not a pass
 // of 4 C tiles and another of 1-2, whose few tile products per step wait on each other (measured: a 1-tile pass
 // cost ~60% of a 4-tile pass with its dequantization).
+template <bool kStream>
 MS_INLINE void amx_bf16_step6(const uint16_t* A, size_t lda, const uint16_t* b, int64_t KB, int64_t kb, int nt) {
   _tile_loadd(6, A, lda);
-  _tile_stream_loadd(7, b + kb * 512, 64);
+  MS_AMX_LOAD_B(7, b + kb * 512, kStream);
   _tile_dpbf16ps(0, 6, 7);
-  _tile_stream_loadd(7, b + (KB + kb) * 512, 64);
+  MS_AMX_LOAD_B(7, b + (KB + kb) * 512, kStream);
   _tile_dpbf16ps(1, 6, 7);
-  _tile_stream_loadd(7, b + (2 * KB + kb) * 512, 64);
+  MS_AMX_LOAD_B(7, b + (2 * KB + kb) * 512, kStream);
   _tile_dpbf16ps(2, 6, 7);
-  _tile_stream_loadd(7, b + (3 * KB + kb) * 512, 64);
+  MS_AMX_LOAD_B(7, b + (3 * KB + kb) * 512, kStream);
   _tile_dpbf16ps(3, 6, 7);
-  _tile_stream_loadd(7, b + (4 * KB + kb) * 512, 64);
+  MS_AMX_LOAD_B(7, b + (4 * KB + kb) * 512, kStream);
   _tile_dpbf16ps(4, 6, 7);
   if (nt > 5) {
-    _tile_stream_loadd(7, b + (5 * KB + kb) * 512, 64);
+    MS_AMX_LOAD_B(7, b + (5 * KB + kb) * 512, kStream);
     _tile_dpbf16ps(5, 6, 7);
   }
 }
@@ -2653,7 +2670,10 @@ void gemm_range_amx_bf16(const Act& a, int64_t M, int64_t K, const uint16_t* w, 
     for (int64_t t0 = 0; t0 < MT; t0 += 4) {
       const int nt = int(std::min<int64_t>(4, MT - t0));
       amx_zero_c();
-      amx_bf16_steps(A, lda, panel + t0 * KB * 512, KB, 0, KB, nt, t0 == 0);
+      if (MT <= 4)  // one pass over each strip: the panel streams (MS_AMX_LOAD_B)
+        amx_bf16_steps<true>(A, lda, panel + t0 * KB * 512, KB, 0, KB, nt, t0 == 0);
+      else
+        amx_bf16_steps<false>(A, lda, panel + t0 * KB * 512, KB, 0, KB, nt, t0 == 0);
       amx_c_to_y(cb, t0, nt, M, nr, y + nb, ldy);
     }
   }
@@ -2791,9 +2811,12 @@ void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size
       const int nt = int(std::min<int64_t>(per, MT - t0));
       const uint16_t* b = panel + t0 * KB * 512;
       // one 32-k step over the C tiles of this pass
-      auto step = [&](const uint16_t* A, int64_t kb) {
-        if (nt > 4) return amx_bf16_step6(A, size_t(lds * 2), b, KB, kb, nt);
-        amx_bf16_step(A, size_t(lds * 2), b, KB, kb, nt);
+      auto step = [&](const uint16_t* A, int64_t kb) {  // B streamed when this is the strip's only pass
+        if (whole)
+          return nt > 4 ? amx_bf16_step6<false>(A, size_t(lds * 2), b, KB, kb, nt)
+                        : amx_bf16_step<false>(A, size_t(lds * 2), b, KB, kb, nt);
+        if (nt > 4) return amx_bf16_step6<true>(A, size_t(lds * 2), b, KB, kb, nt);
+        amx_bf16_step<true>(A, size_t(lds * 2), b, KB, kb, nt);
       };
       amx_zero_c();
       if (nt > 4) {
