@@ -319,6 +319,41 @@ def test_amx_block_tiles(qtype):
         native.set_isa(None)
 
 
+@pytest.mark.parametrize("wtype", ["bf16"] + QTYPES)
+def test_amx_row_groups(wtype):
+    """Calls whose bf16 B panel would outgrow L2 (rows x K x 2 bytes over 1 MiB) take their activation rows in groups
+    (K = 14336: 6-tile groups for the block types, 4 for bf16): 97 / 130 / 200 rows (2-3 groups, uneven, a partial
+    last tile) give each row bit for bit what a 16-row call of the same rows gives (a row's tile sums do not depend
+    on which rows share its call), and the block types stay within the bf16-rounding reference. Mutations that fail
+    it: the groups' outputs written at the first group's rows, a group's panel slice taken one tile late."""
+    _need_amx()
+    rng = np.random.default_rng(29)
+    K, N = 14336, 21
+    if wtype == "bf16":
+        w = (rng.standard_normal((N, K)) * 0.05).astype(BF16)
+    else:
+        w = native.random_blocks(rng, wtype, N, K)
+        native.set_amx_rows(wtype, 1)
+    native.set_isa("amx")
+    try:
+        for M in (97, 130, 200):
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            if wtype == "bf16":
+                x = x.astype(BF16)
+            y = native.linear_host(x, w, threads=2)
+            # rows r .. r + 15 from a call of 16 rows (the last one ending at M: bf16 takes the tiles from 16 rows)
+            for r in range(0, M, 16):
+                s0 = min(r, M - 16)
+                np.testing.assert_array_equal(y[r:r + 16], native.linear_host(x[s0:s0 + 16], w, threads=1)[r - s0:])
+            if wtype != "bf16":
+                ref = native.qlinear_reference(x, w, "bf16")
+                assert np.all(np.abs(y - ref) <= bound(x, w, "bf16")), (wtype, M, np.abs(y - ref).max())
+    finally:
+        if wtype != "bf16":
+            native.set_amx_rows(wtype, None)
+        native.set_isa(None)
+
+
 def test_amx_block_tiles_in_experts():
     """Layers of experts whose every projection takes the AMX tiles (thresholds at 1 row), Q4_K_M's mix (Q4_K gate /
     up, Q6_K down) and Q8_0 / Q4_0: against the references (which round each projection as the kernels do), the

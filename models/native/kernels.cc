@@ -2642,6 +2642,34 @@ MS_INLINE void amx_bf16_step6(const uint16_t* A, size_t lda, const uint16_t* b, 
   }
 }
 
+// Activation tiles per group of a call whose B panel would not stay in L2: the call's rows are taken in groups, each
+// its own call over the weights, so that a group's panel slice (16 rows x K bf16 = KB KiB a tile) stays within
+// 1 MiB, half of this CPU's 2 MiB L2 (with the staged weights beside it), and at least min_tiles tiles (a full pass:
+// 4 for bf16, 6 for the block types, which then dequantize once per group); groups even, bf16's a whole number of
+// its 4-tile passes (unit). Each output is the same
+// tile sum over the same k steps in either case: bit-identical. Measured (bench_qlinear_ab, 1 thread, one
+// [14336, 4096] matrix, under load): at 256 rows the 2 MiB panel made a call 0.75-0.9 TFLOP/s against 1.0-1.2 at
+// 128-192 rows.
+inline int64_t amx_group_tiles(int64_t MT, int64_t KB, int64_t min_tiles, int64_t unit) {
+  const int64_t cap = std::max<int64_t>(min_tiles, (int64_t(1) << 20) / (KB * 1024));
+  const int64_t groups = (MT + cap - 1) / cap, per = (MT + groups - 1) / groups;
+  return (per + unit - 1) / unit * unit;
+}
+
+// Calls fn(sub_act, rows, first_row) for each group of activation tiles (amx_group_tiles); false when the call is one
+// group (the caller then runs it whole).
+template <class Fn>
+bool amx_row_groups(const Act& a, int64_t M, int64_t min_tiles, int64_t unit, Fn&& fn) {
+  const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16, per = amx_group_tiles(MT, KB, min_tiles, unit);
+  if (per >= MT) return false;
+  for (int64_t t0 = 0; t0 < MT; t0 += per) {
+    Act g = a;
+    g.x = static_cast<const uint16_t*>(a.x) + t0 * KB * 512;
+    fn(g, std::min<int64_t>(M - 16 * t0, 16 * per), 16 * t0);
+  }
+  return true;
+}
+
 // bf16 weights on AMX: the weights are the A tiles, read where they are (16 rows x 32 k, the rows ldw apart), the
 // activations the B tiles of prepare()'s panel: each 16-row weight tile is loaded once per 32-k step for up to 64
 // activation rows (C tiles 0-3: one per 16 rows), so the weights are read once per 64 rows. C[n][m] is transposed
@@ -2649,6 +2677,10 @@ MS_INLINE void amx_bf16_step6(const uint16_t* A, size_t lda, const uint16_t* b, 
 // padded first. Each output is one f32 sum over the 32-k steps in order (the tiles' own order inside a step).
 void gemm_range_amx_bf16(const Act& a, int64_t M, int64_t K, const uint16_t* w, size_t ldw, int64_t n0, int64_t n1,
                          float* y, size_t ldy) {
+  if (amx_row_groups(a, M, 4, 4, [&](const Act& g, int64_t rows, int64_t r0) {
+        gemm_range_amx_bf16(g, rows, K, w, ldw, n0, n1, y + size_t(r0) * ldy, ldy);
+      }))
+    return;
   const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16;
   const uint16_t* panel = static_cast<const uint16_t*>(a.x);
   AmxScratch& s = t_amx;
@@ -2782,6 +2814,10 @@ MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, ui
 template <int QT>
 void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
                       float* y, size_t ldy) {
+  if (amx_row_groups(a, M, 6, 1, [&](const Act& g, int64_t rows, int64_t r0) {
+        qgemm_amx_bf16_t<QT>(g, rows, K, w, row_bytes, n0, n1, y + size_t(r0) * ldy, ldy);
+      }))
+    return;
   constexpr int64_t kSteps = 8;                 // 32-k tile steps per staged chunk (256 weights)
   const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16, NC = (KB + kSteps - 1) / kSteps;
   // passes of up to 6 C tiles (96 rows) over each strip, the tiles shared evenly among them (7 tiles: 4 + 3)
