@@ -2807,13 +2807,17 @@ MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, ui
 }
 
 // The chunks of 256 weights are double-buffered: while the tiles run over chunk c, two of chunk c + 1's 16 rows are
-// dequantized after each tile step, so the vector units and the tile unit work at the same time. A pass over a strip
+// dequantized after each tile step, meant to let the vector units and the tile unit work at the same time (measured
+// since: on this core the two times add however the dequantization is interleaved, README "Whole-model prefill
+// against llama.cpp", second round; the double buffer still keeps the tile loads off the rows being written). A pass over a strip
 // takes up to 6 C tiles (96 rows: tiles 4 and 5 as C, amx_bf16_step6). Calls of more than 96 rows (several passes over
 // each strip, the C tiles shared evenly among them) stage the whole strip instead (16 rows x K bf16: 128
 // KiB at K 4096, 448 KiB at 14336, L2-resident): the first pass dequantizes it as above, chunk after chunk, and the
 // later passes run their tile steps over the staged strip, so the strip is dequantized once per call, not once per
 // 64 rows (a prefill's experts get 65-110 rows at Mixtral's top-2 of 8: up to 96 rows in one pass, 97-112 in passes of 4 + 3
 // C tiles).
+// Calls whose activation panel would outgrow L2 are first cut into row groups (amx_row_groups: K 14336 past 96 rows,
+// K 4096 past 128), each taken by this function as a call of its own.
 template <int QT>
 void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
                       float* y, size_t ldy) {
