@@ -2649,10 +2649,10 @@ MS_INLINE void amx_bf16_step6(const uint16_t* A, size_t lda, const uint16_t* b, 
 // its own call over the weights, so that a group's panel slice (16 rows x K bf16 = KB KiB a tile) stays within
 // 1 MiB, half of this CPU's 2 MiB L2 (with the staged weights beside it), and at least min_tiles tiles (a full pass:
 // 4 for bf16, 6 for the block types, which then dequantize once per group); groups even, bf16's a whole number of
-// its 4-tile passes (unit). Each output is the same
-// tile sum over the same k steps in either case: bit-identical. Measured (bench_qlinear_ab, 1 thread, one
-// [14336, 4096] matrix, under load): at 256 rows the 2 MiB panel made a call 0.75-0.9 TFLOP/s against 1.0-1.2 at
-// 128-192 rows.
+// its 4-tile passes (unit). Each output is the same tile sum over the same k steps in either case: bit-identical.
+// Measured (bench_qlinear_ab, 1 thread, under load): at 256 rows of one [14336, 4096] matrix the 2 MiB panel made a
+// call 0.75-0.9 TFLOP/s against 1.0-1.2 at 128-192 rows; with the groups 1.2-1.55x at 256 rows, ~2x at 512, and
+// 1.4-1.9x at 102 rows of K 14336 (a prefill expert's down projection; README "Whole-model prefill").
 inline int64_t amx_group_tiles(int64_t MT, int64_t KB, int64_t min_tiles, int64_t unit) {
   const int64_t cap = std::max<int64_t>(min_tiles, (int64_t(1) << 20) / (KB * 1024));
   const int64_t groups = (MT + cap - 1) / cap, per = (MT + groups - 1) / groups;
@@ -2809,8 +2809,8 @@ MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, ui
 // The chunks of 256 weights are double-buffered: while the tiles run over chunk c, two of chunk c + 1's 16 rows are
 // dequantized after each tile step, meant to let the vector units and the tile unit work at the same time (measured
 // since: on this core the two times add however the dequantization is interleaved, README "Whole-model prefill
-// against llama.cpp", second round; the double buffer still keeps the tile loads off the rows being written). A pass over a strip
-// takes up to 6 C tiles (96 rows: tiles 4 and 5 as C, amx_bf16_step6). Calls of more than 96 rows (several passes over
+// against llama.cpp", second round; the double buffer still keeps the tile loads off the rows being written). A pass
+// over a strip takes up to 6 C tiles (96 rows: tiles 4 and 5 as C, amx_bf16_step6). Calls of more than 96 rows (several passes over
 // each strip, the C tiles shared evenly among them) stage the whole strip instead (16 rows x K bf16: 128
 // KiB at K 4096, 448 KiB at 14336, L2-resident): the first pass dequantizes it as above, chunk after chunk, and the
 // later passes run their tile steps over the staged strip, so the strip is dequantized once per call, not once per
