@@ -12,6 +12,8 @@ test_amx_block_tiles)."""
 
 from __future__ import annotations
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -388,6 +390,70 @@ def test_amx_block_tiles(qtype):
     finally:
         native.set_amx_rows(qtype, None)
         native.set_isa(None)
+
+
+@pytest.mark.parametrize("wtype", ["bf16"] + QTYPES)
+def test_amx_row_groups(wtype):
+    """Calls whose bf16 B panel would outgrow L2 (rows x K x 2 bytes over 1 MiB) take their activation rows in groups
+    (K = 14336: 6-tile groups for the block types, 4 for bf16): 97 / 130 / 200 rows (2-3 groups, uneven, a partial
+    last tile) give each row bit for bit what a 16-row call of the same rows gives (a row's tile sums do not depend
+    on which rows share its call), and the block types stay within the bf16-rounding reference. Mutations that fail
+    it: the groups' outputs written at the first group's rows, a group's panel slice taken one tile late."""
+    _need_amx()
+    rng = np.random.default_rng(29)
+    K, N = 14336, 21
+    if wtype == "bf16":
+        w = (rng.standard_normal((N, K)) * 0.05).astype(BF16)
+    else:
+        w = native.random_blocks(rng, wtype, N, K)
+        native.set_amx_rows(wtype, 1)
+    native.set_isa("amx")
+    try:
+        for M in (97, 130, 200):
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            if wtype == "bf16":
+                x = x.astype(BF16)
+            y = native.linear_host(x, w, threads=2)
+            # rows r .. r + 15 from a call of 16 rows (the last one ending at M: bf16 takes the tiles from 16 rows)
+            for r in range(0, M, 16):
+                s0 = min(r, M - 16)
+                np.testing.assert_array_equal(y[r:r + 16], native.linear_host(x[s0:s0 + 16], w, threads=1)[r - s0:])
+            if wtype != "bf16":
+                ref = native.qlinear_reference(x, w, "bf16")
+                assert np.all(np.abs(y - ref) <= bound(x, w, "bf16")), (wtype, M, np.abs(y - ref).max())
+    finally:
+        if wtype != "bf16":
+            native.set_amx_rows(wtype, None)
+        native.set_isa(None)
+
+
+def test_silu_mul_matches_scalar():
+    """The block-quantized experts' SiLU, h = g / (1 + exp(-g)) * u in f32 with exp(-g) the correctly rounded f32 (an
+    f64 exp rounded once): the AVX-512 path gives the scalar loop's bits on 2 million values (normal and wide random
+    g, and the edges: 0, -0, tiny, the f32 exp overflow / underflow thresholds, +-inf, NaN, at every lane position),
+    and both give numpy's f64-exp formula's bits on the finite ones. Mutations that fail it: the polynomial cut to
+    degree 4 (degree 5, ~2^-43, misrounds too rarely to show here), the table index one entry off, the scalar loop
+    back on glibc's expf (1 ulp apart on ~0.03 %)."""
+    lib = native.load()
+    if lib is None:
+        pytest.skip("native library unavailable")
+    lib.ms_silu_mul.restype = None
+    lib.ms_silu_mul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
+    rng = np.random.default_rng(31)
+    edges = np.array([0.0, -0.0, 1e-30, -1e-30, 1e-45, 88.72, -88.72, 89.5, -89.5, 103.9, -103.9, 104.5, 150.0,
+                      -150.0, 200.0, -200.0, np.inf, -np.inf, np.nan, 0.5, -0.5], np.float32)
+    g = np.concatenate([rng.standard_normal(1_000_000) * 5, rng.uniform(-110, 110, 1_000_000),
+                        np.tile(edges, 16 * 3), np.repeat(edges, 17)]).astype(np.float32)
+    u = rng.standard_normal(g.size).astype(np.float32)
+    out = [np.empty_like(g) for _ in range(2)]
+    for vec, h in enumerate(out):
+        lib.ms_silu_mul(g.ctypes.data, u.ctypes.data, h.ctypes.data, g.size, vec)
+    np.testing.assert_array_equal(out[1].view(np.uint32), out[0].view(np.uint32))
+    fin = np.isfinite(g)
+    with np.errstate(over="ignore"):  # exp(-g) past the f32 range: inf, as the kernel's
+        e = np.exp(-g[fin].astype(np.float64)).astype(np.float32)
+        ref = (g[fin] / (np.float32(1) + e)) * u[fin]
+    np.testing.assert_array_equal(out[0][fin].view(np.uint32), ref.view(np.uint32))
 
 
 def test_amx_block_tiles_in_experts():

@@ -3,6 +3,7 @@
     python -m engine.bench.bench_qexperts_ab OLD.so NEW.so                      # Mixtral width, Q4_K_M's types
     python -m engine.bench.bench_qexperts_ab OLD.so NEW.so --types q8_0,q8_0,q8_0 --counts 64,64,64,64,64,64,64,64
     python -m engine.bench.bench_qexperts_ab A.so A.so --threads 1 --new-threads 2    # one build: thread scaling
+    python -m engine.bench.bench_qexperts_ab A.so A.so --strategy rows --new-strategy experts   # one build: plans
 
 One layer of `len(--counts)` SwiGLU experts (random blocks, `--hidden` x `--inter`, gate / up / down of `--types`)
 called through each build's `ms_qexperts` (the offload executor's host entry; the FFI handler runs the same code)
@@ -28,6 +29,7 @@ import numpy as np
 from models import native
 
 PREFILL_COUNTS = "102,71,52,69,67,23,56,72"  # rows per expert, 256-token prefill of mix1-q4_k_m.gguf (top-2 of 8)
+STRATEGIES = {"auto": 0, "rows": 1, "experts": 2}  # ms_qexperts' strategy argument
 
 
 def open_library(path: str, isa: str) -> ctypes.CDLL:
@@ -40,15 +42,16 @@ def open_library(path: str, isa: str) -> ctypes.CDLL:
 
 
 def layer_call(lib: ctypes.CDLL, x: np.ndarray, w: "native.ExpertWeights", offsets: np.ndarray, tokens: np.ndarray,
-               pw: np.ndarray, out: np.ndarray, secs: np.ndarray, threads: int) -> tuple[float, float]:
-    """Wall and process CPU seconds of one layer call (out zeroed first, outside the timing)."""
+               pw: np.ndarray, out: np.ndarray, secs: np.ndarray, threads: int, strategy: int = 0) -> tuple[float, float]:
+    """Wall and process CPU seconds of one layer call (out zeroed first, outside the timing); strategy: ms_qexperts'
+    thread plan (0 auto, 1 rows split, 2 whole experts per thread)."""
     out[:] = 0
     qg, qu, qd = (native.QTYPE_IDS[q] for q in w.qtypes)
     c = cpu_seconds()
     t = time.perf_counter()
     rc = lib.ms_qexperts(x.ctypes.data, 0, x.shape[0], w.hidden, w.intermediate, qg, qu, qd, w.n, *w.addresses,
                          offsets.ctypes.data, len(tokens), tokens.ctypes.data, pw.ctypes.data, out.ctypes.data,
-                         threads, secs.ctypes.data, 0)
+                         threads, secs.ctypes.data, strategy)
     if rc != 0:
         raise RuntimeError(lib.ms_last_error().decode())
     return time.perf_counter() - t, cpu_seconds() - c
@@ -72,7 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-threads", type=int, help="threads for NEW (default --threads)")
     ap.add_argument("--isa", default="amx")
+    ap.add_argument("--strategy", choices=["auto", "rows", "experts"], default="auto", help="thread plan of both")
+    ap.add_argument("--new-strategy", choices=["auto", "rows", "experts"], help="thread plan of NEW (default --strategy)")
     a = ap.parse_args(argv)
+    plans = {"old": STRATEGIES[a.strategy], "new": STRATEGIES[a.new_strategy or a.strategy]}
     counts = [int(v) for v in a.counts.split(",")]
     qg, qu, qd = a.types.split(",")
     H, F, E = a.hidden, a.inter, len(counts)
@@ -94,14 +100,15 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(a.repeats + 1):
         for n, (lib, th) in (libs.items() if r % 2 == 0 else reversed(libs.items())):
             secs = np.zeros(E, np.float64)
-            t, c = layer_call(lib, x, w, offsets, tokens, pw, outs[n], secs, th)
+            t, c = layer_call(lib, x, w, offsets, tokens, pw, outs[n], secs, th, plans[n])
             if r:  # the first call of each warms up
                 times[n].append(t)
                 cpus[n].append(c)
                 per[n].append(secs)
     flop = 2.0 * 3 * H * F * T
     print(f"{E} experts [{H} x {F}] {a.types}, rows {counts} ({T}), isa {a.isa}, threads old {a.threads} / new "
-          f"{a.new_threads or a.threads}, {a.repeats} calls each alternated")
+          f"{a.new_threads or a.threads}, plans old {a.strategy} / new {a.new_strategy or a.strategy}, {a.repeats} calls "
+          f"each alternated")
     for n in libs:
         med = float(np.median(times[n]))
         pe = np.median(np.array(per[n]), axis=0) * 1e3
