@@ -17,7 +17,7 @@ from engine.bench.bench_simulate_sweep import scheduler_settings
 from engine.sim.run import RunSpec, build_sim, prepare_routing, simulate
 from engine.sim.workload import layer_loads
 from predictors.config import PredictorConfig, PredictorKind
-from schedulers.base import Eviction, LayerState, Phase, SchedulerSetup, build_scheduler
+from schedulers.base import Eviction, LayerState, Phase, PlanningPrice, SchedulerSetup, build_scheduler
 from schedulers.cost import CostModel
 from schedulers.hardware import load_hardware
 from schedulers.offload.dali import DALISettings, greedy_assignment
@@ -145,6 +145,45 @@ def test_horizon_skips_a_search_that_lately_saved_less_than_it_costs(cost: CostM
 
     assert splits(12.5e3, 4) == [searched, presched, presched, searched]
     assert splits(1e3, 4) == [searched] * 4
+
+
+def test_horizon_backs_off_its_probes_where_the_search_keeps_not_paying(cost: CostModel) -> None:
+    """The same layer and price: the first search saves less than it costs, so the layer's next plans skip it; each probe
+    that still finds it not paying doubles the interval to the next (3, then 6, up to `search_probe_max`)."""
+    horizon = build(HorizonSettings(hot_table=False, search_cost_us=12.5e3, search_probe=3, search_probe_max=6), cost)
+    searched = [bool(horizon.plan(copy.deepcopy(sizing_state(cost))).cpu == (0,)) for _ in range(17)]
+    assert [i for i, s in enumerate(searched) if s] == [0, 3, 9, 15]
+    with pytest.raises(ValueError, match="search_probe_max"):
+        HorizonSettings(search_probe=9, search_probe_max=8)
+
+
+class Ticks:
+    """A clock that advances `step_s` each time it is read: a search read twice costs exactly `step_s` on it."""
+
+    def __init__(self, step_s: float):
+        self.now, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+
+@pytest.mark.parametrize("price", ["free", "fixed", "clock_dear", "clock_cheap"])
+def test_horizon_prices_its_search_by_what_the_run_charges(cost: CostModel, price: str) -> None:
+    """The default Horizon (`search_cost_us` None) learns its search's price from the run (`SchedulerSetup.planning`):
+    free (the simulator's default), it searches every plan, as before; with a fixed price of 12.5 ms per search, or a
+    clock on which its search takes 12.5 ms, it skips the layer's next plans (the search saves ~1.5 ms, above);
+    where the search takes 0.1 ms on the run's clock it keeps searching. Before its first search on a clock it does
+    not know its time, and searches."""
+    prices = {"free": PlanningPrice(), "fixed": PlanningPrice(search_s=12.5 * MS),
+              "clock_dear": PlanningPrice(clock=Ticks(12.5 * MS)), "clock_cheap": PlanningPrice(clock=Ticks(0.1 * MS))}
+    setup = SchedulerSetup(num_layers=4, num_experts=8, top_k=2, cache_slots=16, cost=cost, planning=prices[price])
+    horizon = build_scheduler(HorizonSettings(hot_table=False), setup)
+    plans = [horizon.plan(copy.deepcopy(sizing_state(cost))) for _ in range(3)]
+    searched = [p.cpu == (0,) for p in plans]
+    assert searched == ([True, False, False] if price in ("fixed", "clock_dear") else [True] * 3)
+    if price.startswith("clock"):
+        assert horizon.search_times[19] == pytest.approx([prices[price].clock.step_s] * sum(searched))
 
 
 def test_horizon_evicts_the_expert_whose_layer_comes_back_last(cost: CostModel) -> None:

@@ -62,6 +62,7 @@ routing after l).
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Sequence
 
@@ -89,14 +90,22 @@ class HorizonSettings(PreSchedSettings):
     # with the split over this layer and the next); 0: PreSched's eq. 5-6 prefetches, whatever split wins
     prefetch_counts: int = 4
     evict_next_use: bool = True  # evict the cached expert whose layer comes back last first (else PreSched's order)
-    # host µs the candidate splits and the two-layer search cost per decode plan beyond PreSched's plan. A decode layer
-    # keeps PreSched's plan, unsearched, where PreSched's split ends sooner than this (the cost model's `layer_time`:
-    # another split cannot save more than the layer lasts), or where the searches of this layer have lately saved
-    # less than this by the cost model's own estimate (a moving average of the searched plans' two-layer time against
-    # PreSched's split and prefetch count; every `search_probe`-th plan of a layer searches anyway, to keep it current).
-    # 0: always search
-    search_cost_us: float = 0.0
+    # what the candidate splits and the two-layer search cost per decode plan beyond PreSched's plan, in host µs. A
+    # decode layer keeps PreSched's plan, unsearched, where PreSched's split ends sooner than this (the cost model's
+    # `layer_time`: another split cannot save more than the layer lasts), or where the searches of this layer have
+    # lately saved less than this by the cost model's own estimate (a moving average of the searched plans' two-layer
+    # time against PreSched's split and prefetch count; every `search_probe`-th plan of a layer searches anyway, to keep
+    # it current). None (default): what the run charges for it (`SchedulerSetup.planning`): nothing where planning is
+    # free (the simulator's default: always search), else the search's own time on the run's clock (the running median
+    # of its last `search_window` searches at this batch) plus any fixed price. A number: that, whatever the run charges
+    # (0: always search; conf/scheduler/horizon_budget.yaml: a fixed 300 µs)
+    search_cost_us: Optional[float] = None
     search_probe: int = 8
+    # a probe whose layer's searches still save less than they cost doubles that layer's probe interval, up to this
+    # (a search that saves more sets it back to `search_probe`): a probe costs a whole search, and where the search
+    # does not pay (a short layer at a GPU's roofline) probing every 8th plan would cost an eighth of it anyway
+    search_probe_max: int = 64
+    search_window: int = 31  # searches whose measured time the running median takes (per batch size)
     # a prefill pass runs the fastest candidate split too (else PreSched's eq. 1 split, resident experts on the GPU)
     prefill_candidates: bool = True
     # a load stays cached only where it is needed sooner (usage per layer until its next use) than what it displaces
@@ -106,10 +115,13 @@ class HorizonSettings(PreSchedSettings):
         unknown = set(self.candidates) - set(SPLITS)
         if unknown or not self.candidates:
             raise ValueError(f"scheduler.candidates: {sorted(unknown) or '[]'} not among {sorted(SPLITS)}")
-        if self.search_probe < 1:
-            raise ValueError(f"scheduler.search_probe ({self.search_probe}) must be >= 1")
-        if not self.search_cost_us >= 0:
-            raise ValueError(f"scheduler.search_cost_us ({self.search_cost_us}) must be >= 0")
+        if not 1 <= self.search_probe <= self.search_probe_max:
+            raise ValueError(f"scheduler.search_probe ({self.search_probe}) must be >= 1 and <= "
+                             f"scheduler.search_probe_max ({self.search_probe_max})")
+        if self.search_cost_us is not None and not self.search_cost_us >= 0:
+            raise ValueError(f"scheduler.search_cost_us ({self.search_cost_us}) must be >= 0 or null (the run's price)")
+        if self.search_window < 1:
+            raise ValueError(f"scheduler.search_window ({self.search_window}) must be >= 1")
         if self.prefetch_counts < 0:
             raise ValueError(f"scheduler.prefetch_counts ({self.prefetch_counts}) must be >= 0")
         if self.batches_in_flight < 1 or self.micro_batches < 1:
@@ -348,22 +360,38 @@ class Horizon(PreSched):
         super().__init__(settings, setup)
         self.saving = [math.inf] * self.L  # per layer: what its searched plans lately saved (s, `search_cost_us`)
         self.plans_since_search = [0] * self.L
+        self.probe_every = [settings.search_probe] * self.L  # per layer: plans between probes (`search_probe_max`)
+        self.probing = False  # the current plan searches only because its layer is due a probe
+        # batch tokens -> seconds of the last `search_window` decode searches on the run's clock, oldest first
+        self.search_times: dict[int, list[float]] = {}
 
     @property
     def micro_batches(self) -> int:
         return max(1, self.settings.micro_batches)
+
+    @property
+    def priced(self) -> bool:
+        """Whether the search has a price to weigh: a fixed `search_cost_us` > 0, or (None) a run that charges plans."""
+        fixed = self.settings.search_cost_us
+        return fixed > 0 if fixed is not None else not self.setup.planning.free
 
     def finish(self, state: LayerState, cpu: tuple[int, ...], gpu: tuple[int, ...], loads: tuple[int, ...],
                prefetch: list[tuple[int, int]], keep_working_set: bool, ahead: Optional[Lookahead] = None
                ) -> LayerPlan:
         """PreSched's split and prefetches (its bookkeeping already done) -> the chosen split and prefetches, with
         the cache slots for them."""
+        self.searched = self.probing = False
         names = [n for n in self.settings.candidates if n != "presched"]
         if state.phase is Phase.prefill and "presched" in self.settings.candidates \
                 and not self.settings.prefill_candidates:
             return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
         if state.phase is Phase.decode and self.skips_search(state, Split("presched", cpu, gpu, loads)):
             return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
+        self.searched = True
+        # the search's own time on the run's clock: what skipping it saves the run (decode: the plans it may skip)
+        clock = self.setup.planning.clock if state.phase is Phase.decode and self.settings.search_cost_us is None \
+            else None
+        begin = clock() if clock is not None else 0.0
         splits = candidate_splits(state, names, not self.resident_on_device)
         if "presched" in self.settings.candidates:
             splits.insert(0, Split("presched", cpu, gpu, loads))
@@ -377,32 +405,59 @@ class Horizon(PreSched):
         nxt = next_layer(state, e_next) if sized else None
         baseline = sum(1 for target, _ in prefetch if nxt is not None and target == nxt.layer)  # PreSched's count
         best, count, saved = search(state, splits, nxt, self.settings.prefetch_counts, baseline)
-        if self.settings.search_cost_us > 0 and "presched" in self.settings.candidates:
-            self.record_saving(state.layer, saved)
+        if self.priced and "presched" in self.settings.candidates:
+            self.record_saving(state, saved)
         if count is not None:
             assert nxt is not None
             prefetch = [(nxt.layer, e) for e in nxt.experts[::-1][:count]]  # hottest first
         if best.gpu != gpu:
             self.touch(state.layer, best.gpu)
+        if clock is not None:
+            self.record_search_time(state.batch_tokens, clock() - begin)
         return self.plan_with_slots(state, best.cpu, best.gpu, best.loads, prefetch, keep_working_set)
 
+    def search_price(self, state: LayerState) -> float:
+        """Seconds a decode search costs the run now (`search_cost_us`): the fixed figure, or the run's price: its fixed
+        price of a search plus the median of the last searches at this batch on its clock (0 before the first)."""
+        if self.settings.search_cost_us is not None:
+            return self.settings.search_cost_us * 1e-6
+        seen = self.search_times.get(state.batch_tokens)
+        return self.setup.planning.search_s + (statistics.median(seen) if seen else 0.0)
+
+    def record_search_time(self, batch_tokens: int, seconds: float) -> None:
+        """One decode search's time on the run's clock, kept among the last `search_window` at this batch."""
+        seen = self.search_times.setdefault(batch_tokens, [])
+        seen.append(seconds)
+        if len(seen) > self.settings.search_window:
+            del seen[0]
+
     def skips_search(self, state: LayerState, presched: Split) -> bool:
-        """`search_cost_us`: whether this decode plan keeps PreSched's split unsearched (a layer shorter than the
-        search, or one whose searches lately saved less than they cost; every `search_probe`-th plan searches)."""
-        budget = self.settings.search_cost_us * 1e-6
+        """Whether this decode plan keeps PreSched's split unsearched (`search_cost_us`: a layer shorter than the
+        search's price, or one whose searches lately saved less than it; every `search_probe`-th plan searches)."""
+        if not self.priced:
+            return False
+        budget = self.search_price(state)
         if budget <= 0:
             return False
         if layer_time(state, presched) < budget:
             return True
         layer = state.layer
         self.plans_since_search[layer] += 1
-        return self.saving[layer] < budget and self.plans_since_search[layer] < self.settings.search_probe
+        self.probing = self.saving[layer] < budget
+        return self.probing and self.plans_since_search[layer] < self.probe_every[layer]
 
-    def record_saving(self, layer: int, seconds: float) -> None:
-        """A searched plan of `layer` and what it saved by the cost model (moving average, half weight each)."""
+    def record_saving(self, state: LayerState, seconds: float) -> None:
+        """A searched plan of `state.layer` and what it saved by the cost model (moving average, half weight each); a
+        probe that leaves the average below the search's price doubles the layer's probe interval, one above it
+        sets it back."""
+        layer = state.layer
         before = self.saving[layer]
         self.saving[layer] = seconds if math.isinf(before) else 0.5 * before + 0.5 * seconds
         self.plans_since_search[layer] = 0
+        if self.saving[layer] >= self.search_price(state):
+            self.probe_every[layer] = self.settings.search_probe
+        elif self.probing:
+            self.probe_every[layer] = min(2 * self.probe_every[layer], self.settings.search_probe_max)
 
     def prefill_plan(self, state: LayerState, splits: Sequence[Split], presched_gpu: tuple[int, ...],
                      prefetch: list[tuple[int, int]], keep_working_set: bool) -> LayerPlan:
