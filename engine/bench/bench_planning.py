@@ -20,14 +20,18 @@ experts) is longer, so the plan is paid for only where it saves more than it cos
 The charged study (`--study`): each policy's own planning time charged on the simulated host per MoE layer
 (`simulate.planning`, `engine.sim.pipeline.PlanningCharge`: mode `measured_cpu`, each plan call's thread CPU time, so
 the host's other jobs do not inflate it; `--charge measured` for wall time), against the same run uncharged, at
-Figure-11 sweep points (seed 0, transition-table forecasts), on the profile as fitted and on its roofline variant
+Figure-11 sweep points (transition-table forecasts, `--seeds`), on the profile as fitted and on its roofline variant
 (every per-call overhead 0: `gpu.kernel_overhead_us`, `gpu.call_overhead_us`, `cpu.expert_overhead_us`,
-`cpu.dispatch_us`; `layer_overhead_us` and `pass_overhead_us` are 0 on the GPU profiles already). Printed per point:
-Horizon against the best other policy, uncharged and charged, and Horizon's charged plan time:
+`cpu.dispatch_us`; `layer_overhead_us` and `pass_overhead_us` are 0 on the GPU profiles already). A charged run is not
+exactly repeatable: each Horizon variant runs `--charged-repeats` times charged (the others once). Printed per point
+and seed: Horizon against the best other policy, uncharged and charged, and Horizon's charged plan time; then Horizon
+(its search priced by the charge) against its search always on (`horizon_search`) and never (`horizon_no_search`),
+charged, mean ± std over the repeats, and whether it is at least the better of the two within one std:
 
     python engine/bench/bench_planning.py --study [--study-models mixtral_8x7b,qwen3_30b_a3b,deepseek_v2_lite]
-        [--study-batches 4,16,64] [--study-systems horizon,presched,hybrimoe,klotski,dali,layerwise] [--workers 2]
-        [--json /tmp/plan/study.json] [--ours horizon_budget --merge <an earlier --json>]
+        [--study-batches 1,4,16,64] [--seeds 0,1] [--charged-repeats 2] [--workers 2] [--json /tmp/plan/study.json]
+        [--study-systems horizon,horizon_search,horizon_no_search,presched,hybrimoe,klotski,dali,layerwise]
+        [--ours horizon_budget --merge <an earlier --json>]
 """
 
 from __future__ import annotations
