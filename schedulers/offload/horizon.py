@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Sequence
 
@@ -99,21 +100,22 @@ class HorizonSettings(PreSchedSettings):
     prefetch_counts: int = 4
     evict_next_use: bool = True  # evict the cached expert whose layer comes back last first (else PreSched's order)
     # what the candidate splits and the two-layer search cost per decode plan beyond PreSched's plan, in host µs. A
-    # decode layer keeps PreSched's plan, unsearched, where PreSched's split ends sooner than this (the cost model's
-    # `layer_time`: another split cannot save more than the layer lasts), or where the searches of this layer have
-    # lately saved less than this by the cost model's own estimate (a moving average of the searched plans' two-layer
-    # time against PreSched's split and prefetch count; every `search_probe`-th plan of a layer searches anyway, to keep
-    # it current). None (default): what the run charges for it (`SchedulerSetup.planning`): nothing where planning is
-    # free (the simulator's default: always search), else the search's own time on the run's clock (the running median
-    # of its last `search_window` searches at this batch) plus any fixed price. A number: that, whatever the run charges
-    # (0: always search; conf/scheduler/horizon_budget.yaml: a fixed 300 µs)
+    # decode layer keeps PreSched's plan, unsearched, where the searches at this batch have lately saved less than this
+    # on average by the cost model's own estimate (the searched plans' two-layer time against PreSched's split and
+    # prefetch count; every `search_probe`-th plan of a layer searches anyway, to keep it current), or where the search
+    # weighs this layer alone (no forecast of the next) and PreSched's split ends sooner than this. None (default): what
+    # the run charges for it (`SchedulerSetup.planning`): nothing where planning is free (the simulator's default:
+    # always search), else the search's own time on the run's clock (the running median of its last `search_window`
+    # searches at this batch) plus any fixed price. A number: that, whatever the run charges (0: always search;
+    # conf/scheduler/horizon_budget.yaml: a fixed 300 µs)
     search_cost_us: Optional[float] = None
     search_probe: int = 8
-    # a probe whose layer's searches still save less than they cost doubles that layer's probe interval, up to this
+    # a probe after which the searches still save less than they cost doubles that layer's probe interval, up to this
     # (a search that saves more sets it back to `search_probe`): a probe costs a whole search, and where the search
     # does not pay (a short layer at a GPU's roofline) probing every 8th plan would cost an eighth of it anyway
     search_probe_max: int = 64
     search_window: int = 31  # searches whose measured time the running median takes (per batch size)
+    saving_window: int = 256  # searched plans whose estimated saving the mean takes (per batch size)
     # a prefill pass runs the fastest candidate split too (else PreSched's eq. 1 split, resident experts on the GPU)
     prefill_candidates: bool = True
     # a load stays cached only where it is needed sooner (usage per layer until its next use) than what it displaces
@@ -128,8 +130,9 @@ class HorizonSettings(PreSchedSettings):
                              f"scheduler.search_probe_max ({self.search_probe_max})")
         if self.search_cost_us is not None and not self.search_cost_us >= 0:
             raise ValueError(f"scheduler.search_cost_us ({self.search_cost_us}) must be >= 0 or null (the run's price)")
-        if self.search_window < 1:
-            raise ValueError(f"scheduler.search_window ({self.search_window}) must be >= 1")
+        if self.search_window < 1 or self.saving_window < 1:
+            raise ValueError(f"scheduler.search_window ({self.search_window}) and scheduler.saving_window "
+                             f"({self.saving_window}) must be >= 1")
         if self.prefetch_counts < 0:
             raise ValueError(f"scheduler.prefetch_counts ({self.prefetch_counts}) must be >= 0")
         if self.batches_in_flight < 1 or self.micro_batches < 1:
@@ -366,7 +369,8 @@ class Horizon(PreSched):
 
     def __init__(self, settings: HorizonSettings, setup: SchedulerSetup):
         super().__init__(settings, setup)
-        self.saving = [math.inf] * self.L  # per layer: what its searched plans lately saved (s, `search_cost_us`)
+        # batch tokens -> what the last `saving_window` searched decode plans saved by the cost model's estimate (s)
+        self.savings: dict[int, deque[float]] = {}
         self.plans_since_search = [0] * self.L
         self.probe_every = [settings.search_probe] * self.L  # per layer: plans between probes (`search_probe_max`)
         self.probing = False  # the current plan searches only because its layer is due a probe
@@ -395,7 +399,7 @@ class Horizon(PreSched):
             return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
         if state.phase is Phase.decode and self.skips_search(state, Split("presched", cpu, gpu, loads)):
             return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
-        self.searched = True
+        self.searched = bool(names) or self.settings.prefetch_counts > 0  # anything to search beyond PreSched's plan
         # the search's own time on the run's clock: what skipping it saves the run (decode: the plans it may skip)
         clock = self.setup.planning.clock if state.phase is Phase.decode and self.settings.search_cost_us is None \
             else None
@@ -440,29 +444,40 @@ class Horizon(PreSched):
             del seen[0]
 
     def skips_search(self, state: LayerState, presched: Split) -> bool:
-        """Whether this decode plan keeps PreSched's split unsearched (`search_cost_us`: a layer shorter than the
-        search's price, or one whose searches lately saved less than it; every `search_probe`-th plan searches)."""
+        """Whether this decode plan keeps PreSched's split unsearched: a search that weighs this layer alone where
+        PreSched's split ends sooner than the search's price, or one whose recent searches at this batch saved less
+        than it on average (every layer's plans: a layer's savings come in bursts, a saving of milliseconds among
+        plans that save nothing, so its own last few say little of its next); every `search_probe`-th plan of a layer
+        searches anyway."""
         if not self.priced:
             return False
         budget = self.search_price(state)
         if budget <= 0:
             return False
-        if layer_time(state, presched) < budget:
-            return True
+        if not self.looks_ahead(state) and layer_time(state, presched) < budget:
+            return True  # all the search can shorten is this layer, which ends sooner than the search does
         layer = state.layer
         self.plans_since_search[layer] += 1
-        self.probing = self.saving[layer] < budget
+        seen = self.savings.get(state.batch_tokens, ())
+        # a pass of searches first: a few plans' savings (often none, then milliseconds) say little of the mean
+        self.probing = len(seen) >= min(self.L, self.settings.saving_window) and sum(seen) / len(seen) < budget
         return self.probing and self.plans_since_search[layer] < self.probe_every[layer]
 
+    def looks_ahead(self, state: LayerState) -> bool:
+        """Whether this decode plan's search weighs the next layer too (then it may save more than this layer lasts)."""
+        settings = self.settings
+        return settings.use_predictor and settings.prefetch_counts > 0 and state.cost.link_cpu_share <= 0 \
+            and state.layer + 1 < state.num_layers and state.layer + 1 in state.predicted
+
     def record_saving(self, state: LayerState, seconds: float) -> None:
-        """A searched plan of `state.layer` and what it saved by the cost model (moving average, half weight each); a
-        probe that leaves the average below the search's price doubles the layer's probe interval, one above it
-        sets it back."""
+        """A searched decode plan of `state.layer` and what it saved by the cost model, among the last
+        `saving_window` at this batch; a probe that leaves their mean below the search's price doubles the layer's
+        probe interval, one above it sets it back."""
+        seen = self.savings.setdefault(state.batch_tokens, deque(maxlen=self.settings.saving_window))
+        seen.append(seconds)
         layer = state.layer
-        before = self.saving[layer]
-        self.saving[layer] = seconds if math.isinf(before) else 0.5 * before + 0.5 * seconds
         self.plans_since_search[layer] = 0
-        if self.saving[layer] >= self.search_price(state):
+        if sum(seen) / len(seen) >= self.search_price(state):
             self.probe_every[layer] = self.settings.search_probe
         elif self.probing:
             self.probe_every[layer] = min(2 * self.probe_every[layer], self.settings.search_probe_max)
