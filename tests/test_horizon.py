@@ -8,6 +8,7 @@ round numbers (ms): t_c(m) = m + 1, t_io = 4, t_g ~0.5 (roofline + a 30 us call)
 from __future__ import annotations
 
 import copy
+import statistics
 from dataclasses import replace
 
 import numpy as np
@@ -21,7 +22,7 @@ from schedulers.base import Eviction, LayerState, Phase, PlanningPrice, Schedule
 from schedulers.cost import CostModel
 from schedulers.hardware import load_hardware
 from schedulers.offload.dali import DALISettings, greedy_assignment
-from schedulers.offload.horizon import HorizonSettings, Split, candidate_splits, layer_time
+from schedulers.offload.horizon import HorizonSettings, Recent, Split, candidate_splits, layer_time
 from tests.test_presched import A, B, C, MS, mixtral
 
 R1, R2 = 5, 6  # resident experts
@@ -162,6 +163,17 @@ def test_horizon_backs_off_its_probes_where_the_search_keeps_not_paying(cost: Co
         HorizonSettings(search_probe=9, search_probe_max=8)
 
 
+def test_recent_values_mean_and_median_as_a_pass_over_them() -> None:
+    rng = np.random.default_rng(0)
+    values = rng.exponential(size=40).tolist()
+    recent = Recent(7)
+    for i, v in enumerate(values):
+        recent.add(v)
+        last = values[max(0, i - 6):i + 1]
+        assert len(recent) == len(last) and recent.median() == statistics.median(last)
+        assert recent.mean() == pytest.approx(sum(last) / len(last), rel=1e-12)
+
+
 class Ticks:
     """A clock that advances `step_s` each time it is read: a search read twice costs exactly `step_s` on it."""
 
@@ -188,7 +200,7 @@ def test_horizon_prices_its_search_by_what_the_run_charges(cost: CostModel, pric
     searched = [p.cpu == (0,) for p in plans]
     assert searched == [True] * 4 + ([False] * 2 if price in ("fixed", "clock_dear") else [True] * 2)
     if price.startswith("clock"):
-        assert horizon.search_times[19] == pytest.approx([prices[price].clock.step_s] * sum(searched))
+        assert list(horizon.search_times[19].values) == pytest.approx([prices[price].clock.step_s] * sum(searched))
 
 
 def test_horizon_evicts_the_expert_whose_layer_comes_back_last(cost: CostModel) -> None:

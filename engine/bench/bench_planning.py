@@ -221,7 +221,8 @@ def charged_table(rows: list[dict[str, Any]], mode: str, ours: str = "horizon") 
     lines = [f"| point | profile | {ours} | best other | lead | {ours} charged | best other charged | lead charged | "
              f"{ours} plan median µs (charged) | best other's |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({point_key(r) + (r.get("seed", 0),) for r in rows}, key=lambda k: (k[0], k[3], k[1], k[4]))
+    keys = sorted({point_key(r) + (r.get("seed", 0),) for r in rows if r["system"] == ours},
+                  key=lambda k: (k[0], k[3], k[1], k[4]))
     for model, batch, machine, at_roofline, seed in keys:
         at = [r for r in rows if point_key(r) == (model, batch, machine, at_roofline) and r.get("seed", 0) == seed]
         cells = []

@@ -70,7 +70,7 @@ routing after l).
 from __future__ import annotations
 
 import math
-import statistics
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Sequence
@@ -363,6 +363,36 @@ def search(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer],
     return best[0], best[1], totals[0][min(baseline, len(totals[0]) - 1)] - best_t
 
 
+class Recent:
+    """The last `size` values with their running sum and a sorted copy: their mean and median without a pass over
+    them (both are read at every decode plan whose search has a price)."""
+
+    def __init__(self, size: int):
+        self.values: deque[float] = deque(maxlen=size)  # oldest first
+        self.ordered: list[float] = []
+        self.total = 0.0
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def add(self, value: float) -> None:
+        if len(self.values) == self.values.maxlen:
+            oldest = self.values[0]
+            self.total -= oldest
+            del self.ordered[bisect_left(self.ordered, oldest)]
+        self.values.append(value)
+        self.total += value
+        insort(self.ordered, value)
+
+    def mean(self) -> float:
+        return self.total / len(self.values)
+
+    def median(self) -> float:
+        """As `statistics.median`: the middle value, or the mean of the two middle ones."""
+        s, n = self.ordered, len(self.ordered)
+        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
 @register("horizon", settings=HorizonSettings)
 class Horizon(PreSched):
     """See the module docstring."""
@@ -370,12 +400,12 @@ class Horizon(PreSched):
     def __init__(self, settings: HorizonSettings, setup: SchedulerSetup):
         super().__init__(settings, setup)
         # batch tokens -> what the last `saving_window` searched decode plans saved by the cost model's estimate (s)
-        self.savings: dict[int, deque[float]] = {}
+        self.savings: dict[int, Recent] = {}
         self.plans_since_search = [0] * self.L
         self.probe_every = [settings.search_probe] * self.L  # per layer: plans between probes (`search_probe_max`)
         self.probing = False  # the current plan searches only because its layer is due a probe
         # batch tokens -> seconds of the last `search_window` decode searches on the run's clock, oldest first
-        self.search_times: dict[int, list[float]] = {}
+        self.search_times: dict[int, Recent] = {}
 
     @property
     def micro_batches(self) -> int:
@@ -434,14 +464,11 @@ class Horizon(PreSched):
         if self.settings.search_cost_us is not None:
             return self.settings.search_cost_us * 1e-6
         seen = self.search_times.get(state.batch_tokens)
-        return self.setup.planning.search_s + (statistics.median(seen) if seen else 0.0)
+        return self.setup.planning.search_s + (seen.median() if seen else 0.0)
 
     def record_search_time(self, batch_tokens: int, seconds: float) -> None:
         """One decode search's time on the run's clock, kept among the last `search_window` at this batch."""
-        seen = self.search_times.setdefault(batch_tokens, [])
-        seen.append(seconds)
-        if len(seen) > self.settings.search_window:
-            del seen[0]
+        self.search_times.setdefault(batch_tokens, Recent(self.settings.search_window)).add(seconds)
 
     def skips_search(self, state: LayerState, presched: Split) -> bool:
         """Whether this decode plan keeps PreSched's split unsearched: a search that weighs this layer alone where
@@ -458,9 +485,10 @@ class Horizon(PreSched):
             return True  # all the search can shorten is this layer, which ends sooner than the search does
         layer = state.layer
         self.plans_since_search[layer] += 1
-        seen = self.savings.get(state.batch_tokens, ())
+        seen = self.savings.get(state.batch_tokens)
         # a pass of searches first: a few plans' savings (often none, then milliseconds) say little of the mean
-        self.probing = len(seen) >= min(self.L, self.settings.saving_window) and sum(seen) / len(seen) < budget
+        self.probing = seen is not None and len(seen) >= min(self.L, self.settings.saving_window) \
+            and seen.mean() < budget
         return self.probing and self.plans_since_search[layer] < self.probe_every[layer]
 
     def looks_ahead(self, state: LayerState) -> bool:
@@ -473,11 +501,11 @@ class Horizon(PreSched):
         """A searched decode plan of `state.layer` and what it saved by the cost model, among the last
         `saving_window` at this batch; a probe that leaves their mean below the search's price doubles the layer's
         probe interval, one above it sets it back."""
-        seen = self.savings.setdefault(state.batch_tokens, deque(maxlen=self.settings.saving_window))
-        seen.append(seconds)
+        seen = self.savings.setdefault(state.batch_tokens, Recent(self.settings.saving_window))
+        seen.add(seconds)
         layer = state.layer
         self.plans_since_search[layer] = 0
-        if sum(seen) / len(seen) >= self.search_price(state):
+        if seen.mean() >= self.search_price(state):
             self.probe_every[layer] = self.settings.search_probe
         elif self.probing:
             self.probe_every[layer] = min(2 * self.probe_every[layer], self.settings.search_probe_max)
