@@ -200,7 +200,8 @@ def test_horizon_prices_its_search_by_what_the_run_charges(cost: CostModel, pric
     searched = [p.cpu == (0,) for p in plans]
     assert searched == [True] * 4 + ([False] * 2 if price in ("fixed", "clock_dear") else [True] * 2)
     if price.startswith("clock"):
-        assert list(horizon.search_times[19].values) == pytest.approx([prices[price].clock.step_s] * sum(searched))
+        timed = (sum(searched) + 3) // 4  # the 1st, 5th, ... search is timed (a thread clock read is a system call)
+        assert list(horizon.search_times[19].values) == pytest.approx([prices[price].clock.step_s] * timed)
 
 
 def test_horizon_evicts_the_expert_whose_layer_comes_back_last(cost: CostModel) -> None:

@@ -367,30 +367,38 @@ class Recent:
     """The last `size` values with their running sum and a sorted copy: their mean and median without a pass over
     them (both are read at every decode plan whose search has a price)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, median: bool = True):
         self.values: deque[float] = deque(maxlen=size)  # oldest first
-        self.ordered: list[float] = []
+        self.ordered: Optional[list[float]] = [] if median else None  # the values in order (for `median` only)
         self.total = 0.0
 
     def __len__(self) -> int:
         return len(self.values)
 
     def add(self, value: float) -> None:
+        ordered = self.ordered
         if len(self.values) == self.values.maxlen:
             oldest = self.values[0]
             self.total -= oldest
-            del self.ordered[bisect_left(self.ordered, oldest)]
+            if ordered is not None:
+                del ordered[bisect_left(ordered, oldest)]
         self.values.append(value)
         self.total += value
-        insort(self.ordered, value)
+        if ordered is not None:
+            insort(ordered, value)
 
     def mean(self) -> float:
         return self.total / len(self.values)
 
     def median(self) -> float:
         """As `statistics.median`: the middle value, or the mean of the two middle ones."""
-        s, n = self.ordered, len(self.ordered)
+        s = self.ordered
+        assert s is not None, "Recent(median=False) keeps no order"
+        n = len(s)
         return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+TIME_EVERY = 4  # a priced Horizon times one decode search in this many on the run's clock
 
 
 @register("horizon", settings=HorizonSettings)
@@ -404,18 +412,18 @@ class Horizon(PreSched):
         self.plans_since_search = [0] * self.L
         self.probe_every = [settings.search_probe] * self.L  # per layer: plans between probes (`search_probe_max`)
         self.probing = False  # the current plan searches only because its layer is due a probe
-        # batch tokens -> seconds of the last `search_window` decode searches on the run's clock, oldest first
+        # batch tokens -> seconds of the last `search_window` timed decode searches on the run's clock, and the price
+        # they make (`search_price`)
         self.search_times: dict[int, Recent] = {}
+        self.prices: dict[int, float] = {}
+        self.searches = 0  # decode searches with a clock to time them on (every `TIME_EVERY`-th is timed)
+        fixed = settings.search_cost_us
+        # whether the search has a price to weigh: a fixed `search_cost_us` > 0, or (None) a run that charges plans
+        self.priced = fixed > 0 if fixed is not None else not setup.planning.free
 
     @property
     def micro_batches(self) -> int:
         return max(1, self.settings.micro_batches)
-
-    @property
-    def priced(self) -> bool:
-        """Whether the search has a price to weigh: a fixed `search_cost_us` > 0, or (None) a run that charges plans."""
-        fixed = self.settings.search_cost_us
-        return fixed > 0 if fixed is not None else not self.setup.planning.free
 
     def finish(self, state: LayerState, cpu: tuple[int, ...], gpu: tuple[int, ...], loads: tuple[int, ...],
                prefetch: list[tuple[int, int]], keep_working_set: bool, ahead: Optional[Lookahead] = None
@@ -430,9 +438,14 @@ class Horizon(PreSched):
         if state.phase is Phase.decode and self.skips_search(state, Split("presched", cpu, gpu, loads)):
             return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
         self.searched = bool(names) or self.settings.prefetch_counts > 0  # anything to search beyond PreSched's plan
-        # the search's own time on the run's clock: what skipping it saves the run (decode: the plans it may skip)
+        # the search's own time on the run's clock: what skipping it saves the run (decode: the plans it may skip).
+        # Every TIME_EVERY-th search only: reading a thread CPU clock is a system call, tens of µs on a loaded host
         clock = self.setup.planning.clock if state.phase is Phase.decode and self.settings.search_cost_us is None \
             else None
+        if clock is not None:
+            self.searches += 1
+            if self.searches % TIME_EVERY != 1:
+                clock = None
         begin = clock() if clock is not None else 0.0
         splits = candidate_splits(state, names, not self.resident_on_device)
         if "presched" in self.settings.candidates:
@@ -463,12 +476,13 @@ class Horizon(PreSched):
         price of a search plus the median of the last searches at this batch on its clock (0 before the first)."""
         if self.settings.search_cost_us is not None:
             return self.settings.search_cost_us * 1e-6
-        seen = self.search_times.get(state.batch_tokens)
-        return self.setup.planning.search_s + (seen.median() if seen else 0.0)
+        return self.prices.get(state.batch_tokens, self.setup.planning.search_s)
 
     def record_search_time(self, batch_tokens: int, seconds: float) -> None:
-        """One decode search's time on the run's clock, kept among the last `search_window` at this batch."""
-        self.search_times.setdefault(batch_tokens, Recent(self.settings.search_window)).add(seconds)
+        """One decode search's time on the run's clock, kept among the last `search_window` timed at this batch."""
+        seen = self.search_times.setdefault(batch_tokens, Recent(self.settings.search_window))
+        seen.add(seconds)
+        self.prices[batch_tokens] = self.setup.planning.search_s + seen.median()
 
     def skips_search(self, state: LayerState, presched: Split) -> bool:
         """Whether this decode plan keeps PreSched's split unsearched: a search that weighs this layer alone where
@@ -501,7 +515,7 @@ class Horizon(PreSched):
         """A searched decode plan of `state.layer` and what it saved by the cost model, among the last
         `saving_window` at this batch; a probe that leaves their mean below the search's price doubles the layer's
         probe interval, one above it sets it back."""
-        seen = self.savings.setdefault(state.batch_tokens, Recent(self.settings.saving_window))
+        seen = self.savings.setdefault(state.batch_tokens, Recent(self.settings.saving_window, median=False))
         seen.add(seconds)
         layer = state.layer
         self.plans_since_search[layer] = 0
