@@ -30,15 +30,17 @@ Per MoE layer, after its gate:
    CPU backend: PreSched's rules charge them to the CPU side), the fastest split runs with PreSched's prefetches
    (Q4's later targets). Slots for the prefetches, then for kept loads, as PreSched makes them. A prefill pass
    runs the fastest candidate split too (`prefill_candidates`), with PreSched's prefill prefetches.
-   **The search is paid for only where it saves more than the run charges for it** (`skips_search`): a decode layer
-   keeps PreSched's plan unsearched where PreSched's split ends sooner than the search's price, or where this
-   layer's searches lately saved less than it by the cost model's own two-layer estimate (every `search_probe`-th
-   plan probes; a probe that still finds it not paying doubles the interval, up to `search_probe_max`). The price is
-   what the run charges (`SchedulerSetup.planning`, `schedulers.base.PlanningPrice`): nothing where planning is free
-   (the simulator's default, `simulate.planning` off: every plan searches, bit for bit the plans of always
+   **The search is paid for only where it saves more than the run charges for it** (`skips_search`): a decode plan
+   keeps PreSched's plan unsearched where the searches at this batch lately saved less than the search's price on
+   average (the cost model's own two-layer estimate, the mean of the last `saving_window` searched plans of every
+   layer, once a pass of them has run: one layer's savings come in bursts), or, where the search weighs this layer
+   alone (no forecast of the next), where PreSched's split ends sooner than the price. Every `search_probe`-th plan
+   of a layer probes; a probe that still finds it not paying doubles the interval, up to `search_probe_max`. The
+   price is what the run charges (`SchedulerSetup.planning`, `schedulers.base.PlanningPrice`): nothing where planning
+   is free (the simulator's default, `simulate.planning` off: every plan searches, bit for bit the plans of always
    searching), else the search's own time on the clock the run charges by (the executor's wall time; the
-   simulator's `measured` / `measured_cpu` charge), the running median of its last `search_window` searches at this
-   batch, plus any fixed price (`planning.search_us`). `search_cost_us` fixes the price instead
+   simulator's `measured` / `measured_cpu` charge), the running median of the last `search_window` of every 4th
+   search timed at this batch, plus any fixed price (`planning.search_us`). `search_cost_us` fixes the price instead
    (`conf/scheduler/horizon_budget.yaml`: 300 µs; `horizon_search`: 0, always search).
 4. **Eviction by next use** (`evict_next_use`): a pass runs the layers in order, so of the cached experts that
    may make room, the one with the lowest usage per layer until its layer comes back goes first (then least
