@@ -47,7 +47,7 @@ from models.loading import (DType, ModelSpec, check_weights, load_model, load_to
 from models.memory import GIB, PeakMemory, check_fits, host_memory, memory_report
 from models.transformer import param_bytes, without_experts
 from predictors.factory import make_predictors
-from schedulers.base import SchedulerSettings, SchedulerSetup, build_scheduler, scheduler_settings
+from schedulers.base import PlanningPrice, SchedulerSettings, SchedulerSetup, build_scheduler, scheduler_settings
 from schedulers.offload.ondemand import OnDemandSettings
 from schedulers.cost import CostModel
 
@@ -293,7 +293,8 @@ def serve_offloaded(rc: RunConfig, hardware: tuple[HardwareProfile, dict[str, ob
         with OffloadExecutor(model, store, counter, cost, mech, {}, lookup, cache=cache) as ex:
             serve(ex, profile, cfg)
             profile_loads = ex.expert_tokens.copy()
-    setup = SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost, profile_loads)
+    # the executor waits for every plan on the host (its `planning_ms`): its price is the plan's wall time
+    setup = SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost, profile_loads, PlanningPrice(time.perf_counter))
 
     def executor() -> OffloadExecutor:
         return OffloadExecutor(model, store, build_scheduler(settings, setup), cost, mech, predictors, lookup,

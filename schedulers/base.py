@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -251,6 +251,30 @@ class OffloadScheduler(Protocol):
 
 
 @dataclass(frozen=True)
+class PlanningPrice:
+    """What the run that drives a policy charges for the policy's `plan` calls on the host's critical path, told to the
+    policy when it is built (`SchedulerSetup.planning`), so that work a plan may leave out (Horizon's search) runs only
+    where it saves more than the run charges for it. The default is free: nothing a plan does costs the run (the
+    simulator with `simulate.planning` off, every study's setting so far). `clock`: the run charges each plan call this
+    clock's time over it (the real executor: `time.perf_counter`, the wall time the layer waits; the simulator's
+    `measured` / `measured_cpu`: `perf_counter` / `thread_time`), so the policy times its optional work with the same
+    clock. `search_s`: seconds the run adds to a plan call that ran its optional search (the simulator's `fixed` mode,
+    `planning.search_us.<kind>`); a policy reports such a call by `OffloadPolicy.searched`."""
+
+    clock: Optional[Callable[[], float]] = None
+    search_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.search_s >= 0:
+            raise ValueError(f"PlanningPrice.search_s ({self.search_s}) must be >= 0 s")
+
+    @property
+    def free(self) -> bool:
+        """Whether the run charges nothing for a plan's optional work."""
+        return self.clock is None and self.search_s == 0
+
+
+@dataclass(frozen=True)
 class SchedulerSetup:
     """What a scheduler is built with: shapes, memory, costs and the profiling statistics."""
 
@@ -260,6 +284,7 @@ class SchedulerSetup:
     cache_slots: int  # experts the cache holds (staging excluded)
     cost: CostModel
     profile_loads: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # int64 [L, E] tokens per expert in profiling runs
+    planning: PlanningPrice = field(default_factory=PlanningPrice)  # what the run charges for the policy's plans
 
 
 OFFLOAD = Registry("schedulers.offload", what="offload policy", key="scheduler.kind", base=SchedulerSettings)

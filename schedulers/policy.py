@@ -26,6 +26,8 @@ class OffloadPolicy:
     """Base class of the offload schedulers (see `schedulers.base.OffloadScheduler`)."""
 
     per_layer_cache = False  # True: per-layer slots (HybriMoE, LRU) instead of pinned + dynamic
+    # whether the last `plan` call ran optional work the run prices apart (`PlanningPrice.search_s`: Horizon's search)
+    searched = False
 
     def __init__(self, settings: SchedulerSettings, setup: SchedulerSetup):
         self.settings, self.setup = settings, setup

@@ -8,6 +8,7 @@ round numbers (ms): t_c(m) = m + 1, t_io = 4, t_g ~0.5 (roofline + a 30 us call)
 from __future__ import annotations
 
 import copy
+import statistics
 from dataclasses import replace
 
 import numpy as np
@@ -17,11 +18,11 @@ from engine.bench.bench_simulate_sweep import scheduler_settings
 from engine.sim.run import RunSpec, build_sim, prepare_routing, simulate
 from engine.sim.workload import layer_loads
 from predictors.config import PredictorConfig, PredictorKind
-from schedulers.base import Eviction, LayerState, Phase, SchedulerSetup, build_scheduler
+from schedulers.base import Eviction, LayerState, Phase, PlanningPrice, SchedulerSetup, build_scheduler
 from schedulers.cost import CostModel
 from schedulers.hardware import load_hardware
 from schedulers.offload.dali import DALISettings, greedy_assignment
-from schedulers.offload.horizon import HorizonSettings, Split, candidate_splits, layer_time
+from schedulers.offload.horizon import HorizonSettings, Recent, Split, candidate_splits, layer_time
 from tests.test_presched import A, B, C, MS, mixtral
 
 R1, R2 = 5, 6  # resident experts
@@ -119,22 +120,26 @@ def test_horizon_sizes_its_prefetches_for_the_split_it_runs(cost: CostModel) -> 
 
 
 def test_horizon_skips_its_search_on_a_layer_shorter_than_the_search(cost: CostModel) -> None:
-    """`search_cost_us`: the layer of the test above, whose PreSched split ends in 13 ms (E0, E6 on the CPU, E7 loaded
-    meanwhile). A search dearer than that keeps PreSched's plan, prefetches included; a cheaper one searches."""
-    s = sizing_state(cost)
+    """`search_cost_us`: the layer of the test above without a forecast of layer 1 (the search weighs this layer
+    alone), whose PreSched split ends in 13 ms (E0, E6 on the CPU, E7 loaded meanwhile). A search dearer than that
+    keeps PreSched's plan; a cheaper one searches (eq. 1's split, ~8.5 ms). With the forecast the search may save more
+    than this layer lasts (the next layer's loads), and it searches first whatever it costs."""
+    s = replace(sizing_state(cost), predicted={})
     assert layer_time(s, Split("presched", (0, 6), (7,), (7,))) == pytest.approx(13 * MS)
     skipped = build(HorizonSettings(hot_table=False, search_cost_us=13.5e3), cost).plan(copy.deepcopy(s))
-    assert skipped.cpu == (0, 6) and skipped.ondemand == (7,) and skipped.prefetch == ((1, 4), (1, 5))
+    assert skipped.cpu == (0, 6) and skipped.ondemand == (7,)
     searched = build(HorizonSettings(hot_table=False, search_cost_us=12.5e3), cost).plan(copy.deepcopy(s))
-    assert searched.cpu == (0,) and set(searched.ondemand) == {6, 7} and searched.prefetch == ((1, 4),)
+    assert searched.cpu == (0,) and set(searched.ondemand) == {6, 7}
+    ahead = build(HorizonSettings(hot_table=False, search_cost_us=13.5e3), cost).plan(copy.deepcopy(sizing_state(cost)))
+    assert ahead.cpu == (0,) and ahead.prefetch == ((1, 4),)
     with pytest.raises(ValueError, match="search_cost_us"):
         HorizonSettings(search_cost_us=-1.0)
 
 
 def test_horizon_skips_a_search_that_lately_saved_less_than_it_costs(cost: CostModel) -> None:
     """The same layer: searched, eq. 1's split with one prefetch ends both layers ~1.5 ms sooner than PreSched's split
-    with its two (by the cost model). A search dearer than that (12.5 ms, under the 13-ms layer) is skipped on the
-    layer's next plans, until every `search_probe`-th; a cheaper one (1 ms) keeps searching."""
+    with its two (by the cost model). A search dearer than that on average (12.5 ms) is skipped once a pass of searches
+    (4 layers) has measured it, until every `search_probe`-th plan; a cheaper one (1 ms) keeps searching."""
     presched = (0, 6), (7,)
     searched = (0,), (6, 7)
 
@@ -143,8 +148,60 @@ def test_horizon_skips_a_search_that_lately_saved_less_than_it_costs(cost: CostM
         out = [horizon.plan(copy.deepcopy(sizing_state(cost))) for _ in range(plans)]
         return [(p.cpu, tuple(sorted(p.ondemand))) for p in out]
 
-    assert splits(12.5e3, 4) == [searched, presched, presched, searched]
-    assert splits(1e3, 4) == [searched] * 4
+    assert splits(12.5e3, 7) == [searched] * 4 + [presched, presched, searched]
+    assert splits(1e3, 7) == [searched] * 7
+
+
+def test_horizon_backs_off_its_probes_where_the_search_keeps_not_paying(cost: CostModel) -> None:
+    """The same layer and price: the first pass of searches saves less than they cost, so the layer's next plans skip
+    it; each probe that still finds it not paying doubles the interval to the next (3, then 6, up to
+    `search_probe_max`)."""
+    horizon = build(HorizonSettings(hot_table=False, search_cost_us=12.5e3, search_probe=3, search_probe_max=6), cost)
+    searched = [bool(horizon.plan(copy.deepcopy(sizing_state(cost))).cpu == (0,)) for _ in range(20)]
+    assert [i for i, s in enumerate(searched) if s] == [0, 1, 2, 3, 6, 12, 18]
+    with pytest.raises(ValueError, match="search_probe_max"):
+        HorizonSettings(search_probe=9, search_probe_max=8)
+
+
+def test_recent_values_mean_and_median_as_a_pass_over_them() -> None:
+    rng = np.random.default_rng(0)
+    values = rng.exponential(size=40).tolist()
+    recent = Recent(7)
+    for i, v in enumerate(values):
+        recent.add(v)
+        last = values[max(0, i - 6):i + 1]
+        assert len(recent) == len(last) and recent.median() == statistics.median(last)
+        assert recent.mean() == pytest.approx(sum(last) / len(last), rel=1e-12)
+
+
+class Ticks:
+    """A clock that advances `step_s` each time it is read: a search read twice costs exactly `step_s` on it."""
+
+    def __init__(self, step_s: float):
+        self.now, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+
+@pytest.mark.parametrize("price", ["free", "fixed", "clock_dear", "clock_cheap"])
+def test_horizon_prices_its_search_by_what_the_run_charges(cost: CostModel, price: str) -> None:
+    """The default Horizon (`search_cost_us` None) learns its search's price from the run (`SchedulerSetup.planning`):
+    free (the simulator's default), it searches every plan, as before; with a fixed price of 12.5 ms per search, or a
+    clock on which its search takes 12.5 ms, it skips the search after a pass of 4 searches (which saved ~1.5 ms each,
+    above); where the search takes 0.1 ms on the run's clock it keeps searching. Before its first search on a clock it
+    does not know its time, and searches."""
+    prices = {"free": PlanningPrice(), "fixed": PlanningPrice(search_s=12.5 * MS),
+              "clock_dear": PlanningPrice(clock=Ticks(12.5 * MS)), "clock_cheap": PlanningPrice(clock=Ticks(0.1 * MS))}
+    setup = SchedulerSetup(num_layers=4, num_experts=8, top_k=2, cache_slots=16, cost=cost, planning=prices[price])
+    horizon = build_scheduler(HorizonSettings(hot_table=False), setup)
+    plans = [horizon.plan(copy.deepcopy(sizing_state(cost))) for _ in range(6)]
+    searched = [p.cpu == (0,) for p in plans]
+    assert searched == [True] * 4 + ([False] * 2 if price in ("fixed", "clock_dear") else [True] * 2)
+    if price.startswith("clock"):
+        timed = (sum(searched) + 3) // 4  # the 1st, 5th, ... search is timed (a thread clock read is a system call)
+        assert list(horizon.search_times[19].values) == pytest.approx([prices[price].clock.step_s] * timed)
 
 
 def test_horizon_evicts_the_expert_whose_layer_comes_back_last(cost: CostModel) -> None:

@@ -11,7 +11,7 @@ from conf import compose
 from engine.sim.pipeline import PipelineSim, PlanningCharge, SimOptions
 from engine.simulate import spec_from_config
 from models.loading import resolve_model_config
-from schedulers.base import LayerPlan, SchedulerSettings
+from schedulers.base import LayerPlan, PlanningPrice, SchedulerSettings
 from schedulers.cost import CostModel
 from schedulers.hardware import load_hardware
 from core.trace import DECODE, TraceMeta, TraceRecorder
@@ -32,6 +32,7 @@ class Scripted:
         return self._residency.copy()
 
     def plan(self, state) -> LayerPlan:
+        self.searched = state.layer == 0  # layer 0's plan runs the optional search `search_us` charges
         end = time.thread_time() + self._spin
         while time.thread_time() < end:
             pass
@@ -69,6 +70,21 @@ def test_fixed_charge_reaches_the_step_by_hand(on_device: bool) -> None:
     # resident): nothing waits for its plan; otherwise the experts and the layer's end wait for the plan
     assert off == pytest.approx(2 * a + io + g + both + h, rel=1e-12)
     assert charged == pytest.approx(off + (c if on_device else 2 * c), rel=1e-12)
+
+
+def test_fixed_charge_adds_the_search_price_to_a_searched_plan() -> None:
+    """`search_us.<kind>`: a plan that ran its search (layer 0's here) is charged that much more; the policy is told
+    it as its price (`PlanningCharge.price`), and a measured charge's price is its clock."""
+    charge = PlanningCharge("fixed", {"scripted": 100.0}, {"scripted": 400.0})
+    plain, _ = two_layer_pass(PlanningCharge("fixed", {"scripted": 100.0}), True)
+    searched, _ = two_layer_pass(charge, True)
+    assert searched == pytest.approx(plain + 400e-6, rel=1e-12)  # layer 0's load waits 0.4 ms more
+    assert charge.price("scripted").clock is None and charge.price("scripted").search_s == pytest.approx(400e-6)
+    assert charge.price("horizon") == PlanningPrice() and PlanningCharge().price("scripted").free
+    assert PlanningCharge("measured_cpu").price("scripted").clock is time.thread_time
+    assert PlanningCharge("measured").price("scripted").clock is time.perf_counter
+    with pytest.raises(ValueError, match="planning.search_us"):
+        PlanningCharge("fixed", {"scripted": 1.0}, {"scripted": -1.0})
 
 
 def test_measured_charge_counts_the_plan_call() -> None:

@@ -71,7 +71,7 @@ class SimulateConfig:
     check_invariants: bool = False  # assert the mechanism's invariants while simulating (tests)
     cache_slots: Optional[int] = None  # override the expert-cache size the memory plan gives (small studies)
     # the policy's own plan time on the host per MoE layer (engine.sim.pipeline.PlanningCharge): mode off (default) |
-    # measured | measured_cpu | fixed (fixed_us per scheduler kind)
+    # measured | measured_cpu | fixed (fixed_us per scheduler kind, search_us more for a plan that ran its search)
     planning: unfrozen(PlanningCharge) = field(default_factory=unfrozen(PlanningCharge))  # type: ignore[valid-type]
     seed: int = 0
     study: StudyConfig = field(default_factory=StudyConfig)  # a study multirun's job (conf/experiment)

@@ -24,14 +24,18 @@ experts) is longer, so the plan is paid for only where it saves more than it cos
 The charged study (`--study`): each policy's own planning time charged on the simulated host per MoE layer
 (`simulate.planning`, `engine.sim.pipeline.PlanningCharge`: mode `measured_cpu`, each plan call's thread CPU time, so
 the host's other jobs do not inflate it; `--charge measured` for wall time), against the same run uncharged, at
-Figure-11 sweep points (seed 0, transition-table forecasts), on the profile as fitted and on its roofline variant
+Figure-11 sweep points (transition-table forecasts, `--seeds`), on the profile as fitted and on its roofline variant
 (every per-call overhead 0: `gpu.kernel_overhead_us`, `gpu.call_overhead_us`, `cpu.expert_overhead_us`,
-`cpu.dispatch_us`; `layer_overhead_us` and `pass_overhead_us` are 0 on the GPU profiles already). Printed per point:
-Horizon against the best other policy, uncharged and charged, and Horizon's charged plan time:
+`cpu.dispatch_us`; `layer_overhead_us` and `pass_overhead_us` are 0 on the GPU profiles already). A charged run is not
+exactly repeatable: each Horizon variant runs `--charged-repeats` times charged (the others once). Printed per point
+and seed: Horizon against the best other policy, uncharged and charged, and Horizon's charged plan time; then Horizon
+(its search priced by the charge) against its search always on (`horizon_search`) and never (`horizon_no_search`),
+charged, mean ± std over the repeats, and whether it is at least the better of the two within one std:
 
     python engine/bench/bench_planning.py --study [--study-models mixtral_8x7b,qwen3_30b_a3b,deepseek_v2_lite]
-        [--study-batches 4,16,64] [--study-systems horizon,presched,hybrimoe,klotski,dali,layerwise] [--workers 2]
-        [--json /tmp/plan/study.json] [--ours horizon_budget --merge <an earlier --json>]
+        [--study-batches 1,4,16,64] [--seeds 0,1] [--charged-repeats 2] [--workers 2] [--json /tmp/plan/study.json]
+        [--study-systems horizon,horizon_search,horizon_no_search,presched,hybrimoe,klotski,dali,layerwise]
+        [--ours horizon_budget --merge <an earlier --json>]
 """
 
 from __future__ import annotations
@@ -147,25 +151,72 @@ def roofline(hw: HardwareProfile) -> HardwareProfile:
     return replace(hw, gpu=gpu, cpu=replace(hw.cpu, expert_overhead_us=0.0, dispatch_us=0.0))
 
 
-def charged_group(job: tuple[str, int, str, bool, tuple[str, ...], str]) -> list[dict[str, Any]]:
-    """Every system at one (model, batch, machine, profile) point, uncharged and with its planning charged."""
-    model, batch, machine, at_roofline, systems, mode = job
+def charged_group(job: tuple[str, int, str, bool, tuple[str, ...], str, int, int]) -> list[dict[str, Any]]:
+    """Every system at one (model, batch, machine, profile, seed) point, uncharged and with its planning charged (a
+    charged run is not exactly repeatable: the Horizon variants `repeats` charged runs each, the others one), the
+    systems alternated run by run."""
+    model, batch, machine, at_roofline, systems, mode, seed, repeats = job
     rows = []
     routings: dict[int, PreparedRouting] = {}
+    specs = {}
     for system in systems:
-        spec = point_run_spec(model, batch, machine, system, gen_len=64)
-        if at_roofline:
-            spec = replace(spec, hardware=roofline(spec.hardware))
+        spec = point_run_spec(model, batch, machine, system, gen_len=64, seed=seed)
+        specs[system] = replace(spec, hardware=roofline(spec.hardware)) if at_roofline else spec
+    runs = [(s, PlanningCharge()) for s in systems] + [(s, PlanningCharge(mode)) for r in range(repeats)
+                                                      for s in (systems if r % 2 == 0 else systems[::-1])
+                                                      if r == 0 or s.startswith("horizon")]
+    for system, charge in runs:
+        spec = specs[system]
         routing = routings.setdefault(spec.sequences, prepare_routing(spec))
-        for charge in (PlanningCharge(), PlanningCharge(mode)):
-            t0 = time.process_time()
-            out = simulate(replace(spec, planning=charge), routing)
-            rows.append({"model": model, "batch": batch, "machine": machine, "roofline": at_roofline, "system": system,
-                         "charge": charge.mode, "throughput_tok_s": out.summary["throughput_tok_s"],
-                         "plan_median_us": out.summary.get("planning_charged_median_us_decode"),
-                         "plan_p99_us": out.summary.get("planning_charged_p99_us_decode"),
-                         "sim_cpu_s": time.process_time() - t0})
+        t0 = time.process_time()
+        out = simulate(replace(spec, planning=charge), routing)
+        rows.append({"model": model, "batch": batch, "machine": machine, "roofline": at_roofline, "system": system,
+                     "seed": seed, "charge": charge.mode, "throughput_tok_s": out.summary["throughput_tok_s"],
+                     "plan_median_us": out.summary.get("planning_charged_median_us_decode"),
+                     "plan_p99_us": out.summary.get("planning_charged_p99_us_decode"),
+                     "sim_cpu_s": time.process_time() - t0})
     return rows
+
+
+def point_key(r: dict[str, Any]) -> tuple[str, int, str, bool]:
+    return r["model"], r["batch"], r["machine"], r["roofline"]
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample std (0 for one value)."""
+    a = np.asarray(values, dtype=np.float64)
+    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0
+
+
+def search_table(rows: list[dict[str, Any]], mode: str, ours: str = "horizon", on: str = "horizon_search",
+                 off: str = "horizon_no_search") -> list[str]:
+    """Per point and seed: `ours` (Horizon pricing its search by the run's charge) against the search always on (`on`)
+    and never (`off`), charged, mean ± std over the charged repeats; the last column: `ours` against the better of the
+    two, and whether it is at least that within one std (the larger of the two stds); the uncharged `ours` against `on`
+    (the same plans where planning is free)."""
+    lines = [f"| point | profile | seed | {ours} charged | search on | search off | {ours} / better | "
+             f"at least the better (1 std) | uncharged {ours} = search on |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({point_key(r) + (r.get("seed", 0),) for r in rows if r["system"] == ours},
+                  key=lambda k: (k[0], k[3], k[1], k[4]))
+    held = 0
+    for model, batch, machine, at_roofline, seed in keys:
+        def of(system: str, charge: str) -> list[float]:
+            return [r["throughput_tok_s"] for r in rows if r["system"] == system and r["charge"] == charge
+                    and point_key(r) == (model, batch, machine, at_roofline) and r.get("seed", 0) == seed]
+        if not (of(on, mode) and of(off, mode)):
+            continue
+        (m, sd), (m_on, sd_on), (m_off, sd_off) = (mean_std(of(s, mode)) for s in (ours, on, off))
+        better, sd_better = (m_on, sd_on) if m_on >= m_off else (m_off, sd_off)
+        ok = m >= better - max(sd, sd_better)
+        held += ok
+        same = of(ours, "off") == of(on, "off")
+        lines.append(f"| {model} {machine} b{batch} | {'roofline' if at_roofline else 'as fitted'} | {seed} | "
+                     f"{m:.2f} ± {sd:.2f} | {m_on:.2f} ± {sd_on:.2f} | {m_off:.2f} ± {sd_off:.2f} | "
+                     f"{m / better - 1:+.1%} | {'yes' if ok else '**no**'} | {'yes' if same else '**no**'} |")
+    lines.append(f"{ours} at least the better of search on / off (within one std) at {held} of {len(lines) - 2} "
+                 "points")
+    return lines
 
 
 def charged_table(rows: list[dict[str, Any]], mode: str, ours: str = "horizon") -> list[str]:
@@ -174,50 +225,53 @@ def charged_table(rows: list[dict[str, Any]], mode: str, ours: str = "horizon") 
     lines = [f"| point | profile | {ours} | best other | lead | {ours} charged | best other charged | lead charged | "
              f"{ours} plan median µs (charged) | best other's |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(r["model"], r["batch"], r["machine"], r["roofline"]) for r in rows},
-                  key=lambda k: (k[0], k[3], k[1]))
-    for model, batch, machine, at_roofline in keys:
-        at = [r for r in rows if (r["model"], r["batch"], r["machine"], r["roofline"]) == (model, batch, machine,
-                                                                                          at_roofline)]
+    keys = sorted({point_key(r) + (r.get("seed", 0),) for r in rows if r["system"] == ours},
+                  key=lambda k: (k[0], k[3], k[1], k[4]))
+    for model, batch, machine, at_roofline, seed in keys:
+        at = [r for r in rows if point_key(r) == (model, batch, machine, at_roofline) and r.get("seed", 0) == seed]
         cells = []
         for charge in ("off", mode):
-            mine = next(r for r in at if r["system"] == ours and r["charge"] == charge)
-            others = [r for r in at if not r["system"].startswith("horizon") and r["charge"] == charge]
+            mine = averaged([r for r in at if r["system"] == ours and r["charge"] == charge])
+            others = [averaged([r for r in at if r["system"] == system and r["charge"] == charge])
+                      for system in sorted({r["system"] for r in at if not r["system"].startswith("horizon")})]
             if not others:  # only Horizon variants ran: the other columns stay empty
                 others = [{"system": "-", "throughput_tok_s": math.nan, "plan_median_us": math.nan}]
             best = max(others, key=lambda r: r["throughput_tok_s"])
             cells.append((mine, best, mine["throughput_tok_s"] / best["throughput_tok_s"] - 1))
         (h0, b0, l0), (h1, b1, l1) = cells
-        lines.append(f"| {model} {machine} b{batch} | {'roofline' if at_roofline else 'as fitted'} | "
+        lines.append(f"| {model} {machine} b{batch} s{seed} | {'roofline' if at_roofline else 'as fitted'} | "
                      f"{h0['throughput_tok_s']:.2f} | {b0['throughput_tok_s']:.2f} ({b0['system']}) | {l0:+.1%} | "
                      f"{h1['throughput_tok_s']:.2f} | {b1['throughput_tok_s']:.2f} ({b1['system']}) | "
                      f"{'**' if l1 < 0 else ''}{l1:+.1%}{'**' if l1 < 0 else ''} | {h1['plan_median_us']:.0f} | "
                      f"{b1['plan_median_us']:.0f} |")
-    variants = sorted({r["system"] for r in rows if r["system"].startswith("horizon") and r["system"] != ours})
-    for system in variants:  # every other Horizon variant against `ours`, charged
-        for r in sorted((r for r in rows if r["system"] == system and r["charge"] == mode),
-                        key=lambda r: (r["model"], r["roofline"], r["batch"])):
-            mine = next(q for q in rows if q["system"] == ours and q["charge"] == mode and
-                        (q["model"], q["batch"], q["roofline"]) == (r["model"], r["batch"], r["roofline"]))
-            lines.append(f"{ours} vs {system}, charged, {r['model']} b{r['batch']} "
-                         f"{'roofline' if r['roofline'] else 'as fitted'}: {mine['throughput_tok_s']:.2f} against "
-                         f"{r['throughput_tok_s']:.2f} ({mine['throughput_tok_s'] / r['throughput_tok_s'] - 1:+.1%})")
     return lines
+
+
+def averaged(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's runs at one point and charge (the charged repeats) as one row: the mean throughput and plan time."""
+    return {"system": rows[0]["system"], "throughput_tok_s": float(np.mean([r["throughput_tok_s"] for r in rows])),
+            "plan_median_us": float(np.mean([r["plan_median_us"] or 0.0 for r in rows]))}
 
 
 def charged_study(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The charged study's groups, `--workers` at a time; prints the table and the wall time."""
     systems = tuple(args.study_systems.split(","))
-    jobs = [(m, int(b), args.machine, at_roofline, systems, args.charge) for b in args.study_batches.split(",")
+    jobs = [(m, int(b), args.machine, at_roofline, systems, args.charge, int(seed), args.charged_repeats)
+            for seed in args.seeds.split(",") for b in args.study_batches.split(",")
             for m in args.study_models.split(",") for at_roofline in (False, True)]
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         for group in pool.map(charged_group, jobs):  # in job order
             rows += group
-            print(f"done: {group[0]['model']} b{group[0]['batch']} roofline={group[0]['roofline']}", flush=True)
+            print(f"done: {group[0]['model']} b{group[0]['batch']} roofline={group[0]['roofline']} "
+                  f"seed {group[0]['seed']}", flush=True)
+            if args.json:  # as it goes: a long study interrupted keeps what it ran
+                Path(args.json).write_text(json.dumps(rows, indent=1))
     shown = rows + (json.loads(Path(args.merge).read_text()) if args.merge else [])
     print("\n".join(charged_table(shown, args.charge, args.ours)))
+    if {"horizon_search", "horizon_no_search"} <= {r["system"] for r in shown}:
+        print("\n".join(search_table(shown, args.charge, args.ours)))
     print(f"{len(rows)} runs, wall {time.perf_counter() - t0:.0f} s with {args.workers} workers, "
           f"simulated CPU {sum(r['sim_cpu_s'] for r in rows):.0f} s")
     if args.json:
@@ -238,8 +292,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="another checkout: every system timed there too (`<system>@base`), plans compared")
     ap.add_argument("--study", action="store_true", help="the charged-planning study instead (see the docstring)")
     ap.add_argument("--study-models", default="mixtral_8x7b,qwen3_30b_a3b,deepseek_v2_lite")
-    ap.add_argument("--study-batches", default="4,16,64")
-    ap.add_argument("--study-systems", default="horizon,presched,hybrimoe,klotski,dali,layerwise")
+    ap.add_argument("--study-batches", default="1,4,16,64")
+    ap.add_argument("--study-systems",
+                    default="horizon,horizon_search,horizon_no_search,presched,hybrimoe,klotski,dali,layerwise")
+    ap.add_argument("--seeds", default="0", help="the routing seeds of the study (comma-separated)")
+    ap.add_argument("--charged-repeats", type=int, default=2, help="charged runs per Horizon variant, point and seed (the others: one)")
     ap.add_argument("--charge", default="measured_cpu", help="planning.mode of the charged runs")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the study's rows here")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from engine.offload.speculation import speculated_routing, working_plan
 from engine.sim.workload import ForwardPass, microbatch_loads
 from core.trace import RoutingTrace
 from models.config import ModelConfig
-from schedulers.base import LayerPlan, LayerState, OffloadScheduler, Phase, Transfer
+from schedulers.base import LayerPlan, LayerState, OffloadScheduler, Phase, PlanningPrice, Transfer
 from schedulers.cost import CostModel
 
 
@@ -92,17 +92,21 @@ class PlanningCharge:
     layer's plan wait. Modes: `off` (default; results stay comparable with every study so far), `measured` (each
     plan call's own `perf_counter` time: what a Python policy costs on this host, load included), `measured_cpu`
     (its thread CPU time: the same without the time the host's other jobs take from it), `fixed` (`fixed_us` by the
-    policy's `scheduler.kind`, per plan call: reproducible studies)."""
+    policy's `scheduler.kind`, per plan call: reproducible studies; `search_us.<kind>` more for a call that ran the
+    policy's optional search, `OffloadPolicy.searched`). The policy is told the price (`price`,
+    `SchedulerSetup.planning`): a policy with optional plan work (Horizon's search) weighs it against it."""
 
     mode: str = "off"
     fixed_us: dict[str, float] = field(default_factory=dict)  # mode fixed: µs per plan call by scheduler kind
+    search_us: dict[str, float] = field(default_factory=dict)  # mode fixed: µs more for a call that ran its search
 
     def __post_init__(self) -> None:
         if self.mode not in PLANNING_MODES:
             raise ValueError(f"planning.mode: {self.mode!r} is not one of {'|'.join(PLANNING_MODES)}")
-        bad = {k: v for k, v in self.fixed_us.items() if not v >= 0}
-        if bad:
-            raise ValueError(f"planning.fixed_us: {bad} must be >= 0 µs")
+        for key, table in (("fixed_us", self.fixed_us), ("search_us", self.search_us)):
+            bad = {k: v for k, v in table.items() if not v >= 0}
+            if bad:
+                raise ValueError(f"planning.{key}: {bad} must be >= 0 µs")
 
     def fixed_s(self, kind: str) -> float:
         """Seconds charged per plan call of a policy of `kind` in mode `fixed`."""
@@ -110,6 +114,20 @@ class PlanningCharge:
             raise ValueError(f"planning.fixed_us has no entry for scheduler kind {kind!r} (planning.mode=fixed); "
                              f"given: {sorted(self.fixed_us)}")
         return float(self.fixed_us[kind]) * 1e-6
+
+    def price(self, kind: str) -> PlanningPrice:
+        """What this charge tells a policy of `kind` its plans cost: nothing (off), its calls' time on the clock the
+        charge reads (measured, measured_cpu), or its fixed price of a search (fixed: `search_us.<kind>`)."""
+        if self.mode == "off":
+            return PlanningPrice()
+        if self.mode == "fixed":
+            return PlanningPrice(search_s=float(self.search_us.get(kind, 0.0)) * 1e-6)
+        return PlanningPrice(clock=self.clock)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock a measured charge reads over each plan call."""
+        return time.thread_time if self.mode == "measured_cpu" else time.perf_counter
 
 
 @dataclass
@@ -289,13 +307,15 @@ class PipelineSim:
         charge, validate = self.options.planning, self.options.check_invariants
         if charge.mode == "off":
             return self.accounting.plan(self.scheduler, state, validate=validate), gate
-        clock = time.thread_time if charge.mode == "measured_cpu" else time.perf_counter
+        clock = charge.clock
         begin = clock()
         plan = self.scheduler.plan(state)
         seconds = clock() - begin
         plan = self.accounting.check(self.scheduler, state, plan, validate)
         if charge.mode == "fixed":
-            seconds = charge.fixed_s(self.scheduler.settings.kind)
+            kind = self.scheduler.settings.kind
+            seconds = charge.fixed_s(kind) + (charge.price(kind).search_s if getattr(self.scheduler, "searched", False)
+                                              else 0.0)
         self.planning_s.append((state.phase is Phase.prefill, seconds))
         self.host_free = max(gate, self.host_free) + seconds
         return plan, self.host_free

@@ -190,7 +190,7 @@ def build_sim(spec: RunSpec, routing: PreparedRouting, record: bool = False,
                      expert_format=spec.expert_format)
     setup = SchedulerSetup(num_layers=len(spec.model.moe_layers), num_experts=spec.model.num_experts,
                            top_k=spec.model.num_experts_per_tok, cache_slots=mem.cache_slots, cost=cost,
-                           profile_loads=routing.profile)
+                           profile_loads=routing.profile, planning=spec.planning.price(spec.scheduler.kind))
     scheduler = build_scheduler(spec.scheduler, setup)
     predictors = simulator_predictors(spec, routing)
     book = ForecastBook(routing.trace, predictors) if predictors else None

@@ -29,9 +29,19 @@ Per MoE layer, after its gate:
    layer has no forecast or nothing of it is missing, or where copies take host cores (`link_cpu_share` > 0, the
    CPU backend: PreSched's rules charge them to the CPU side), the fastest split runs with PreSched's prefetches
    (Q4's later targets). Slots for the prefetches, then for kept loads, as PreSched makes them. A prefill pass
-   runs the fastest candidate split too (`prefill_candidates`), with PreSched's prefill prefetches. With
-   `search_cost_us` > 0 (`conf/scheduler/horizon_budget.yaml`) a decode layer shorter than the search, or one whose
-   recent searches saved less than the search costs, keeps PreSched's plan unsearched (`skips_search`).
+   runs the fastest candidate split too (`prefill_candidates`), with PreSched's prefill prefetches.
+   **The search is paid for only where it saves more than the run charges for it** (`skips_search`): a decode plan
+   keeps PreSched's plan unsearched where the searches at this batch lately saved less than the search's price on
+   average (the cost model's own two-layer estimate, the mean of the last `saving_window` searched plans of every
+   layer, once a pass of them has run: one layer's savings come in bursts), or, where the search weighs this layer
+   alone (no forecast of the next), where PreSched's split ends sooner than the price. Every `search_probe`-th plan
+   of a layer probes; a probe that still finds it not paying doubles the interval, up to `search_probe_max`. The
+   price is what the run charges (`SchedulerSetup.planning`, `schedulers.base.PlanningPrice`): nothing where planning
+   is free (the simulator's default, `simulate.planning` off: every plan searches, bit for bit the plans of always
+   searching), else the search's own time on the clock the run charges by (the executor's wall time; the
+   simulator's `measured` / `measured_cpu` charge), the running median of the last `search_window` of every 4th
+   search timed at this batch, plus any fixed price (`planning.search_us`). `search_cost_us` fixes the price instead
+   (`conf/scheduler/horizon_budget.yaml`: 300 µs; `horizon_search`: 0, always search).
 4. **Eviction by next use** (`evict_next_use`): a pass runs the layers in order, so of the cached experts that
    may make room, the one with the lowest usage per layer until its layer comes back goes first (then least
    recently used). With every expert routed at every pass (large batches, usage alike) that is the one whose
@@ -62,6 +72,8 @@ routing after l).
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Sequence
 
@@ -89,14 +101,23 @@ class HorizonSettings(PreSchedSettings):
     # with the split over this layer and the next); 0: PreSched's eq. 5-6 prefetches, whatever split wins
     prefetch_counts: int = 4
     evict_next_use: bool = True  # evict the cached expert whose layer comes back last first (else PreSched's order)
-    # host µs the candidate splits and the two-layer search cost per decode plan beyond PreSched's plan. A decode layer
-    # keeps PreSched's plan, unsearched, where PreSched's split ends sooner than this (the cost model's `layer_time`:
-    # another split cannot save more than the layer lasts), or where the searches of this layer have lately saved
-    # less than this by the cost model's own estimate (a moving average of the searched plans' two-layer time against
-    # PreSched's split and prefetch count; every `search_probe`-th plan of a layer searches anyway, to keep it current).
-    # 0: always search
-    search_cost_us: float = 0.0
+    # what the candidate splits and the two-layer search cost per decode plan beyond PreSched's plan, in host µs. A
+    # decode layer keeps PreSched's plan, unsearched, where the searches at this batch have lately saved less than this
+    # on average by the cost model's own estimate (the searched plans' two-layer time against PreSched's split and
+    # prefetch count; every `search_probe`-th plan of a layer searches anyway, to keep it current), or where the search
+    # weighs this layer alone (no forecast of the next) and PreSched's split ends sooner than this. None (default): what
+    # the run charges for it (`SchedulerSetup.planning`): nothing where planning is free (the simulator's default:
+    # always search), else the search's own time on the run's clock (the running median of its last `search_window`
+    # searches at this batch) plus any fixed price. A number: that, whatever the run charges (0: always search;
+    # conf/scheduler/horizon_budget.yaml: a fixed 300 µs)
+    search_cost_us: Optional[float] = None
     search_probe: int = 8
+    # a probe after which the searches still save less than they cost doubles that layer's probe interval, up to this
+    # (a search that saves more sets it back to `search_probe`): a probe costs a whole search, and where the search
+    # does not pay (a short layer at a GPU's roofline) probing every 8th plan would cost an eighth of it anyway
+    search_probe_max: int = 64
+    search_window: int = 31  # searches whose measured time the running median takes (per batch size)
+    saving_window: int = 256  # searched plans whose estimated saving the mean takes (per batch size)
     # a prefill pass runs the fastest candidate split too (else PreSched's eq. 1 split, resident experts on the GPU)
     prefill_candidates: bool = True
     # a load stays cached only where it is needed sooner (usage per layer until its next use) than what it displaces
@@ -106,10 +127,14 @@ class HorizonSettings(PreSchedSettings):
         unknown = set(self.candidates) - set(SPLITS)
         if unknown or not self.candidates:
             raise ValueError(f"scheduler.candidates: {sorted(unknown) or '[]'} not among {sorted(SPLITS)}")
-        if self.search_probe < 1:
-            raise ValueError(f"scheduler.search_probe ({self.search_probe}) must be >= 1")
-        if not self.search_cost_us >= 0:
-            raise ValueError(f"scheduler.search_cost_us ({self.search_cost_us}) must be >= 0")
+        if not 1 <= self.search_probe <= self.search_probe_max:
+            raise ValueError(f"scheduler.search_probe ({self.search_probe}) must be >= 1 and <= "
+                             f"scheduler.search_probe_max ({self.search_probe_max})")
+        if self.search_cost_us is not None and not self.search_cost_us >= 0:
+            raise ValueError(f"scheduler.search_cost_us ({self.search_cost_us}) must be >= 0 or null (the run's price)")
+        if self.search_window < 1 or self.saving_window < 1:
+            raise ValueError(f"scheduler.search_window ({self.search_window}) and scheduler.saving_window "
+                             f"({self.saving_window}) must be >= 1")
         if self.prefetch_counts < 0:
             raise ValueError(f"scheduler.prefetch_counts ({self.prefetch_counts}) must be >= 0")
         if self.batches_in_flight < 1 or self.micro_batches < 1:
@@ -369,14 +394,63 @@ def search(state: LayerState, splits: Sequence[Split], nxt: Optional[NextLayer],
     return best[0], best[1], totals[0][min(baseline, len(totals[0]) - 1)] - best_t
 
 
+class Recent:
+    """The last `size` values with their running sum and a sorted copy: their mean and median without a pass over
+    them (both are read at every decode plan whose search has a price)."""
+
+    def __init__(self, size: int, median: bool = True):
+        self.values: deque[float] = deque(maxlen=size)  # oldest first
+        self.ordered: Optional[list[float]] = [] if median else None  # the values in order (for `median` only)
+        self.total = 0.0
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def add(self, value: float) -> None:
+        ordered = self.ordered
+        if len(self.values) == self.values.maxlen:
+            oldest = self.values[0]
+            self.total -= oldest
+            if ordered is not None:
+                del ordered[bisect_left(ordered, oldest)]
+        self.values.append(value)
+        self.total += value
+        if ordered is not None:
+            insort(ordered, value)
+
+    def mean(self) -> float:
+        return self.total / len(self.values)
+
+    def median(self) -> float:
+        """As `statistics.median`: the middle value, or the mean of the two middle ones."""
+        s = self.ordered
+        assert s is not None, "Recent(median=False) keeps no order"
+        n = len(s)
+        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+TIME_EVERY = 4  # a priced Horizon times one decode search in this many on the run's clock
+
+
 @register("horizon", settings=HorizonSettings)
 class Horizon(PreSched):
     """See the module docstring."""
 
     def __init__(self, settings: HorizonSettings, setup: SchedulerSetup):
         super().__init__(settings, setup)
-        self.saving = [math.inf] * self.L  # per layer: what its searched plans lately saved (s, `search_cost_us`)
+        # batch tokens -> what the last `saving_window` searched decode plans saved by the cost model's estimate (s)
+        self.savings: dict[int, Recent] = {}
         self.plans_since_search = [0] * self.L
+        self.probe_every = [settings.search_probe] * self.L  # per layer: plans between probes (`search_probe_max`)
+        self.probing = False  # the current plan searches only because its layer is due a probe
+        # batch tokens -> seconds of the last `search_window` timed decode searches on the run's clock, and the price
+        # they make (`search_price`)
+        self.search_times: dict[int, Recent] = {}
+        self.prices: dict[int, float] = {}
+        self.searches = 0  # decode searches with a clock to time them on (every `TIME_EVERY`-th is timed)
+        fixed = settings.search_cost_us
+        # whether the search has a price to weigh: a fixed `search_cost_us` > 0, or (None) a run that charges plans
+        self.priced = fixed > 0 if fixed is not None else not setup.planning.free
 
     @property
     def micro_batches(self) -> int:
@@ -387,12 +461,23 @@ class Horizon(PreSched):
                ) -> LayerPlan:
         """PreSched's split and prefetches (its bookkeeping already done) -> the chosen split and prefetches, with
         the cache slots for them."""
+        self.searched = self.probing = False
         names = [n for n in self.settings.candidates if n != "presched"]
         if state.phase is Phase.prefill and "presched" in self.settings.candidates \
                 and not self.settings.prefill_candidates:
             return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
         if state.phase is Phase.decode and self.skips_search(state, Split("presched", cpu, gpu, loads)):
             return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
+        self.searched = bool(names) or self.settings.prefetch_counts > 0  # anything to search beyond PreSched's plan
+        # the search's own time on the run's clock: what skipping it saves the run (decode: the plans it may skip).
+        # Every TIME_EVERY-th search only: reading a thread CPU clock is a system call, tens of µs on a loaded host
+        clock = self.setup.planning.clock if state.phase is Phase.decode and self.settings.search_cost_us is None \
+            else None
+        if clock is not None:
+            self.searches += 1
+            if self.searches % TIME_EVERY != 1:
+                clock = None
+        begin = clock() if clock is not None else 0.0
         splits = candidate_splits(state, names, not self.resident_on_device)
         if "presched" in self.settings.candidates:
             splits.insert(0, Split("presched", cpu, gpu, loads))
@@ -406,32 +491,69 @@ class Horizon(PreSched):
         nxt = next_layer(state, e_next) if sized else None
         baseline = sum(1 for target, _ in prefetch if nxt is not None and target == nxt.layer)  # PreSched's count
         best, count, saved = search(state, splits, nxt, self.settings.prefetch_counts, baseline)
-        if self.settings.search_cost_us > 0 and "presched" in self.settings.candidates:
-            self.record_saving(state.layer, saved)
+        if self.priced and "presched" in self.settings.candidates:
+            self.record_saving(state, saved)
         if count is not None:
             assert nxt is not None
             prefetch = [(nxt.layer, e) for e in nxt.experts[::-1][:count]]  # hottest first
         if best.gpu != gpu:
             self.touch(state.layer, best.gpu)
+        if clock is not None:
+            self.record_search_time(state.batch_tokens, clock() - begin)
         return self.plan_with_slots(state, best.cpu, best.gpu, best.loads, prefetch, keep_working_set)
 
+    def search_price(self, state: LayerState) -> float:
+        """Seconds a decode search costs the run now (`search_cost_us`): the fixed figure, or the run's price: its fixed
+        price of a search plus the median of the last searches at this batch on its clock (0 before the first)."""
+        if self.settings.search_cost_us is not None:
+            return self.settings.search_cost_us * 1e-6
+        return self.prices.get(state.batch_tokens, self.setup.planning.search_s)
+
+    def record_search_time(self, batch_tokens: int, seconds: float) -> None:
+        """One decode search's time on the run's clock, kept among the last `search_window` timed at this batch."""
+        seen = self.search_times.setdefault(batch_tokens, Recent(self.settings.search_window))
+        seen.add(seconds)
+        self.prices[batch_tokens] = self.setup.planning.search_s + seen.median()
+
     def skips_search(self, state: LayerState, presched: Split) -> bool:
-        """`search_cost_us`: whether this decode plan keeps PreSched's split unsearched (a layer shorter than the
-        search, or one whose searches lately saved less than they cost; every `search_probe`-th plan searches)."""
-        budget = self.settings.search_cost_us * 1e-6
+        """Whether this decode plan keeps PreSched's split unsearched: a search that weighs this layer alone where
+        PreSched's split ends sooner than the search's price, or one whose recent searches at this batch saved less
+        than it on average (every layer's plans: a layer's savings come in bursts, a saving of milliseconds among
+        plans that save nothing, so its own last few say little of its next); every `search_probe`-th plan of a layer
+        searches anyway."""
+        if not self.priced:
+            return False
+        budget = self.search_price(state)
         if budget <= 0:
             return False
-        if layer_time(state, presched) < budget:
-            return True
+        if not self.looks_ahead(state) and layer_time(state, presched) < budget:
+            return True  # all the search can shorten is this layer, which ends sooner than the search does
         layer = state.layer
         self.plans_since_search[layer] += 1
-        return self.saving[layer] < budget and self.plans_since_search[layer] < self.settings.search_probe
+        seen = self.savings.get(state.batch_tokens)
+        # a pass of searches first: a few plans' savings (often none, then milliseconds) say little of the mean
+        self.probing = seen is not None and len(seen) >= min(self.L, self.settings.saving_window) \
+            and seen.mean() < budget
+        return self.probing and self.plans_since_search[layer] < self.probe_every[layer]
 
-    def record_saving(self, layer: int, seconds: float) -> None:
-        """A searched plan of `layer` and what it saved by the cost model (moving average, half weight each)."""
-        before = self.saving[layer]
-        self.saving[layer] = seconds if math.isinf(before) else 0.5 * before + 0.5 * seconds
+    def looks_ahead(self, state: LayerState) -> bool:
+        """Whether this decode plan's search weighs the next layer too (then it may save more than this layer lasts)."""
+        settings = self.settings
+        return settings.use_predictor and settings.prefetch_counts > 0 and state.cost.link_cpu_share <= 0 \
+            and state.layer + 1 < state.num_layers and state.layer + 1 in state.predicted
+
+    def record_saving(self, state: LayerState, seconds: float) -> None:
+        """A searched decode plan of `state.layer` and what it saved by the cost model, among the last
+        `saving_window` at this batch; a probe that leaves their mean below the search's price doubles the layer's
+        probe interval, one above it sets it back."""
+        seen = self.savings.setdefault(state.batch_tokens, Recent(self.settings.saving_window, median=False))
+        seen.add(seconds)
+        layer = state.layer
         self.plans_since_search[layer] = 0
+        if seen.mean() >= self.search_price(state):
+            self.probe_every[layer] = self.settings.search_probe
+        elif self.probing:
+            self.probe_every[layer] = min(2 * self.probe_every[layer], self.settings.search_probe_max)
 
     def prefill_plan(self, state: LayerState, splits: Sequence[Split], presched_gpu: tuple[int, ...],
                      prefetch: list[tuple[int, int]], keep_working_set: bool) -> LayerPlan:
