@@ -8,6 +8,7 @@ Scores: the router's expert probabilities, plus 2 on the experts the family's to
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable, Optional
 
 import jax
@@ -21,8 +22,30 @@ from predictors.common import TrainedPredictor, pad_rows, row_bucket
 from predictors.nets import host_sigmoid, one_blas_thread
 
 
+# model -> its router copies: the predictors of every distance share one float32 copy per layer (at Qwen3-30B-A3B's
+# full depth one set is 50 MB of anonymous memory)
+_COPIES: "weakref.WeakKeyDictionary[Any, tuple[list[np.ndarray], list[np.ndarray]]]" = weakref.WeakKeyDictionary()
+
+
 def gate_copies(model: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per MoE layer of an `MoETransformer`: router kernel float32 [H, E] and bias float32 [E] (zeros if none)."""
+    """Per MoE layer of an `MoETransformer`: router kernel float32 [H, E] and bias float32 [E] (zeros if none),
+    read-only, made once per model."""
+    try:
+        return _COPIES[model]
+    except (KeyError, TypeError):
+        pass
+    copies = read_gate_copies(model)
+    for array in (*copies[0], *copies[1]):
+        array.setflags(write=False)
+    try:
+        _COPIES[model] = copies
+    except TypeError:  # a model that takes no weak reference: copied at each call
+        pass
+    return copies
+
+
+def read_gate_copies(model: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """`gate_copies` read from the model's routers."""
     kernels, biases = [], []
     for layer in model.layers:
         if not layer.is_moe:
@@ -88,10 +111,27 @@ class GatePredictor(TrainedPredictor):
         if missing:
             raise ValueError(f"{name}: no router copy for target layers {missing}")
         self.model_cfg = model_cfg
-        self.kernels = {t: jnp.asarray(kernels[t], jnp.float32) for t in self.targets}
-        self.biases = {t: jnp.asarray(biases[t], jnp.float32) for t in self.targets}
+        self.host_kernels = {t: np.asarray(kernels[t], np.float32) for t in self.targets}
+        self.host_biases = {t: np.asarray(biases[t], np.float32) for t in self.targets}
         self._scores = compiled_gate_scores(model_cfg)
-        self._host = {t: np.asarray(kernels[t], np.float32) for t in self.targets} if host_routable(model_cfg) else None
+        self._host = self.host_kernels if host_routable(model_cfg) else None
+        self._device: Optional[tuple[dict[int, jax.Array], dict[int, jax.Array]]] = None
+
+    def device_arrays(self) -> tuple[dict[int, jax.Array], dict[int, jax.Array]]:
+        """(kernels, biases) per target as device arrays, made on first use: a host-routable family's forecasts never
+        read them (at Qwen3-30B-A3B's full depth they were another 50 MB of buffers per distance)."""
+        if self._device is None:
+            self._device = ({t: jnp.asarray(k, jnp.float32) for t, k in self.host_kernels.items()},
+                            {t: jnp.asarray(b, jnp.float32) for t, b in self.host_biases.items()})
+        return self._device
+
+    @property
+    def kernels(self) -> dict[int, jax.Array]:
+        return self.device_arrays()[0]
+
+    @property
+    def biases(self) -> dict[int, jax.Array]:
+        return self.device_arrays()[1]
 
     @classmethod
     def from_model(cls, model: Any, distance: int = 1, name: Optional[str] = None) -> "GatePredictor":
@@ -110,4 +150,4 @@ class GatePredictor(TrainedPredictor):
         return np.asarray(out)[:n]
 
     def layer_arrays(self) -> dict[int, Any]:
-        return {t: {"kernel": np.asarray(self.kernels[t]), "bias": np.asarray(self.biases[t])} for t in self.targets}
+        return {t: {"kernel": self.host_kernels[t], "bias": self.host_biases[t]} for t in self.targets}

@@ -409,3 +409,26 @@ def test_host_forecasts_run_on_one_blas_thread_and_restore_it() -> None:
         assert blas_threads() and set(blas_threads()) == {2}  # numpy's BLAS is loaded and visible
         assert set(inside()) == {1}
         assert set(blas_threads()) == {2}
+
+
+def test_gate_predictors_of_every_distance_share_one_router_copy_and_no_device_copy() -> None:
+    """The gate predictors at d = 1..3 of one model read one float32 copy of its routers (read-only), and a
+    host-routable family's forecasts make no device copy of them (at a full-depth Qwen3-30B-A3B each was 50 MB)."""
+    from models.config import Family, ModelConfig
+    from models.transformer import build_model
+    from predictors.gate import GatePredictor, gate_copies
+
+    cfg = ModelConfig(family=Family.mixtral, vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, num_experts=8, num_experts_per_tok=2)
+    model = build_model(cfg, seed=1, with_experts=False)
+    gates = [GatePredictor.from_model(model, d) for d in (1, 2, 3)]
+    kernels, _ = gate_copies(model)
+    for gate in gates:
+        for t in gate.targets:
+            assert gate.host_kernels[t] is kernels[t] and not kernels[t].flags.writeable
+    h = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
+    ctx = LayerContext(layer=0, step=0, experts=np.zeros((5, 1), np.int64), weights=np.ones((5, 1), np.float32),
+                       hidden=h)
+    expected = topk_experts(h @ np.asarray(model.layers[1].moe.router.weight[...], np.float32).T, 2)
+    np.testing.assert_array_equal(np.sort(gates[0].predict_topk(ctx), axis=1), np.sort(expected, axis=1))
+    assert all(gate._device is None for gate in gates)
