@@ -12,7 +12,6 @@ test_amx_block_tiles)."""
 
 from __future__ import annotations
 
-import ctypes
 
 import jax
 import jax.numpy as jnp
@@ -437,8 +436,6 @@ def test_silu_mul_matches_scalar():
     lib = native.load()
     if lib is None:
         pytest.skip("native library unavailable")
-    lib.ms_silu_mul.restype = None
-    lib.ms_silu_mul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
     rng = np.random.default_rng(31)
     edges = np.array([0.0, -0.0, 1e-30, -1e-30, 1e-45, 88.72, -88.72, 89.5, -89.5, 103.9, -103.9, 104.5, 150.0,
                       -150.0, 200.0, -200.0, np.inf, -np.inf, np.nan, 0.5, -0.5], np.float32)

@@ -115,13 +115,17 @@ class PlanningCharge:
                              f"given: {sorted(self.fixed_us)}")
         return float(self.fixed_us[kind]) * 1e-6
 
+    def search_s(self, kind: str) -> float:
+        """Seconds charged more for a plan call of a policy of `kind` that ran its optional search (mode `fixed`)."""
+        return float(self.search_us.get(kind, 0.0)) * 1e-6
+
     def price(self, kind: str) -> PlanningPrice:
         """What this charge tells a policy of `kind` its plans cost: nothing (off), its calls' time on the clock the
         charge reads (measured, measured_cpu), or its fixed price of a search (fixed: `search_us.<kind>`)."""
         if self.mode == "off":
             return PlanningPrice()
         if self.mode == "fixed":
-            return PlanningPrice(search_s=float(self.search_us.get(kind, 0.0)) * 1e-6)
+            return PlanningPrice(search_s=self.search_s(kind))
         return PlanningPrice(clock=self.clock)
 
     @property
@@ -314,8 +318,7 @@ class PipelineSim:
         plan = self.accounting.check(self.scheduler, state, plan, validate)
         if charge.mode == "fixed":
             kind = self.scheduler.settings.kind
-            seconds = charge.fixed_s(kind) + (charge.price(kind).search_s if getattr(self.scheduler, "searched", False)
-                                              else 0.0)
+            seconds = charge.fixed_s(kind) + (charge.search_s(kind) if getattr(self.scheduler, "searched", False) else 0.0)
         self.planning_s.append((state.phase is Phase.prefill, seconds))
         self.host_free = max(gate, self.host_free) + seconds
         return plan, self.host_free

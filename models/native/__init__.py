@@ -127,6 +127,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.ms_qrow_bytes.argtypes = [i32, i64]
         lib.ms_qquantize_rows.restype = i32
         lib.ms_qquantize_rows.argtypes = [vp, i64, i64, i32, vp]
+    if hasattr(lib, "ms_silu_mul"):  # (as above)
+        lib.ms_silu_mul.restype = None
+        lib.ms_silu_mul.argtypes = [vp, vp, vp, i64, i32]
     lib.ms_qpath.restype = i32
     lib.ms_qpath.argtypes = [i32, i64]
     lib.ms_set_amx_rows.restype = i32
