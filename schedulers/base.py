@@ -142,7 +142,7 @@ class LayerPlan:
     gpu: tuple[int, ...] = ()  # experts of this layer computed on the GPU (resident, landing or loaded now)
     ondemand: tuple[int, ...] = ()  # experts of this layer loaded now, in link order (subset of gpu)
     retain: tuple[bool, ...] = ()  # per on-demand load: keep it cached after use (else staging)
-    prefetch: tuple[tuple[int, int], ...] = ()  # (target layer > layer, expert) in link order, after on-demand
+    prefetch: tuple[tuple[int, int], ...] = ()  # (target layer, expert) in link order, after on-demand (<= layer: next pass)
     evict: tuple[tuple[int, int], ...] = ()  # (layer, expert) dropped from the cache before any transfer
     # (layer, expert) prefetches of `state.queued` kept, not dropped: they stay at the head of the link, ahead of the
     # on-demand loads; one of this layer that the plan computes on the GPU is waited for like a landing prefetch
@@ -199,8 +199,10 @@ class LayerPlan:
             raise ValueError(f"{where}: GPU experts {missing} are neither resident, landing nor loaded")
         seen: set[tuple[int, int]] = set()
         for target, e in self.prefetch:
-            if not state.layer < target < state.num_layers:
-                raise ValueError(f"{where}: prefetch target layer {target} must lie in ({state.layer}, {state.num_layers})")
+            # a target at or before this layer is for the next pass (Horizon's `next_step_layers`), never this layer
+            if not 0 <= target < state.num_layers or target == state.layer:
+                raise ValueError(f"{where}: prefetch target layer {target} must lie in [0, {state.num_layers}) "
+                                 f"and not be this layer")
             if (target, e) in seen or state.available(target)[e] or (target, e) in self.hold:
                 raise ValueError(f"{where}: prefetch ({target}, {e}) duplicated or already resident/landing")
             seen.add((target, e))

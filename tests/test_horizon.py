@@ -343,3 +343,64 @@ def test_horizon_beats_every_baseline_on_a_small_run() -> None:
     # one batch in flight: no worse than PreSched, whose split is among its candidates
     one = replace(small_spec("horizon"), scheduler=replace(scheduler_settings("horizon"), batches_in_flight=1))
     assert simulate(one).summary["throughput_tok_s"] >= thr["presched"] * 0.99, thr
+
+
+def test_horizon_prefetches_the_next_steps_first_layer_at_the_last_layer(cost: CostModel) -> None:
+    """`next_step_layers: 1`. Layer 0 of a decode step routed E2 (3 tokens), E3 (2), E7 (2), R1 (4); at the last layer
+    (3 of 4) only R1, R2 are active and resident: the plan runs them in one device call (under 1 ms) and the link is
+    idle; with the next attention 9 ms the next step's first gate is ~9.5 ms away, room for two 4-ms transfers. The
+    candidates are layer 0's routed experts not cached (R1 is): E2 (3 tokens), then E7 and E3 (2 each; E7's usage is
+    higher): E2 and E7 are prefetched for layer 0. With one free slot, E7 must displace an expert: the victim by the
+    eviction key is layer 2's R1 (usage 0.3 over the 3 layers until layer 2 comes back = 0.1); E7 (usage 0.05, needed
+    in 1 layer: 0.05) does not beat it, so only E2 goes; at usage 0.5 it does, and layer 2's R1 is evicted. Off
+    (`next_step_layers: 0`), and in a prefill step, the last layer prefetches nothing."""
+    first = layer_state(cost)
+    tokens0 = np.zeros(8, dtype=np.int64)
+    tokens0[[2, 3, 7, R1]] = [3, 2, 2, 4]
+    first = replace(first, tokens=tokens0, scores=tokens0 * 0.5, batch_tokens=11)
+    last_tokens = np.zeros(8, dtype=np.int64)
+    last_tokens[[R1, R2]] = [3, 3]
+    last = replace(layer_state(cost), layer=3, tokens=last_tokens, scores=last_tokens * 0.5, t_attn_next_s=9 * MS)
+
+    def run(settings: HorizonSettings, free: int, usage7: float, phase: Phase = Phase.decode):
+        h = build(settings, cost)
+        h.plan(copy.deepcopy(replace(first, phase=phase)))
+        h.usage[:] = 0.3
+        h.usage[0, 3], h.usage[0, 7] = 0.04, usage7
+        s = replace(last, free_slots=free)
+        plan = h.plan(copy.deepcopy(s))
+        plan.validate(s)
+        return plan
+
+    on = HorizonSettings(hot_table=False, next_step_layers=1)
+    plan = run(on, 8, 0.05)
+    assert plan.gpu == (R1, R2) and not plan.ondemand and plan.cpu == ()
+    assert plan.prefetch == ((0, 2), (0, 7)) and plan.evict == ()
+    plan = run(on, 1, 0.05)
+    assert plan.prefetch == ((0, 2),) and plan.evict == ()
+    plan = run(on, 1, 0.5)
+    assert plan.prefetch == ((0, 2), (0, 7)) and plan.evict == ((2, R1),)
+    assert run(replace(on, next_step_layers=0), 8, 0.05).prefetch == ()
+    assert run(on, 8, 0.05, Phase.prefill).prefetch == ()  # the first layer's routing seen was a prefill's
+
+
+def test_horizon_with_cross_step_prefetches_ignores_routing_it_has_not_seen() -> None:
+    """With the cross-step prefetch on (the next step's first two layers), change every layer's routing of the last
+    pass: every plan of the earlier passes is unchanged, the previous pass's last layer (which prefetched for the
+    changed pass) included; the run's invariants (slots, link) hold with prefetches for an earlier layer index."""
+    spec = small_spec(batch=16)
+    spec = replace(spec, scheduler=replace(spec.scheduler, next_step_layers=2))
+    routing = prepare_routing(spec)
+    before = recorded_plans(spec, routing)
+    last = routing.passes[-1].index
+    crossing = [plan for p, layer, plan in before if p == last - 1 and any(t < layer for t, _ in plan.prefetch)]
+    assert crossing  # the step before the changed one prefetched for it
+    changed = copy.deepcopy(routing)
+    fp = changed.passes[-1]
+    ex = changed.trace.experts
+    ex[:, fp.rows] = (ex[:, fp.rows] + 3) % spec.model.num_experts
+    fp.loads, fp.scores = layer_loads(changed.trace, fp.rows)
+    after = recorded_plans(spec, changed)
+    assert [(p, layer, plan) for p, layer, plan in before if p < last] == \
+        [(p, layer, plan) for p, layer, plan in after if p < last]
+    assert any(a != b for (p, _, a), (_, _, b) in zip(before, after) if p == last)

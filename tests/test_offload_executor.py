@@ -426,3 +426,20 @@ def test_the_plan_sees_a_transfer_landing_after_the_residency_snapshot_as_in_fli
     staged.done.set()  # a finished staging load never becomes resident
     assert link_view(staged, before, 0.5, 10.2) == ((), 0.0)
     assert link_view(None, before, 0.5, 10.2) == ((), 0.0)
+
+
+@pytest.mark.slow  # ~10 s on 2 loaded cores (its own executor compilations)
+def test_horizon_prefetches_across_the_step_on_the_real_link_with_the_in_memory_tokens(shipped) -> None:
+    """Horizon's `next_step_layers`: at the last MoE layer of a decode step the plan prefetches experts of the next
+    step's first layer (a target layer before the issuing one); the executor lands them in the cache for the next pass
+    and the tokens stay the in-memory model's. The cost model plays a DMA link (no host cores per copy, a transfer in
+    a microsecond), where the rule is on."""
+    cfg, model, store, prompts, ref = shipped
+    L, E = len(cfg.moe_layers), cfg.num_experts
+    cost = CostModel(cfg, HW)
+    cost.link_cpu_share, cost.t_io = 0.0, 1e-6
+    gate = {1: GatePredictor.from_model(model, 1)}
+    out = _run(cfg, model, store, "horizon", L * E // 4, gate, prompts, 3, fuse_resident=False, cost=cost,
+               next_step_layers=1)
+    np.testing.assert_array_equal(out.tokens, ref.tokens[:, :3])  # greedy: the first 3 of the 6 in-memory tokens
+    assert out.metrics.n_prefetch[L - 1] > 0  # the last layer has no later layer of its own pass to prefetch for

@@ -23,8 +23,9 @@ programming over layers keeps, per set of in-flight / landed prefetches, the sta
 
 from __future__ import annotations
 
+from bisect import bisect_right, insort
 from itertools import combinations
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -72,14 +73,82 @@ def lower_bound(cfg: ModelConfig, cost: CostModel, passes: Iterable[ForwardPass]
     for fp in passes:
         t_attn, t_shared, fixed = pass_fixed_time(cfg, cost, fp)
         value = (1 - lam) * fixed - lam * nu * t_io * resident_capacity  # [lambda, nu]
-        for layer in range(fp.loads.shape[0]):
-            a = layer_floor(cost, fp.loads[layer], t_attn, t_shared)
-            n = a.size - 1
-            io = (n - np.arange(n + 1)) * t_io  # transfers if every GPU expert had to move
-            # min over j of (1 - lam) A(j) + lam * nu * io(j), for every multiplier pair
-            value = value + np.min((1 - lam)[..., None] * a + (lam * nu)[..., None] * io, axis=-1)
-        total += float(value.max())
+        total += float(pass_layers(cost, fp, t_io, t_attn, t_shared, value).max())
     return total
+
+
+def pass_layers(cost: CostModel, fp: ForwardPass, t_io: float, t_attn: float, t_shared: float,
+                value: np.ndarray) -> np.ndarray:
+    """float64 [lambda, nu]: `value` plus, per MoE layer of `fp`, min over j of (1 - lam) A(j) + lam nu io(j) (io(j):
+    the transfers if every GPU expert had to move), for every multiplier pair."""
+    lam = _LAMBDAS[:, None]
+    nu = _NUS[None, :]
+    for layer in range(fp.loads.shape[0]):
+        a = layer_floor(cost, fp.loads[layer], t_attn, t_shared)
+        n = a.size - 1
+        io = (n - np.arange(n + 1)) * t_io  # transfers if every GPU expert had to move
+        value = value + np.min((1 - lam)[..., None] * a + (lam * nu)[..., None] * io, axis=-1)
+    return value
+
+
+# ---- a bound whose cache carries over from pass to pass ---------------------------------------------
+def most_hits(loads: Sequence[np.ndarray], capacity: int) -> int:
+    """The most expert uses of these passes (int [L, E] tokens each, in run order) that any cache of `capacity`
+    experts can serve without a transfer, knowing the routing: a use of expert e of layer l is a hit only where (l, e)
+    stayed cached since its previous use (the previous pass that routed to it, at the latest), or since the start
+    for its first use (the starting cache is free). Each such use needs a slot over (previous use, this use] on the
+    gate clock (pass x layers + layer); a cache is `capacity` slots, so the hits are at most the largest set of these
+    intervals that `capacity` slots hold with no two on one slot at once. Intervals by right end, each to the slot
+    freed latest at or before its start (none: it is dropped) gives that largest set (the greedy that is optimal for
+    unweighted intervals on k identical machines; `tests/test_bounds.py` checks it by brute force)."""
+    if capacity <= 0 or not loads:
+        return 0
+    L, E = loads[0].shape
+    starts, ends = [], []
+    last = np.full((L, E), -1, dtype=np.int64)  # the gate of each (layer, expert)'s previous use; -1: the start
+    clock = np.arange(L)[:, None]
+    for p, tokens in enumerate(loads):
+        used = tokens > 0
+        here = np.broadcast_to(p * L + clock, (L, E))
+        starts.append(last[used])
+        ends.append(here[used])
+        last = np.where(used, here, last)
+    start, end = np.concatenate(starts), np.concatenate(ends)
+    order = np.lexsort((-start, end))  # by right end; ties: the shorter first
+    free = [-1] * capacity  # per slot, the gate its last interval ended at (sorted)
+    hits = 0
+    for a, b in zip(start[order].tolist(), end[order].tolist()):
+        i = bisect_right(free, a) - 1  # the slot freed latest at or before a
+        if i >= 0:
+            del free[i]
+            insort(free, b)
+            hits += 1
+    return hits
+
+
+def continuity_bound(cfg: ModelConfig, cost: CostModel, passes: Sequence[ForwardPass], resident_capacity: int,
+                     t_io: Optional[float] = None) -> float:
+    """Seconds no schedule of these passes can beat, with the cache carried from pass to pass: still clairvoyant about
+    the routing (an upper bound's knowledge, like `lower_bound`), but a decode pass no longer starts from the best
+    cache for its own routing. Prefill passes as in `lower_bound`. The decode passes together: the run takes at
+    least its compute and at least its link time, so for every multiplier pair (lam, nu) in [0, 1]^2 at least
+    sum over passes of (1 - lam) compute + lam nu t_io (GPU experts - hits), where the hits over the whole decode run
+    are at most `most_hits` (the cache's continuity) instead of `resident_capacity` per pass; the layer choices
+    separate as in `lower_bound`. One multiplier pair for every decode pass (a load may serve a later pass, so the
+    link's time cannot be split by pass): the bound is the larger of this and `lower_bound` of the decode passes."""
+    t_io = cost.t_io if t_io is None else t_io
+    prefill = [fp for fp in passes if fp.prefill]
+    decode = [fp for fp in passes if not fp.prefill]
+    total = lower_bound(cfg, cost, prefill, resident_capacity, t_io)
+    if not decode:
+        return total
+    lam = _LAMBDAS[:, None]
+    nu = _NUS[None, :]
+    value = -lam * nu * t_io * most_hits([fp.loads for fp in decode], resident_capacity)
+    for fp in decode:
+        t_attn, t_shared, fixed = pass_fixed_time(cfg, cost, fp)
+        value = pass_layers(cost, fp, t_io, t_attn, t_shared, value + (1 - lam) * fixed)
+    return total + max(float(value.max()), lower_bound(cfg, cost, decode, resident_capacity, t_io))
 
 
 def compute_floor(cfg: ModelConfig, cost: CostModel, fp: ForwardPass, layers: Iterable[int]) -> float:
