@@ -63,7 +63,8 @@ Per MoE layer, after its gate:
    last MoE layer's plan also prefetches experts the first `next_step_layers` MoE layers routed in this step (the same
    sequences' next token: temporal locality), as many as the link's idle time before the next step's first gate holds,
    each only where it is needed sooner than what it displaces. Measured (README "Where the bound is loose, and why"):
-   -0.23 % to +0.08 % over 40 Horizon-1 points, so it stays off: the link is busy at the step boundary too.
+   median -0.005 %, -1.27 % to +0.08 % over the 40 equal-concurrency points (`engine/bench/bench_cross_step.py`), so
+   it stays off: the cache is full at the last layer, so each one evicts an expert that then misses in its own layer.
 
 Why steps 3-4: on the four regimes rows where Horizon with PreSched's prefetches closed less than half the gap to
 the bound (README "Offload scheduler: Horizon"), at cache 60 % of experts (seed 0) 4,701 of 5,222 transfers were
