@@ -142,7 +142,7 @@ class LayerPlan:
     gpu: tuple[int, ...] = ()  # experts of this layer computed on the GPU (resident, landing or loaded now)
     ondemand: tuple[int, ...] = ()  # experts of this layer loaded now, in link order (subset of gpu)
     retain: tuple[bool, ...] = ()  # per on-demand load: keep it cached after use (else staging)
-    prefetch: tuple[tuple[int, int], ...] = ()  # (target layer, expert) in link order, after on-demand (<= layer: next pass)
+    prefetch: tuple[tuple[int, int], ...] = ()  # (target, expert) in link order after on-demand (< layer: next pass)
     evict: tuple[tuple[int, int], ...] = ()  # (layer, expert) dropped from the cache before any transfer
     # (layer, expert) prefetches of `state.queued` kept, not dropped: they stay at the head of the link, ahead of the
     # on-demand loads; one of this layer that the plan computes on the GPU is waited for like a landing prefetch
