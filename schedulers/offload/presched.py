@@ -285,10 +285,11 @@ class Lookahead:
             return [], []
         pred_a = self.state.predicted[target]
         some = np.flatnonzero(pred_a > 0)  # the few predicted experts of a layer, then the availability test
-        some = some[~self.state.available(target)[some]].tolist()
-        pred = pred_a.tolist()
-        cand = sorted_by(some, pred)
-        out = self._candidates[target] = (cand, [float(pred[e]) for e in cand])
+        some = some[~self.state.available(target)[some]]
+        pred = pred_a[some].tolist()  # those experts' forecasts only (not every expert's)
+        order = sorted(range(len(pred)), key=pred.__getitem__)  # ascending, stable: ties by id, as `sorted_by`
+        ids = some.tolist()
+        out = self._candidates[target] = ([ids[i] for i in order], [pred[i] for i in order])
         return out
 
     def queue(self, target: int) -> CrossLayerQueue:
