@@ -50,7 +50,7 @@ def greedy_assignment(state: LayerState, may_move_resident: bool) -> tuple[list[
     times = layer_expert_times(state)  # per expert, as `t_g(m)` / `t_c(m)` give them one at a time
     t_g, t_c = times.gpu, times.cpu
     hot = times.tokens  # descending tokens, ties by id (a stable sort of the ascending ids, as `by_tokens`'s)
-    for e in sorted(state.active.tolist(), key=lambda e: -hot[e]):
+    for e in sorted(state.active.tolist(), key=hot.__getitem__, reverse=True):  # reverse=True: a stable sort too
         if avail[e]:
             arrives = landing.get(e, 0.0)
             g_end = (arrives if arrives > gpu_t else gpu_t) + t_g[e]  # max() without its call, same value

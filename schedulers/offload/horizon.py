@@ -662,7 +662,7 @@ def presched_next_count(policy: PreSched, state: LayerState, ahead: Optional[Loo
         return sum(1 for target, _ in PreSched._decode_prefetch(policy, state, ahead, ahead.gap)
                    if target == state.layer + 1)
     _, counts = policy._prefetch_counts(state, ahead.gap)
-    if not counts[0] or not ahead.forecast(state.layer + 1) or not ahead.queue(state.layer + 1).has_next:
+    if not counts[0] or not ahead.forecast(state.layer + 1) or not ahead.has_next(state.layer + 1):
         return 0
     return min(counts[0], len(ahead.candidates(state.layer + 1)[0]))
 

@@ -292,6 +292,11 @@ class Lookahead:
         out = self._candidates[target] = ([ids[i] for i in order], [pred[i] for i in order])
         return out
 
+    def has_next(self, target: int) -> bool:
+        """Whether `target`'s cross-layer queue holds one of its experts: never where E_next is empty (every predicted
+        expert cached or landing), so no queue is built there."""
+        return bool(self.candidates(target)[0]) and self.queue(target).has_next
+
     def queue(self, target: int) -> CrossLayerQueue:
         if target not in self._queues:
             nxt, nxt_m = self.candidates(target)
@@ -342,7 +347,7 @@ class PreSched(OffloadPolicy):
             if not any(counts[j:]):
                 break  # no count left to issue at this or any further distance: the forecasts cannot matter
             target = layer + distance
-            if not ahead.forecast(target) or not ahead.queue(target).has_next:
+            if not ahead.forecast(target) or not ahead.has_next(target):
                 continue  # Q4: nothing of this layer belongs on the GPU; look further ahead
             nxt, nxt_m = ahead.candidates(target)
             if share > 0:  # a host-copied prefetch costs CPU time now: only experts whose CPU run costs more
