@@ -298,11 +298,12 @@ class CostModel:
             return np.where(np.logical_or.accumulate(live), acc + self.cpu_dispatch_s, acc).tolist()
         out: list[float] = []
         acc, seen = 0.0, False
+        beta, startup, dispatch = self.beta_s, self.cpu_startup_s, self.cpu_dispatch_s  # locals: read per element
         for m in ms:
             if m > 0:
-                acc += self.beta_s * float(m) + self.cpu_startup_s
+                acc += beta * float(m) + startup
                 seen = True
-            out.append(acc + self.cpu_dispatch_s if seen else acc)
+            out.append(acc + dispatch if seen else acc)
         return out
 
     def _gpu_roofline(self, m: ArrayLike) -> ArrayLike:
@@ -324,6 +325,22 @@ class CostModel:
         """float [n]: each expert's own GPU work in a call with others (the call's dispatch apart); 0 where m == 0."""
         m_arr = np.atleast_1d(np.asarray(m, dtype=np.float64))
         return np.where(m_arr > 0, self.gpu_overhead_s + self._gpu_roofline(m_arr), 0.0)
+
+    def count_times(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(t_g, t_c, t_g_shares), each float64 [n], of integer token counts `tokens` int [n] (a layer's tokens per
+        expert): looked up in tables of every count up to the largest seen, made by the elementwise calls themselves
+        (so the same values) and remade whenever a cost parameter they read has changed. A plan asks for the times of
+        every expert of its layer (128 at Qwen3-30B); three gathers cost a few µs where the elementwise calls cost
+        ~20 numpy operations at every plan."""
+        key = (self.gpu_overhead_s, self.call_overhead_s, self.expert_flops, self._expert_gpu_flops, self.expert_bytes,
+               self._gpu_bw, self.beta_s, self.cpu_startup_s)
+        top = int(tokens.max(initial=0))
+        tables = self.__dict__.get("_count_tables")
+        if tables is None or tables[0] != key or tables[1].size <= top:
+            counts = np.arange(max(2 * top, 64) + 1, dtype=np.float64)
+            tables = self.__dict__["_count_tables"] = (key, np.atleast_1d(self.t_g(counts)),
+                                                      np.atleast_1d(self.t_c(counts)), self.t_g_shares(counts))
+        return tables[1][tokens], tables[2][tokens], tables[3][tokens]
 
     def t_g_group(self, m: np.ndarray) -> np.ndarray:
         """float [n]: per-expert GPU times of experts run together in one call (the first carries the

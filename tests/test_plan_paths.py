@@ -14,7 +14,7 @@ from core.routing_stats import TransitionTable
 from schedulers.base import Eviction, LayerPlan, LayerState, Phase, SchedulerSetup, Transfer, build_scheduler
 from schedulers.cost import CostModel
 from schedulers.hardware import load_hardware
-from schedulers.offload import horizon, layerwise
+from schedulers.offload import horizon, layerwise, presched
 from schedulers.offload.horizon import HorizonSettings, Split, layer_time
 from schedulers.policy import split_by_availability
 from tests.test_presched import mixtral
@@ -38,6 +38,10 @@ def test_greedy_split_on_python_floats_equals_numpy(cost: CostModel, monkeypatch
         t_io, t_g = float(rng.uniform(0.5e-3, 15e-3)), float(rng.uniform(0, 5e-3))
         cases.append((m, ready, alpha, t_io, t_g))
     python = [layerwise.greedy_split(m.tolist(), *rest, cost) for m, *rest in cases]
+    # each expert's CPU time handed in (Horizon's candidate split reads them from the layer's table)
+    given = [layerwise.greedy_split(m.tolist(), *rest, cost, t_cpu=[cost.t_c(x) for x in m.tolist()])
+             for m, *rest in cases]
+    assert given == python
     monkeypatch.setattr(layerwise, "_PYTHON_UP_TO", -1)
     numpy = [layerwise.greedy_split(m, *rest, cost) for m, *rest in cases]
     assert python == numpy
@@ -169,6 +173,110 @@ def test_scalar_and_array_cost_paths_agree(cost: CostModel) -> None:
     m = np.concatenate([[0.0, 1.0], np.random.default_rng(6).uniform(0, 300, 200), np.arange(1, 65)])
     assert [cost.t_g(x) for x in m.tolist()] == cost.t_g(m).tolist()
     assert [cost.t_c(x) for x in m.tolist()] == cost.t_c(m).tolist()
+
+
+def test_count_tables_give_the_elementwise_times(cost: CostModel) -> None:
+    """`CostModel.count_times` looks integer token counts up in tables: the values of `t_g`, `t_c` and `t_g_shares`
+    on the same counts, and remade when a cost parameter changes (or a count outgrows them)."""
+    rng = np.random.default_rng(8)
+    for top in (3, 40, 300, 5000):
+        m = rng.integers(0, top + 1, 128)
+        t_g, t_c, shares = cost.count_times(m)
+        assert np.array_equal(t_g, cost.t_g(m)) and np.array_equal(t_c, cost.t_c(m))
+        assert np.array_equal(shares, cost.t_g_shares(m))
+    before = cost.count_times(np.arange(5))[0]
+    saved = cost.gpu_overhead_s
+    try:
+        cost.gpu_overhead_s = saved + 1e-3  # the roofline study zeroes overheads on a built model: tables follow
+        assert np.array_equal(cost.count_times(np.arange(5))[0], cost.t_g(np.arange(5)))
+        assert not np.array_equal(cost.count_times(np.arange(5))[0], before)
+    finally:
+        cost.gpu_overhead_s = saved
+
+
+def test_cross_layer_queue_loop_equals_numpy(cost: CostModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(9)
+    cases = []
+    for _ in range(200):
+        n, k = int(rng.integers(0, 12)), int(rng.integers(0, 12))
+        cur, nxt = rng.permutation(64)[:n].tolist(), rng.permutation(64)[:k].tolist()
+        cases.append((cur, rng.integers(1, 6, n).astype(float).tolist(), nxt, rng.integers(1, 6, k).astype(float).tolist(),
+                      float(rng.uniform(0, 4e-3)), float(rng.uniform(0.5e-3, 3e-3)), float(rng.uniform(0, 1e-3)),
+                      float(rng.uniform(0, 2e-3)), cost, float(rng.uniform(0, 8e-3)) * (rng.random() < 0.5)))
+    loop = [presched.cross_layer_queue(*c) for c in cases]
+    monkeypatch.setattr(presched, "_NUMPY_FROM", -1)
+    assert loop == [presched.cross_layer_queue(*c) for c in cases]
+    assert len({q.in_gpu_queue.count(True) for q in loop}) > 4  # queues of many lengths
+
+
+def test_lookahead_candidates_sorted_as_sorted_by(cost: CostModel) -> None:
+    """E_next from the predicted experts' forecasts alone: ascending forecast, ties by id, as `sorted_by` over every
+    expert's forecast gave."""
+    rng = np.random.default_rng(10)
+    for _ in range(50):
+        s = many_expert_state(cost, rng, landing=2)
+        pred = rng.integers(0, 4, 96).astype(np.float64)
+        s = replace(s, predicted={2: pred})
+        ahead = presched.Lookahead(s, True, [], [], 0.0, cost.t_io, 0.0, 0.0, 0.0)
+        some = [e for e in np.flatnonzero(pred > 0).tolist() if not s.available(2)[e]]
+        want = presched.sorted_by(some, pred.tolist())
+        assert ahead.candidates(2) == (want, [float(pred[e]) for e in want])
+
+
+def test_standing_gathers_flat_as_in_two_dimensions(cost: CostModel) -> None:
+    rng = np.random.default_rng(11)
+    sched = horizon_with_usage(cost, rng)
+    layers, experts = rng.integers(0, 4, 500), rng.integers(0, 96, 500)
+    want = np.maximum(sched.usage[layers, experts], sched.profile_share[layers, experts])
+    assert np.array_equal(sched.standing(layers, experts), want)
+    assert np.array_equal(sched.standing(layers.tolist(), experts.tolist()), want)  # lists and tuples alike
+
+
+def searched_horizon(cost: CostModel, priced: bool):
+    settings = HorizonSettings(hot_table=False, max_window=3, search_cost_us=1e-3 if priced else None)
+    return build_scheduler(settings, SchedulerSetup(num_layers=4, num_experts=8, top_k=2, cache_slots=16, cost=cost))
+
+
+def test_horizon_defers_presched_prefetches_to_the_plans_that_run_them(cost: CostModel) -> None:
+    """A searched decode plan that sizes its own count of l+1's prefetches reads no forecast past l+1 (PreSched's Q4
+    list is not made); one without a sized count runs PreSched's list, as before. `presched_next_count` (what a priced
+    search weighs its saving against) counts PreSched's l+1 prefetches without making the list."""
+    from tests.test_presched import ReadCounter, random_state
+
+    rng = np.random.default_rng(12)
+    counted = sized = unsized = 0
+    capped = 0
+    for priced in (False, True):
+        sched = searched_horizon(cost, priced)
+        finish = sched.finish
+
+        def check(state, cpu, gpu, loads, prefetch, keep, ahead=None):
+            nonlocal counted, capped
+            full = presched.PreSched._decode_prefetch(sched, state, ahead, ahead.gap)
+            want = sum(1 for target, _ in full if target == state.layer + 1)
+            assert horizon.presched_next_count(sched, state, ahead) == want
+            counted += want > 0
+            capped += 0 < want < sched._prefetch_counts(state, ahead.gap)[1][0]  # fewer candidates than the count
+            return finish(state, cpu, gpu, loads, prefetch, keep, ahead)
+
+        sched.finish = check
+        for _ in range(300):
+            st = random_state(rng, cost, layer=int(rng.integers(0, 2)))
+            st = replace(st, t_io_s=st.t_io_s * float(rng.choice([1.0, 0.05])))  # a fast link: counts above |E_next|
+            if st.phase is not Phase.decode:
+                continue
+            counter = ReadCounter(st.predicted)
+            sched.finish = finish
+            plan = sched.plan(replace(st, predicted=counter))
+            nxt = st.layer + 1 in st.predicted and horizon.next_layer(st)
+            if sched.searched and nxt and nxt.experts:  # the search sizes l+1's count: no further forecast read
+                assert set(counter.read) <= {st.layer + 1}
+                sized += 1
+            elif any(t > st.layer + 1 for t, _ in plan.prefetch):
+                unsized += 1  # PreSched's Q4 prefetch of a later layer ran
+            sched.finish = check
+            sched.plan(replace(st, predicted=st.predicted))
+    assert counted and capped and sized and unsized
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Planning time per MoE layer in the simulator, against the time a GPU spends on an in-memory MoE layer.
 
     python engine/bench/bench_planning.py [--points mixtral_8x7b:64,qwen3_30b_a3b:8] [--systems presched,horizon]
-        [--machine a100_pcie4] [--gen-len 16] [--repeats 3] [--base <git commit>]
+        [--machine a100_pcie4] [--gen-len 16] [--repeats 3] [--base <git commit>] [--profile]
 
 For each point (model:batch) every system replays the same synthetic routing (Figure-11 settings: prompt 512,
 transition-table forecasts) for `--gen-len` decode steps; `scheduler.plan` is timed with `perf_counter` around every
@@ -13,7 +13,8 @@ of both is the same: a before / after of Horizon's own code under one load. `--b
 `git worktree add --detach DIR <commit>`) runs every system in both trees instead, each in a worker process of its own
 (`plan_worker.py`: the tree's own modules, PreSched, the cache, the cost model and the predictors included), the
 requests alternated between the two workers round by round, and checks that every plan of each system is the same
-in both (`<system>@base` in the table): a before / after of any planning code under one load.
+in both (`<system>@base` in the table): a before / after of any planning code under one load. `--profile` prints,
+per point and system, where a decode plan's time goes instead (cProfile, cumulative per stage: `STAGES`).
 
 The budget: one decode MoE layer of the model with every expert in GPU memory, from the cost model of `--machine`
 (attention at the prompt's context, the shared experts, the routed experts active at that batch in one device call;
@@ -88,6 +89,67 @@ def timed_run(spec: RunSpec, routing: PreparedRouting, policy: Optional[type] = 
     sim.scheduler.plan = timed  # type: ignore[method-assign]
     sim.run(routing.passes)
     return seconds, plans
+
+
+# where a decode plan's time goes (`--profile`): (label, file, function) of the stages, cumulative (a stage includes
+# what it calls: the forecasts are inside E_next, E_next inside eq. 3's queues)
+STAGES = (("the whole plan", "presched.py", "plan"),
+          ("PreSched: eq. 3 queues (E_next, forecasts inside)", "presched.py", "queue"),
+          ("PreSched: E_next of a target (its forecast inside)", "presched.py", "candidates"),
+          ("forecasts (predictor, top-k, loads)", "forecasts.py", "__getitem__"),
+          ("PreSched: resident experts to the CPU", "presched.py", "resident_to_cpu"),
+          ("PreSched: Q4 prefetches (deferred by Horizon)", "presched.py", "_decode_prefetch"),
+          ("Horizon: search and slots (`finish`)", "horizon.py", "finish"),
+          ("Horizon: candidate splits", "horizon.py", "candidate_splits"),
+          ("Horizon: layer l+1 from its forecast", "horizon.py", "next_layer"),
+          ("Horizon: two-layer search", "horizon.py", "search"),
+          ("Horizon: next layer's times per split and count", "horizon.py", "next_layer_times"),
+          ("cache: slots, evictions, admitted loads", "horizon.py", "plan_with_slots"),
+          ("cache: victims (evictable, eviction order)", "policy.py", "victims"),
+          ("per-expert times of the layer", "policy.py", "expert_times"))
+
+
+def stage_profile(model: str, batch: int, machine: str, system: str, gen_len: int) -> list[str]:
+    """`--profile`: cProfile around every decode `plan` call of one simulated run; per stage (`STAGES`) its
+    cumulative time per plan and share of the plan, and the Python function calls per plan. The profiler inflates
+    every call alike (~2x here), so read the shares, not the µs."""
+    import cProfile
+    import pstats
+
+    spec = point_run_spec(model, batch, machine, system, gen_len)
+    routing = prepare_routing(spec)
+    sim, _, _ = build_sim(spec, routing)
+    plan = sim.scheduler.plan
+    profile = cProfile.Profile()
+    plans = 0
+
+    def profiled(state: LayerState) -> LayerPlan:
+        nonlocal plans
+        if state.phase is not Phase.decode:
+            return plan(state)
+        plans += 1
+        profile.enable()
+        try:
+            return plan(state)
+        finally:
+            profile.disable()
+
+    sim.scheduler.plan = profiled  # type: ignore[method-assign]
+    sim.run(routing.passes)
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    calls = sum(nc for _, nc, _, _, _ in stats.values())
+    cumulative: dict[tuple[str, str], float] = {}
+    for (path, _, name), (_, _, _, cum, _) in stats.items():
+        key = (Path(path).name, name)
+        cumulative[key] = cumulative.get(key, 0.0) + cum
+    whole = cumulative.get(("presched.py", "plan"), 0.0)
+    lines = [f"{model} b{batch} {system}: {plans} decode plans, {calls / max(plans, 1):.0f} Python function calls a plan "
+             "(under cProfile)", "| stage | µs per plan (profiled) | share of the plan |", "|---|---|---|"]
+    for label, file, name in STAGES:
+        seconds = cumulative.get((file, name))
+        if seconds is not None:
+            lines.append(f"| {label} | {seconds / plans * 1e6:,.0f} | {seconds / whole:.0%} |")
+    return lines
 
 
 def horizon_at(commit: str) -> type:
@@ -302,7 +364,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", default=None, help="write the study's rows here")
     ap.add_argument("--ours", default="horizon", help="the Horizon variant the table compares (others: no Horizon)")
     ap.add_argument("--merge", default=None, help="an earlier study's --json rows, shown in the table too")
+    ap.add_argument("--profile", action="store_true",
+                    help="where each system's decode plan spends its time, per stage (cProfile), at every point")
     args = ap.parse_args(argv)
+    if args.profile:
+        for p in args.points.split(","):
+            for system in args.systems.split(","):
+                print("\n".join(stage_profile(p.split(":")[0], int(p.split(":")[1]), args.machine, system,
+                                               args.gen_len)))
+        return {}
     if args.study:
         return {"rows": charged_study(args)}
     points = [(p.split(":")[0], int(p.split(":")[1])) for p in args.points.split(",")]

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schedulers.base import LayerPlan, LayerState, Phase, SchedulerSettings, register
-from schedulers.policy import OffloadPolicy, by_tokens, layer_expert_times
+from schedulers.policy import OffloadPolicy, layer_expert_times
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class DALISettings(SchedulerSettings):
 def greedy_assignment(state: LayerState, may_move_resident: bool) -> tuple[list[int], list[int], list[int], float]:
     """(cpu experts, gpu experts, loads in link order, expected span): descending workload, each expert to the
     side that finishes it first (GPU: after its transfer when missing)."""
-    cost, tok = state.cost, state.tokens
+    cost = state.cost
     avail = state.available(state.layer).tolist()  # Python bools: the loop below indexes them per expert
     t_io = state.t_io_s
     landing = {t.expert: t.remaining_s for t in state.inflight if t.layer == state.layer}
@@ -49,7 +49,8 @@ def greedy_assignment(state: LayerState, may_move_resident: bool) -> tuple[list[
     loads: list[int] = []
     times = layer_expert_times(state)  # per expert, as `t_g(m)` / `t_c(m)` give them one at a time
     t_g, t_c = times.gpu, times.cpu
-    for e in by_tokens(state.active, tok, descending=True).tolist():
+    hot = times.tokens  # descending tokens, ties by id (a stable sort of the ascending ids, as `by_tokens`'s)
+    for e in sorted(state.active.tolist(), key=hot.__getitem__, reverse=True):  # reverse=True: a stable sort too
         if avail[e]:
             arrives = landing.get(e, 0.0)
             g_end = (arrives if arrives > gpu_t else gpu_t) + t_g[e]  # max() without its call, same value

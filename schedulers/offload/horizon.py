@@ -92,7 +92,7 @@ from schedulers.offload.dali import greedy_assignment
 from schedulers.offload.hybrimoe import hybrid_scheduling
 from schedulers.offload.layerwise import greedy_split
 from schedulers.offload.presched import Lookahead, PreSched, PreSchedSettings
-from schedulers.policy import layer_expert_times, split_by_availability
+from schedulers.policy import is_counts, layer_expert_times, split_by_availability
 
 
 @dataclass(frozen=True)
@@ -164,9 +164,9 @@ class HorizonSettings(PreSchedSettings):
 SPLITS = ("presched", "greedy", "hss", "dali", "all_cpu", "all_gpu")
 
 
-@dataclass(frozen=True)
-class Split:
-    """One candidate: experts of this layer on the CPU, on the GPU, and the GPU ones loaded now (link order)."""
+class Split(NamedTuple):
+    """One candidate: experts of this layer on the CPU, on the GPU, and the GPU ones loaded now (link order). A named
+    tuple: six are made per plan (a frozen dataclass's `__init__` cost a microsecond more each)."""
 
     name: str
     cpu: tuple[int, ...]
@@ -236,7 +236,8 @@ def layer_parts(state: LayerState) -> LayerParts:
     if parts is None:
         cost = state.cost
         times = layer_expert_times(state)  # shared with HSS, DALI's list and PreSched's walk
-        in_group = cost.t_g_shares(state.tokens.astype(np.float64)).tolist()
+        in_group = (cost.count_times(state.tokens)[2] if is_counts(state.tokens)
+                    else cost.t_g_shares(state.tokens.astype(np.float64))).tolist()
         landing = {t.expert: t.remaining_s for t in state.inflight if t.layer == state.layer}
         parts = state.__dict__["_horizon_parts"] = LayerParts(landing, cost.t_shared(state.batch_tokens), {},
                                                               times.tokens, times.gpu, in_group)
@@ -269,7 +270,9 @@ def candidate_splits(state: LayerState, names: Sequence[str], may_move_resident:
             ready_s = cost.t_shared(state.batch_tokens) + group_time(state, ready_t) if ready.size \
                 else cost.t_shared(state.batch_tokens)
             t_g = float(cost.t_g(max(max(tokens, default=1), 1)))
-            i = greedy_split([float(tokens[e]) for e in cur], ready_s, state.alpha_s, state.t_io_s, t_g, cost)
+            t_c = layer_expert_times(state).cpu
+            i = greedy_split([float(tokens[e]) for e in cur], ready_s, state.alpha_s, state.t_io_s, t_g, cost,
+                             [t_c[e] for e in cur])
             loads = tuple(cur[i:][::-1])
             out.append(Split(name, tuple(cur[:i]), ready_t + loads, loads))
         elif name == "hss" and may_move_resident:
@@ -557,7 +560,8 @@ class Horizon(PreSched):
                 and not self.settings.prefill_candidates:
             return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
         if state.phase is Phase.decode and self.skips_search(state, Split("presched", cpu, gpu, loads)):
-            return self.plan_with_slots(state, cpu, gpu, loads, prefetch, keep_working_set)
+            return self.plan_with_slots(state, cpu, gpu, loads, self.presched_prefetch(state, ahead, prefetch),
+                                        keep_working_set)
         self.searched = bool(names) or self.settings.prefetch_counts > 0  # anything to search beyond PreSched's plan
         # the search's own time on the run's clock: what skipping it saves the run (decode: the plans it may skip).
         # Every TIME_EVERY-th search only: reading a thread CPU clock is a system call, tens of µs on a loaded host
@@ -579,7 +583,8 @@ class Horizon(PreSched):
         e_next = ahead.candidates(state.layer + 1) if sized and ahead is not None and ahead.forecast(state.layer + 1) \
             else None  # PreSched's E_next of l+1, built by its plan or now (one build either way)
         nxt = next_layer(state, e_next) if sized else None
-        baseline = sum(1 for target, _ in prefetch if nxt is not None and target == nxt.layer)  # PreSched's count
+        # PreSched's count of l+1's prefetches: only what a priced search weighs its saving against
+        baseline = presched_next_count(self, state, ahead) if self.priced and nxt is not None else 0
         best, count, saved = search(state, splits, nxt, self.settings.prefetch_counts, baseline)
         if self.priced and "presched" in self.settings.candidates:
             self.record_saving(state, saved)
@@ -590,7 +595,25 @@ class Horizon(PreSched):
             self.touch(state.layer, best.gpu)
         if clock is not None:
             self.record_search_time(state.batch_tokens, clock() - begin)
+        if count is None:  # no sized count of l+1: PreSched's prefetches (Q4's later targets) run
+            prefetch = self.presched_prefetch(state, ahead, prefetch)
         return self.plan_with_slots(state, best.cpu, best.gpu, best.loads, prefetch, keep_working_set)
+
+    def _decode_prefetch(self, state: LayerState, ahead: Lookahead, gap: float) -> list[tuple[int, int]]:
+        """Deferred to `finish`: PreSched's decode prefetches (eqs. 5-6 and Q4) are made only where the plan runs them
+        (`presched_prefetch`: a plan that skips the search, or a search without a sized count of l+1). A searched
+        plan chooses its own count of l+1's hottest forecast experts, so PreSched's list, and the forecasts of l+2 and
+        l+3 its Q4 window reads when l+1 has nothing for the GPU, were made for nothing (Qwen3-30B b1: 2.8 forecasts
+        and queues a plan). Forecasts not made are not scored (`LayerState.predicted`), as anywhere else: the hit
+        rates of distances 2-3 come from the forecasts PreSched's prefetches read."""
+        return []
+
+    def presched_prefetch(self, state: LayerState, ahead: Optional[Lookahead], made: list[tuple[int, int]]
+                          ) -> list[tuple[int, int]]:
+        """PreSched's decode prefetches of this plan (`made`: what its plan passed, empty while deferred)."""
+        if ahead is None or state.phase is not Phase.decode:
+            return made
+        return PreSched._decode_prefetch(self, state, ahead, ahead.gap)
 
     def search_price(self, state: LayerState) -> float:
         """Seconds a decode search costs the run now (`search_cost_us`): the fixed figure, or the run's price: its fixed
@@ -691,9 +714,16 @@ class Horizon(PreSched):
     def next_use_key(self, state: LayerState, layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """float64 [n]: usage (PreSched's token share) per layer until the expert's layer comes back (a whole pass
         for this layer's): the lower, the sooner it goes."""
-        L = state.num_layers
-        comes_back = (np.arange(L) - state.layer) % L  # per layer, not per cached expert: the same integers
-        return self.standing(layers, experts) / np.where(comes_back == 0, L, comes_back)[layers]
+        return self.standing(layers, experts) / self.layers_until_back(state.layer, state.num_layers)[layers]
+
+    def layers_until_back(self, layer: int, L: int) -> np.ndarray:
+        """float64 [L]: per layer, how many layers until it runs again after `layer` (L for `layer` itself), made once
+        per layer (the integers `next_use_key` divides by, as float64: the same quotients)."""
+        table = self.__dict__.setdefault("_until_back", {})
+        if (layer, L) not in table:
+            comes_back = (np.arange(L) - layer) % L
+            table[layer, L] = np.where(comes_back == 0, L, comes_back).astype(np.float64)
+        return table[layer, L]
 
     def eviction_order(self, state: LayerState, layers: np.ndarray, experts: np.ndarray, need: int) -> np.ndarray:
         """Next use first (`evict_next_use`): a pass runs the layers in order, so a cached expert of the layer that
@@ -709,6 +739,22 @@ class Horizon(PreSched):
             some = np.flatnonzero(key <= np.partition(key, need - 1)[need - 1])
             return some[np.lexsort((self.last_used[layers[some], experts[some]], key[some]))][:need]
         return np.lexsort((self.last_used[layers, experts], key))
+
+
+def presched_next_count(policy: PreSched, state: LayerState, ahead: Optional[Lookahead]) -> int:
+    """How many of layer l+1's experts PreSched's decode prefetches (`PreSched._decode_prefetch`) would take: its
+    count at distance 1 where l+1's cross-layer queue holds an expert of l+1, else 0 (its Q4 window moves on, to
+    later layers); the same number as counting the targets of its list, without the forecasts of l+2 and l+3."""
+    if ahead is None or state.layer + 1 >= state.num_layers or not policy._window():
+        return 0
+    share = state.cost.link_cpu_share
+    if share > 0:  # PreSched's host-copy rules filter the list: count it
+        return sum(1 for target, _ in PreSched._decode_prefetch(policy, state, ahead, ahead.gap)
+                   if target == state.layer + 1)
+    _, counts = policy._prefetch_counts(state, ahead.gap)
+    if not counts[0] or not ahead.forecast(state.layer + 1) or not ahead.has_next(state.layer + 1):
+        return 0
+    return min(counts[0], len(ahead.candidates(state.layer + 1)[0]))
 
 
 def plan_time(state: LayerState, plan: LayerPlan) -> float:

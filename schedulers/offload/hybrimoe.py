@@ -54,7 +54,8 @@ def _hss(cached: np.ndarray, uncached: np.ndarray, tokens: np.ndarray, t_io: flo
     uncached_l = np.asarray(uncached).tolist()
     # cached first, each group by tokens descending (stable, as `by_tokens`); HybriMoE's impact scoring runs this
     # for every candidate of up to three layers per plan: plain lists over precomputed times, no numpy per call
-    order = sorted(cached_l, key=lambda e: -key[e]) + sorted(uncached_l, key=lambda e: -key[e])
+    # (`reverse=True` keeps ties in their given order, as the negated key did: no Python call per element)
+    order = sorted(cached_l, key=key.__getitem__, reverse=True) + sorted(uncached_l, key=key.__getitem__, reverse=True)
     t_gpu = [times.gpu[e] for e in order]
     t_cpu = [times.cpu[e] for e in order]
     is_move = [False] * len(cached_l) + [True] * len(uncached_l)

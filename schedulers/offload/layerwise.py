@@ -9,8 +9,9 @@ otherwise drops them, and HybriMoE / Fate here only re-list those of the current
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -22,19 +23,26 @@ _PYTHON_UP_TO = 32  # eq. 1 over at most this many experts runs on Python floats
 
 
 def greedy_split(cur_tokens_sorted: Sequence[float], ready_gpu_s: float, alpha: float, t_io: float, t_g: float,
-                 cost) -> int:
+                 cost, t_cpu: Optional[Sequence[float]] = None) -> int:
     """Eq. 1: i minimising max(T_C, T_G) when E_cur[0..i-1] (ascending) run on the CPU and the rest load.
 
     T_C(i) = t_c(E_cur[0..i-1]); T_G(i) = max(GPU work on resident experts, alpha + (n - i) t_io) + t_g.
+    `t_cpu`: each expert's `cost.t_c(m)`, in the same order, where the caller has them (the same values).
     """
     n1 = len(cur_tokens_sorted)
     if n1 <= _PYTHON_UP_TO:  # a layer's few missing experts: the same float operations on Python floats, in order
         tc, acc = [0.0], 0.0
-        for m in cur_tokens_sorted:
-            acc += cost.t_c(float(m))  # np.cumsum adds left to right, from the first element
+        for c in (t_cpu if t_cpu is not None else [cost.t_c(float(m)) for m in cur_tokens_sorted]):
+            acc += c  # np.cumsum adds left to right, from the first element
             tc.append(acc)
-        span = [max(tc[i], max(ready_gpu_s, alpha + (n1 - i) * t_io) + (t_g if i < n1 else 0.0)) for i in range(n1 + 1)]
-        return min(range(n1 + 1), key=span.__getitem__)  # the first minimum, as np.argmin
+        best, best_span = 0, math.inf
+        for i in range(n1 + 1):  # the first minimum, as np.argmin; max() without its calls (the same values)
+            link = alpha + (n1 - i) * t_io
+            g = (ready_gpu_s if ready_gpu_s > link else link) + (t_g if i < n1 else 0.0)
+            span = tc[i] if tc[i] > g else g
+            if span < best_span:
+                best, best_span = i, span
+        return best
     tc = np.concatenate([[0.0], np.cumsum(np.atleast_1d(cost.t_c(cur_tokens_sorted)))])
     i = np.arange(n1 + 1)
     tg = np.maximum(ready_gpu_s, alpha + (n1 - i) * t_io) + np.where(i < n1, t_g, 0.0)

@@ -70,14 +70,14 @@ import math
 from collections.abc import Sequence
 from operator import itemgetter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
 from schedulers.base import LayerPlan, LayerState, Phase, SchedulerSettings, register
 from schedulers.cost import CostModel
 from schedulers.offload.layerwise import greedy_split
-from schedulers.policy import OffloadPolicy, split_by_availability
+from schedulers.policy import OffloadPolicy, layer_expert_times, split_by_availability
 
 
 _NUMPY_FROM = 24  # eq. 3 / eq. 4 over more experts than this run elementwise in numpy (same values, fewer Python steps)
@@ -96,9 +96,9 @@ def sorted_by(experts: Sequence[int], key: Sequence[float]) -> list[int]:
     return sorted(experts, key=key.__getitem__)
 
 
-@dataclass(frozen=True)
-class CrossLayerQueue:
-    """Eq. 3 over E_all: which entries join the GPU queue (all tuples in E_all order)."""
+class CrossLayerQueue(NamedTuple):
+    """Eq. 3 over E_all: which entries join the GPU queue (all tuples in E_all order). A named tuple: built up to
+    four times a decode plan (a frozen dataclass's `__init__` cost a microsecond more each)."""
 
     experts: tuple[int, ...]  # E_all, ascending tokens
     tokens: tuple[float, ...]
@@ -124,8 +124,8 @@ def cross_layer_queue(cur: Sequence[int], cur_tokens: Sequence[float], nxt: Sequ
                       alpha: float, t_io: float, t_g: float, t_attn: float, cost: CostModel,
                       gpu_busy: float = 0.0) -> CrossLayerQueue:
     """Eq. 3. `cur`, `nxt`: expert ids (any order) with their (predicted) token counts."""
-    entries = [(float(m), True, int(e)) for e, m in zip(cur, cur_tokens)] + \
-              [(float(m), False, int(e)) for e, m in zip(nxt, nxt_tokens)]
+    entries = [(float(m), True, int(e)) for e, m in zip(cur, cur_tokens)]
+    entries += [(float(m), False, int(e)) for e, m in zip(nxt, nxt_tokens)]
     entries.sort(key=itemgetter(0, 1))  # ascending tokens; ties: next-layer expert first (stable)
     n_all = len(entries)
     tokens, current, experts = zip(*entries) if entries else ((), (), ())
@@ -133,8 +133,12 @@ def cross_layer_queue(cur: Sequence[int], cur_tokens: Sequence[float], nxt: Sequ
     if n_all > _NUMPY_FROM:  # the same comparisons elementwise (a layer of many small experts)
         k = np.arange(n_all)
         joins = tuple((np.maximum(alpha + (n_all - k) * t_io, gpu_busy) + t_g < np.asarray(t_cpu) + t_attn).tolist())
-    else:
-        joins = tuple(max(alpha + (n_all - k) * t_io, gpu_busy) + t_g < t_cpu[k] + t_attn for k in range(n_all))
+    else:  # max(link, gpu_busy) without its call (the same value): this runs for up to four targets a plan
+        out = []
+        for k in range(n_all):
+            link = alpha + (n_all - k) * t_io
+            out.append((gpu_busy if gpu_busy > link else link) + t_g < t_cpu[k] + t_attn)
+        joins = tuple(out)
     return CrossLayerQueue(experts, tokens, current, joins)
 
 
@@ -207,7 +211,8 @@ def resident_to_cpu(state: LayerState, ready: Sequence[int], cpu: Sequence[int],
     per-expert times), so a layer of n resident experts costs O(n log n) (the sort), not O(n^2) from re-summing
     both sides per candidate: the CPU side's sums are integers, exactly `t_c_sum`'s; the GPU side's differ from
     `t_g_group_sum`'s only by rounding, where no move decides on (a move must lower the layer time strictly)."""
-    cost, tokens = state.cost, state.tokens.tolist()
+    cost, times = state.cost, layer_expert_times(state)
+    tokens = times.tokens
     resident = state.resident[state.layer].tolist()
     candidates = sorted_by([e for e in ready if resident[e]], tokens)
     if not candidates:
@@ -221,8 +226,8 @@ def resident_to_cpu(state: LayerState, ready: Sequence[int], cpu: Sequence[int],
     beta, startup, dispatch = cost.beta_s, cost.cpu_startup_s, cost.cpu_dispatch_s
     cpu_m = [float(tokens[e]) for e in cpu if tokens[e] > 0]
     cpu_total, cpu_n = sum(cpu_m), len(cpu_m)  # integer token counts: exact running sums
-    live = [e for e in ready if tokens[e] > 0]
-    g_times = dict(zip(live, gpu_times(cost, [tokens[e] for e in live])))
+    g_each = times.gpu  # each expert's `t_g` (the values `gpu_times` gives)
+    g_times = {e: g_each[e] for e in ready if tokens[e] > 0}
     g_sum, g_n = sum(g_times.values()), len(g_times)
 
     def layer_time(t_cpu: float, g_sum: float, g_n: int) -> float:
@@ -263,6 +268,7 @@ class Lookahead:
     t_g: float
     t_attn: float
     busy: float
+    gap: float = 0.0  # eq. 5's T_gap of the plan's split (`PreSched.plan` sets it before asking for prefetches)
     _queues: dict[int, CrossLayerQueue] = field(default_factory=dict)
     _candidates: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
 
@@ -279,11 +285,17 @@ class Lookahead:
             return [], []
         pred_a = self.state.predicted[target]
         some = np.flatnonzero(pred_a > 0)  # the few predicted experts of a layer, then the availability test
-        some = some[~self.state.available(target)[some]].tolist()
-        pred = pred_a.tolist()
-        cand = sorted_by(some, pred)
-        out = self._candidates[target] = (cand, [float(pred[e]) for e in cand])
+        some = some[~self.state.available(target)[some]]
+        pred = pred_a[some].tolist()  # those experts' forecasts only (not every expert's)
+        order = sorted(range(len(pred)), key=pred.__getitem__)  # ascending, stable: ties by id, as `sorted_by`
+        ids = some.tolist()
+        out = self._candidates[target] = ([ids[i] for i in order], [pred[i] for i in order])
         return out
+
+    def has_next(self, target: int) -> bool:
+        """Whether `target`'s cross-layer queue holds one of its experts: never where E_next is empty (every predicted
+        expert cached or landing), so no queue is built there."""
+        return bool(self.candidates(target)[0]) and self.queue(target).has_next
 
     def queue(self, target: int) -> CrossLayerQueue:
         if target not in self._queues:
@@ -330,20 +342,25 @@ class PreSched(OffloadPolicy):
         share = state.cost.link_cpu_share
         if share > 0 and state.cost.t_c(state.batch_tokens) <= share * t_io:
             return []  # no expert (at most every token of the batch) runs longer on the CPU than its host copy
-        distances = [d for d in range(1, self._window() + 1) if layer + d < state.num_layers]
-        counts = [prefetch_count(gap, state.t_attn_next_s, t_io, state.hit_rate.get(d, 1.0),
-                                 self.settings.round_half_up)[0] for d in distances]
+        distances, counts = self._prefetch_counts(state, gap)
         for j, distance in enumerate(distances):
             if not any(counts[j:]):
                 break  # no count left to issue at this or any further distance: the forecasts cannot matter
             target = layer + distance
-            if not ahead.forecast(target) or not ahead.queue(target).has_next:
+            if not ahead.forecast(target) or not ahead.has_next(target):
                 continue  # Q4: nothing of this layer belongs on the GPU; look further ahead
             nxt, nxt_m = ahead.candidates(target)
             if share > 0:  # a host-copied prefetch costs CPU time now: only experts whose CPU run costs more
                 nxt = [e for e, m in zip(nxt, nxt_m) if state.cost.t_c(m) > share * t_io]
             return [(target, e) for e in nxt[::-1][:counts[j]]]  # hottest first
         return []
+
+    def _prefetch_counts(self, state: LayerState, gap: float) -> tuple[list[int], list[int]]:
+        """Eqs. 5-6 per layer distance of the window: (distances, prefetches to issue at each)."""
+        distances = [d for d in range(1, self._window() + 1) if state.layer + d < state.num_layers]
+        counts = [prefetch_count(gap, state.t_attn_next_s, state.t_io_s, state.hit_rate.get(d, 1.0),
+                                 self.settings.round_half_up)[0] for d in distances]
+        return distances, counts
 
     def _prefill_prefetch(self, state: LayerState, ahead: Lookahead) -> list[tuple[int, int]]:
         """Every predicted expert of the next layer worth a transfer there (t_c above t_io), hottest first."""
@@ -360,7 +377,7 @@ class PreSched(OffloadPolicy):
         if not keep_working_set:
             self.observe_usage(state)
         ready_a, missing = split_by_availability(state)
-        tok = tokens.tolist()
+        tok = layer_expert_times(state).tokens  # shared by the splits of the plan: read-only
         ready = ready_a.tolist()
         cur = sorted_by(missing.tolist(), tok)
         cur_m = [float(tok[e]) for e in cur]
@@ -400,6 +417,7 @@ class PreSched(OffloadPolicy):
         gpu = tuple(ready) + loads
         self.touch(layer, gpu)
 
+        ahead.gap = gap
         prefetch = self._prefill_prefetch(state, ahead) if state.phase is Phase.prefill else \
             self._decode_prefetch(state, ahead, gap)
         return self.finish(state, cpu, gpu, loads, prefetch, keep_working_set, ahead)
