@@ -220,7 +220,8 @@ def test_segment_bound_is_the_brute_force_over_cuts_and_splits() -> None:
         convex = all(np.allclose(envelope(f[::-1]), f[::-1])
                      for f in (layer_floor(cost, fp.loads[i], t_attn, t_shared) for i in range(3)))
         for capacity in (0, 2, 5):
-            ours, brute = pass_segments(cfg, cost, fp, capacity, cost.t_io), brute_force_segments(cfg, cost, fp, capacity)
+            ours = pass_segments(cfg, cost, fp, capacity, cost.t_io)
+            brute = brute_force_segments(cfg, cost, fp, capacity)
             assert ours <= brute + 1e-12
             if convex:
                 exact += 1
