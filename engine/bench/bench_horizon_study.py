@@ -11,6 +11,9 @@ forecast does). A policy that keeps two batches in flight (Klotski, Horizon) rep
 so each in-flight width has its own bound; the point's bound is the best throughput any schedule with at most two
 batches in flight could reach (`bound_tok_s`), and `above_lower_bound` of a run is its time over the bound of its own
 passes minus 1. The gap Horizon closes at a point is (Horizon - best other) / (bound - best other) in throughput.
+Each run also records two tighter bounds of its own passes, still clairvoyant about the routing, each with its own
+report section: `continuity_bound_s` (the cache carried from pass to pass) and `segment_bound_s` (whole per-layer
+splits, the slots charged per segment of layers).
 
 The study is three Hydra multiruns of `engine.simulate` jobs of kind `horizon` (one job per point and seed, any
 launcher, resumable), one per set of points, and one report over the folder that holds them:
