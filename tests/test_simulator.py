@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from conf import compose
 from schedulers.hardware import load_hardware
-from engine.sim.bounds import exact_best_pass, lower_bound
+from engine.sim.bounds import exact_best_pass, lower_bound, segment_bound
 from engine.sim.invariants import check_events
 from engine.sim.pipeline import PipelineSim, SimOptions
 from engine.sim.run import RoutingConfig, RunSpec, build_sim, prepare_routing, simulate
@@ -123,6 +123,8 @@ def test_invariants_hold_for_every_scheduler(routing, batch: int, slots: int, se
         t_io = out.cost.t_io if async_io else out.cost.t_io_sync
         lb = lower_bound(cfg, out.cost, prepared.passes, capacity, t_io)
         assert lb <= out.summary["total_s"] * (1 + 1e-9), f"{scheduler.label}: lower bound {lb} above {out.summary['total_s']}"
+        seg = segment_bound(cfg, out.cost, prepared.passes, capacity, t_io)
+        assert seg <= out.summary["total_s"] * (1 + 1e-9), f"{scheduler.label}: segment bound {seg} above the run"
 
 
 def test_exact_search_beats_every_heuristic_and_respects_the_bound() -> None:
@@ -139,6 +141,7 @@ def test_exact_search_beats_every_heuristic_and_respects_the_bound() -> None:
     assert len(plans) == 3
     assert best <= ps * (1 + 1e-9)
     assert lower_bound(cfg, cost, [fp], 8 + 2) <= best * (1 + 1e-9)
+    assert lower_bound(cfg, cost, [fp], 8 + 2) <= segment_bound(cfg, cost, [fp], 8 + 2) <= best * (1 + 1e-9)
     # the searched plans replayed through the mechanism give the searched time
     replay = PipelineSim(cfg=cfg, cost=cost, scheduler=ListPolicy(start, plans), cache_slots=8, staging_slots=2,
                          trace=prepared.trace, options=SimOptions(check_invariants=True))

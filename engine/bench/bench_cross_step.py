@@ -11,6 +11,11 @@ the most hits a carried cache can give the decode passes against the per-pass bo
     python engine/bench/bench_cross_step.py [--points mixtral_8x7b:a100_pcie4:8,mixtral_8x7b:a100_pcie4:64:trained_tiny]
         [--values 0,1,2] [--seed 0]
 
+It also sets each run against the segment bound (`engine.sim.bounds.segment_bound`: whole per-layer splits, the
+slots charged per segment of layers); `--values ''` computes the three bounds alone (no run, seconds a point):
+
+    python engine/bench/bench_cross_step.py --values '' [--points ...]
+
 `--points` model:machine:batch[:routing]; default: the four models on both machines at batches 8-64 (the 32 sweep
 points of the study's equal-concurrency table) and Mixtral's trained_tiny replays at the same batches (the other 8).
 The simulator is deterministic: the results do not depend on the load; the wall time does.
@@ -29,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.bench.bench_horizon_study import HARDWARE, MODELS, Point, point_spec  # noqa: E402
 from engine.bench.bench_simulate_sweep import scheduler_settings  # noqa: E402
-from engine.sim.bounds import continuity_bound, lower_bound, most_hits  # noqa: E402
-from engine.sim.run import prepare_routing, simulate  # noqa: E402
+from engine.sim.bounds import continuity_bound, lower_bound, most_hits, segment_bound  # noqa: E402
+from engine.sim.run import build_sim, prepare_routing, simulate  # noqa: E402
 
 EQUAL = (8, 16, 32, 64)  # Horizon-1's batches that are Horizon's b4-b32 (the equal-concurrency table)
 
@@ -53,42 +58,54 @@ def measure(text: str, values: list[int], seed: int) -> dict[str, Any]:
         begin = time.perf_counter()
         out = simulate(replace(spec, scheduler=replace(base, next_step_layers=value)), routing)
         row[value] = (out.summary["throughput_tok_s"], out.summary["total_s"], time.perf_counter() - begin)
-    slots = out.memory.cache_slots + spec.scheduler.staging_slots
+    _, memory, cost = build_sim(spec, routing)  # the run's slots and costs, without running it
+    slots = memory.cache_slots + spec.scheduler.staging_slots
     decode = [fp.loads for fp in routing.passes if not fp.prefill]
+    begin = time.perf_counter()
+    segments = segment_bound(spec.model, cost, routing.passes, slots)
     row.update(slots=slots, hits=most_hits(decode, slots), per_pass_hits=slots * len(decode),
-               lower=lower_bound(spec.model, out.cost, routing.passes, slots),
-               carried=continuity_bound(spec.model, out.cost, routing.passes, slots))
+               lower=lower_bound(spec.model, cost, routing.passes, slots),
+               carried=continuity_bound(spec.model, cost, routing.passes, slots),
+               segments=segments, segment_s=time.perf_counter() - begin)
     return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default=",".join(default_points()))
-    ap.add_argument("--values", default="0,1", help="next_step_layers settings; the first is the reference")
+    ap.add_argument("--values", default="0,1",
+                    help="next_step_layers settings; the first is the reference; '' for the bounds alone")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    values = [int(v) for v in args.values.split(",")]
-    ref = values[0]
-    print(f"| point | " + " | ".join(f"tok/s n={v}" for v in values)
-          + " | change | slots | decode hits, carried / per pass | above per-pass bound | above continuity bound |")
-    print("|---" * (len(values) + 6) + "|")
+    values = [int(v) for v in args.values.split(",") if v.strip()]
+    head = ["point", *(f"tok/s n={v}" for v in values), *(["change"] if values else []), "slots",
+            "decode hits, carried / per pass", "above per-pass bound", "above continuity bound", "above segment bound",
+            "segment bound over per-pass"]
+    print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|")
     changes = []
     start = time.perf_counter()
     for text in args.points.split(","):
         row = measure(text, values, args.seed)
+        print(point_line(row, values), flush=True)
         thr = [row[v][0] for v in values]
-        change = [t / thr[0] - 1 for t in thr[1:]]
-        changes += change
-        total = row[ref][1]
-        print(f"| {text} | " + " | ".join(f"{t:.4f}" for t in thr) + " | "
-              + ", ".join(f"{100 * c:+.3f} %" for c in change) + f" | {row['slots']} | {row['hits']} / "
-              f"{row['per_pass_hits']} | {100 * (total / row['lower'] - 1):.2f} % | "
-              f"{100 * (total / row['carried'] - 1):.2f} % |", flush=True)
+        changes += [t / thr[0] - 1 for t in thr[1:]]
     if changes:
         changes.sort()
-        print(f"\nthroughput change against n={ref}: median {100 * changes[len(changes) // 2]:+.3f} %, min "
-              f"{100 * changes[0]:+.3f} %, max {100 * changes[-1]:+.3f} % over {len(changes)}; "
-              f"{time.perf_counter() - start:.0f} s wall")
+        print(f"\nthroughput change against n={values[0]}: median {100 * changes[len(changes) // 2]:+.3f} %, min "
+              f"{100 * changes[0]:+.3f} %, max {100 * changes[-1]:+.3f} % over {len(changes)}")
+    print(f"{time.perf_counter() - start:.0f} s wall")
+
+
+def point_line(row: dict[str, Any], values: list[int]) -> str:
+    """One point's table line: throughput per setting, its change, the hits, the run over each bound."""
+    thr = [row[v][0] for v in values]
+    runs = [f"{t:.4f}" for t in thr] + ([", ".join(f"{100 * (t / thr[0] - 1):+.3f} %" for t in thr[1:])] if values
+                                       else [])
+    above = [f"{100 * (row[values[0]][1] / row[k] - 1):.2f} %" if values else "-" for k in ("lower", "carried",
+                                                                                         "segments")]
+    cells = [row["point"], *runs, str(row["slots"]), f"{row['hits']} / {row['per_pass_hits']}", *above,
+             f"{100 * (row['segments'] / row['lower'] - 1):+.3f} % ({row['segment_s']:.1f} s)"]
+    return "| " + " | ".join(cells) + " |"
 
 
 if __name__ == "__main__":

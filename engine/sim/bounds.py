@@ -151,6 +151,97 @@ def continuity_bound(cfg: ModelConfig, cost: CostModel, passes: Sequence[Forward
     return total + max(float(value.max()), lower_bound(cfg, cost, decode, resident_capacity, t_io))
 
 
+# ---- a bound with per-layer splits and the slots charged per segment of layers -------------------
+def convex_slopes(values: np.ndarray) -> tuple[float, np.ndarray]:
+    """(f(0), slopes) of the lower convex envelope of `values` (f(g), g = 0..n, float [n + 1]): f(0) plus the first g
+    slopes (ascending) is the envelope at g, which is at most `values[g]` (equal where `values` is convex)."""
+    hull = [0]
+    for g in range(1, values.size):  # the lower hull of the points (g, f(g)), left to right
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (values[b] - values[a]) * (g - a) >= (values[g] - values[a]) * (b - a):
+                hull.pop()  # b lies on or above the chord from a to g
+            else:
+                break
+        hull.append(g)
+    slopes = [np.full(b - a, (values[b] - values[a]) / (b - a)) for a, b in zip(hull, hull[1:])]
+    return float(values[0]), np.concatenate(slopes) if slopes else np.zeros(0)
+
+
+def segment_value(base: float, slopes: np.ndarray, capacity: int, t_io: float) -> float:
+    """min over integer G (GPU uses of the segment) of max(compute(G), t_io (G - capacity)+), compute(G) = `base` plus
+    the G smallest of `slopes` (the segment's layers' envelopes merged: their least compute with G uses on the GPU)."""
+    compute = base + np.concatenate([[0.0], np.cumsum(np.sort(slopes))])
+    link = t_io * np.maximum(np.arange(compute.size) - capacity, 0)
+    return float(np.maximum(compute, link).min())
+
+
+def pass_segments(cfg: ModelConfig, cost: CostModel, fp: ForwardPass, capacity: int, t_io: float) -> float:
+    """The segment bound of one pass (`segment_bound`): its trailing dense layers, head and fixed host time, plus the
+    most, over the ways to cut its MoE layers into consecutive segments, of the segments' `segment_value`s."""
+    t_attn, t_shared, _ = pass_fixed_time(cfg, cost, fp)
+    raw_attn = t_attn - cost.layer_overhead_s
+    dense = raw_attn + cost.t_dense_mlp(fp.tokens)  # one dense decoder layer (the simulator's `t_dense`)
+    before = dense_layers_before(cfg)
+    tail = before[-1] * dense + cost.t_head(fp.num_seqs) + cost.pass_overhead_s
+    layers = []
+    for layer in range(fp.loads.shape[0]):
+        floor = layer_floor(cost, fp.loads[layer], t_attn, t_shared)  # by CPU experts j; as GPU uses g = n - j:
+        layers.append(convex_slopes(floor[::-1] + before[layer] * dense))
+    L = len(layers)
+    best = np.zeros(L + 1)  # best[b]: the most the first b layers' segments add up to
+    best[1:] = -np.inf
+    for a in range(L):
+        base, slopes = 0.0, np.zeros(0)
+        for b in range(a, L):  # the segment of layers a..b
+            base, slopes = base + layers[b][0], np.concatenate([slopes, layers[b][1]])
+            best[b + 1] = max(best[b + 1], best[a] + segment_value(base, slopes, capacity, t_io))
+    return float(best[L]) + tail
+
+
+def dense_layers_before(cfg: ModelConfig) -> list[int]:
+    """int [L + 1]: the dense decoder layers before each MoE layer, and (last) after the last one."""
+    out = [0] * (len(cfg.moe_layers) + 1)
+    moe, i = set(cfg.moe_layers), 0
+    for layer in range(cfg.num_hidden_layers):
+        if layer in moe:
+            i += 1
+        else:
+            out[i] += 1
+    return out
+
+
+def segment_bound(cfg: ModelConfig, cost: CostModel, passes: Iterable[ForwardPass], resident_capacity: int,
+                  t_io: Optional[float] = None) -> float:
+    """Seconds no schedule of these passes can beat, with each MoE layer's CPU/GPU split whole (not mixed across a
+    pass by multipliers) and the slots charged per segment of layers: still clairvoyant about the routing.
+
+    Proof. Take any schedule of the machine model (the simulator's: a serial link, `resident_capacity` slots holding
+    every resident or in-flight expert, one pass after another; a layer's dense layers, attention, then its experts;
+    it ends when its CPU and GPU experts are both done). Let E_l be the end of MoE layer l of a pass, E_0 the pass's
+    start; the intervals (E_{l-1}, E_l] are disjoint and hold, besides layer l itself, only the dense layers before
+    it; the trailing dense layers, the head and the pass's fixed host time come after E_L (`tail`). Cut layers 1..L
+    into consecutive segments a..b. (i) Compute: layer l with j experts on the CPU takes at least A_l(j) (`layer_floor`)
+    plus its dense layers, so E_b - E_{a-1} >= the sum over a..b. (ii) Link: each of the segment's G GPU uses is a
+    distinct (layer, expert); at E_{a-1} at most C = `resident_capacity` of them are resident or in flight, so at least
+    (G - C)+ transfers start after E_{a-1} and land before E_b (before their layer's GPU work), one at a time:
+    E_b - E_{a-1} >= t_io (G - C)+. So the pass takes at least tail + sum over segments of max((i), (ii)) for the
+    schedule's splits, for every cut. The bound relaxes (1) the splits: each segment takes its own least (the max over
+    cuts of the min over splits, not the min of the max), (2) within a layer, A_l as a function of its GPU uses is
+    replaced by its lower convex envelope (`convex_slopes`, exact where A_l is convex; below it, so still a lower
+    bound), which lets a segment's least compute at G uses be its layers' merged slopes, (3) A_l's coldest-set
+    relaxation of `layer_floor`, (4) the fluid link (t_io per transfer, no latency) and (5) which experts hold the C
+    slots (any C of the segment's uses, as if chosen with the routing known). With one segment and no envelope it is
+    min over splits of max(compute, link) >= the multiplier bound `lower_bound` (weak duality), and every cut is tried,
+    so it is never below `lower_bound` up to its multiplier grid; the larger of the two is returned per pass."""
+    t_io = cost.t_io if t_io is None else t_io
+    total = 0.0
+    for fp in passes:
+        own = pass_segments(cfg, cost, fp, resident_capacity, t_io)
+        total += max(own, lower_bound(cfg, cost, [fp], resident_capacity, t_io))
+    return total
+
+
 def compute_floor(cfg: ModelConfig, cost: CostModel, fp: ForwardPass, layers: Iterable[int]) -> float:
     """The compute-only bound of some MoE layers of one pass (their A(j) minimised, no I/O)."""
     t_attn, t_shared, _ = pass_fixed_time(cfg, cost, fp)
