@@ -393,11 +393,12 @@ def test_amx_block_tiles(qtype):
 
 @pytest.mark.parametrize("wtype", ["bf16"] + QTYPES)
 def test_amx_row_groups(wtype):
-    """Calls whose bf16 B panel would outgrow L2 (rows x K x 2 bytes over 1 MiB) take their activation rows in groups
-    (K = 14336: 6-tile groups for the block types, 4 for bf16): 97 / 130 / 200 rows (2-3 groups, uneven, a partial
-    last tile) give each row bit for bit what a 16-row call of the same rows gives (a row's tile sums do not depend
-    on which rows share its call), and the block types stay within the bf16-rounding reference. Mutations that fail
-    it: the groups' outputs written at the first group's rows, a group's panel slice taken one tile late."""
+    """Calls whose bf16 B panel would outgrow L2 (rows x K x 2 bytes over 1 MiB): bf16 weights take their activation
+    rows in groups (K = 14336: 4-tile groups), the block types K in blocks (`test_amx_k_blocks`): 97 / 130 / 200 rows
+    (2-3 groups, uneven, a partial last tile) give each row bit for bit what a 16-row call of the same rows gives (a
+    row's tile sums do not depend on which rows share its call), and the block types stay within the bf16-rounding
+    reference. Mutations that fail it: the groups' outputs written at the first group's rows, a group's panel slice
+    taken one tile late."""
     _need_amx()
     rng = np.random.default_rng(29)
     K, N = 14336, 21
@@ -423,6 +424,35 @@ def test_amx_row_groups(wtype):
     finally:
         if wtype != "bf16":
             native.set_amx_rows(wtype, None)
+        native.set_isa(None)
+
+
+@pytest.mark.parametrize("qtype", ["q6_k", "q8_0"])
+def test_amx_k_blocks(qtype):
+    """The block types' AMX calls whose activation panel would outgrow L2 take K in blocks over groups of weight
+    strips, each strip's C tiles saved between blocks (K 14336: 72 rows in 3 blocks of 19 chunks; 200 rows in 5 blocks
+    over groups of 19 strips, 330 weight rows = 2 groups, the last strip partial): every output bit for bit what a
+    16-row call of the same rows gives (those run K in one block: the sums go on in the same order) and within the
+    bf16-rounding reference. Mutations that fail it: every strip of a group saving its tiles at the group's first
+    strip's place, a block's tiles zeroed instead of restored, the next group starting one strip late."""
+    _need_amx()
+    rng = np.random.default_rng(41 + QTYPES.index(qtype))
+    K, N = 14336, 330
+    w = native.random_blocks(rng, qtype, N, K)
+    native.set_amx_rows(qtype, 1)
+    native.set_isa("amx")
+    try:
+        for M in (72, 200):
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            y = native.linear_host(x, w, threads=1)  # one thread: all 330 rows in one call (2 groups of strips)
+            for r in range(0, M, 16):
+                s0 = min(r, M - 16)
+                np.testing.assert_array_equal(y[r:r + 16], native.linear_host(x[s0:s0 + 16], w, threads=1)[r - s0:])
+            if M < 100:  # the 16-row calls are checked against it in the other tests: once here, for the tolerance
+                ref = native.qlinear_reference(x, w, "bf16")
+                assert np.all(np.abs(y - ref) <= bound(x, w, "bf16")), (qtype, M, np.abs(y - ref).max())
+    finally:
+        native.set_amx_rows(qtype, None)
         native.set_isa(None)
 
 

@@ -2766,7 +2766,7 @@ inline void transpose16x16(__m512i* r) {
 }
 
 struct AmxScratch {
-  std::vector<float> panel, cb, rows;
+  std::vector<float> panel, cb, rows, acc;
 };
 thread_local AmxScratch t_amx;
 
@@ -2930,11 +2930,11 @@ MS_INLINE void amx_bf16_step6(const uint16_t* A, size_t lda, const uint16_t* b, 
   }
 }
 
-// Activation tiles per group of a call whose B panel would not stay in L2: the call's rows are taken in groups, each
-// its own call over the weights, so that a group's panel slice (16 rows x K bf16 = KB KiB a tile) stays within
-// 1 MiB, half of this CPU's 2 MiB L2 (with the staged weights beside it), and at least min_tiles tiles (a full pass:
-// 4 for bf16, 6 for the block types, which then dequantize once per group); groups even, bf16's a whole number of
-// its 4-tile passes (unit). Each output is the same tile sum over the same k steps in either case: bit-identical.
+// Activation tiles per group of a bf16-weight call whose B panel would not stay in L2: the call's rows are taken in
+// groups, each its own call over the weights, so that a group's panel slice (16 rows x K bf16 = KB KiB a tile) stays
+// within 1 MiB, half of this CPU's 2 MiB L2 (with the staged weights beside it), and at least min_tiles tiles (a full
+// pass: 4); groups even, a whole number of the 4-tile passes (unit). (The block types take K in blocks instead,
+// qgemm_amx_bf16_t: row groups dequantized their weights once per group.) Each output is the same tile sum over the same k steps in either case: bit-identical.
 // Measured (bench_qlinear_ab, 1 thread, under load): at 256 rows of one [14336, 4096] matrix the 2 MiB panel made a
 // call 0.75-0.9 TFLOP/s against 1.0-1.2 at 128-192 rows; with the groups 1.2-1.55x at 256 rows, ~2x at 512, and
 // 1.4-1.9x at 102 rows of K 14336 (a prefill expert's down projection; README "Whole-model prefill").
@@ -3091,91 +3091,146 @@ MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, ui
   }
 }
 
+// C tiles 0 .. nt - 1 saved to / restored from acc (nt tiles of 16 x 16 f32, 1 KiB apart): a pass's partial sums
+// between two K blocks of qgemm_amx_bf16_t. f32 bits as they are, so the sums go on exactly as in one run of steps.
+MS_INLINE void amx_c_save(float* acc, int nt) {
+  _tile_stored(0, acc, 64);
+  if (nt > 1) _tile_stored(1, acc + 256, 64);
+  if (nt > 2) _tile_stored(2, acc + 512, 64);
+  if (nt > 3) _tile_stored(3, acc + 768, 64);
+  if (nt > 4) _tile_stored(4, acc + 1024, 64);
+  if (nt > 5) _tile_stored(5, acc + 1280, 64);
+}
+
+MS_INLINE void amx_c_restore(const float* acc, int nt) {
+  _tile_loadd(0, acc, 64);
+  if (nt > 1) _tile_loadd(1, acc + 256, 64);
+  if (nt > 2) _tile_loadd(2, acc + 512, 64);
+  if (nt > 3) _tile_loadd(3, acc + 768, 64);
+  if (nt > 4) _tile_loadd(4, acc + 1024, 64);
+  if (nt > 5) _tile_loadd(5, acc + 1280, 64);
+}
+
+// How qgemm_amx_bf16_t cuts K: 256-weight chunks per K block, so that the activation panel's slice of one block (every
+// activation tile of the call, 1 KiB per tile and 32-k step) stays within kAmxPanelBytes of L2 beside the staged
+// weights and the partial sums. Blocks even; one block when the whole panel fits (K 4096 up to 128 rows).
+constexpr int64_t kAmxPanelBytes = int64_t(1) << 20;
+inline int64_t amx_block_chunks(int64_t MT, int64_t NC) {
+  const int64_t cap = std::max<int64_t>(1, kAmxPanelBytes / (MT * 8 * 1024));
+  const int64_t blocks = (NC + cap - 1) / cap;
+  return (NC + blocks - 1) / blocks;
+}
+
 // The chunks of 256 weights are double-buffered: while the tiles run over chunk c, two of chunk c + 1's 16 rows are
 // dequantized after each tile step, meant to let the vector units and the tile unit work at the same time (measured
 // since: on this core the two times add however the dequantization is interleaved, README "Whole-model prefill
 // against llama.cpp", second round; the double buffer still keeps the tile loads off the rows being written). A pass
 // over a strip takes up to 6 C tiles (96 rows: tiles 4 and 5 as C, amx_bf16_step6). Calls of more than 96 rows (several passes over
-// each strip, the C tiles shared evenly among them) stage the whole strip instead (16 rows x K bf16: 128
-// KiB at K 4096, 448 KiB at 14336, L2-resident): the first pass dequantizes it as above, chunk after chunk, and the
-// later passes run their tile steps over the staged strip, so the strip is dequantized once per call, not once per
-// 64 rows (a prefill's experts get 65-110 rows at Mixtral's top-2 of 8: up to 96 rows in one pass, 97-112 in passes of 4 + 3
+// each strip, the C tiles shared evenly among them) stage the strip's K block instead (16 rows x its K in bf16: 128
+// KiB at K 4096, L2-resident): the first pass dequantizes it as above, chunk after chunk, and the later passes run
+// their tile steps over the staged block, so every weight is dequantized once per call, not once per 64 rows (a
+// prefill's experts get 65-110 rows at Mixtral's top-2 of 8: up to 96 rows in one pass, 97-112 in passes of 4 + 3
 // C tiles).
-// Calls whose activation panel would outgrow L2 are first cut into row groups (amx_row_groups: K 14336 past 96 rows,
-// K 4096 past 128), each taken by this function as a call of its own.
+// K blocks (amx_block_chunks): where the activation panel (rows x K bf16: 2.9 MiB at 102 rows of K 14336, a prefill
+// expert's down projection) would not stay in L2, it was read from L3 once per 16-row strip. K is now taken in blocks
+// whose panel slice fits, over groups of strips: for each group, block after block, each strip's passes run that
+// block's steps, their C tiles saved in acc between blocks (exact: the sums go on in the same order, bit-identical
+// to one run of steps) and written to y after the last. The panel's slice is then read from L3 once per group of
+// strips and K block, and every weight is still dequantized once (the earlier row groups dequantized it once per
+// group of 6 tiles).
 template <int QT>
 void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
                       float* y, size_t ldy) {
-  if (amx_row_groups(a, M, 6, 1, [&](const Act& g, int64_t rows, int64_t r0) {
-        qgemm_amx_bf16_t<QT>(g, rows, K, w, row_bytes, n0, n1, y + size_t(r0) * ldy, ldy);
-      }))
-    return;
   constexpr int64_t kSteps = 8;                 // 32-k tile steps per staged chunk (256 weights)
   const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16, NC = (KB + kSteps - 1) / kSteps;
   // passes of up to 6 C tiles (96 rows) over each strip, the tiles shared evenly among them (7 tiles: 4 + 3)
   const int64_t passes = (MT + 5) / 6, per = (MT + passes - 1) / passes;
-  const bool whole = passes > 1;                // several passes: stage the whole strip
-  // staged row stride, elements: one chunk plus 64 bytes (576 bytes: rows in distinct L1 sets), or the whole strip
-  // plus 64 bytes
-  const int64_t lds = whole ? 256 * NC + 32 : 32 * kSteps + 32;
+  const bool whole = passes > 1;                // several passes: stage the strip's K block
+  const int64_t BC = amx_block_chunks(MT, NC);  // chunks per K block
+  const bool blocked = BC < NC;
+  // strips per group: the partial sums of a group (MT tiles per strip) within 256 KiB
+  const int64_t group = blocked ? std::max<int64_t>(1, 256 / MT) : (n1 - n0 + 15) / 16;
+  // staged row stride, elements: one chunk plus 64 bytes (576 bytes: rows in distinct L1 sets), or a K block plus
+  // 64 bytes
+  const int64_t lds = whole ? 256 * BC + 32 : 32 * kSteps + 32;
   const size_t stage_elems = whole ? size_t(16 * lds) : size_t(2 * 16 * lds);
   const uint16_t* panel = static_cast<const uint16_t*>(a.x);
   AmxScratch& s = t_amx;
   uint16_t* stage = reinterpret_cast<uint16_t*>(grow_bytes(s.panel, stage_elems * 2 + 64));
   stage += (64 - reinterpret_cast<uintptr_t>(stage) % 64) % 64 / 2;
-  // chunk c's first element in the staging block: alternate halves, or its place in the whole strip
-  auto chunk_at = [&](int64_t c) { return whole ? stage + 256 * c : stage + (c & 1) * 16 * lds; };
+  // chunk c (of the block from chunk c0) in the staging block: alternate halves, or its place in the staged block
+  auto chunk_at = [&](int64_t c, int64_t c0) { return whole ? stage + 256 * (c - c0) : stage + (c & 1) * 16 * lds; };
   float* cb = grow(s.cb, 6 * 256 + 16);
   cb += (16 - reinterpret_cast<uintptr_t>(cb) / 4 % 16) % 16;
+  float* acc = blocked ? grow(s.acc, size_t(group * MT * 256) + 16) : nullptr;
+  if (acc) acc += (16 - reinterpret_cast<uintptr_t>(acc) / 4 % 16) % 16;
   QSpec sp;
   qspec(QT, sp);
   const size_t chunk_bytes = size_t(256 / sp.blk) * size_t(sp.bytes);
   amx_config(64);
-  for (int64_t nb = n0; nb < n1; nb += 16) {
-    const int nr = int(std::min<int64_t>(16, n1 - nb));
-    if (nr < 16) std::memset(stage, 0, stage_elems * 2);  // rows past nr stay zero
-    const uint8_t* wb = w + size_t(nb) * row_bytes;
-    for (int64_t t0 = 0; t0 < MT; t0 += per) {
-      const int nt = int(std::min<int64_t>(per, MT - t0));
-      const uint16_t* b = panel + t0 * KB * 512;
-      // one 32-k step over the C tiles of this pass
-      auto step = [&](const uint16_t* A, int64_t kb) {  // B streamed when this is the strip's only pass
-        if (whole)
-          return nt > 4 ? amx_bf16_step6<false>(A, size_t(lds * 2), b, KB, kb, nt)
-                        : amx_bf16_step<false>(A, size_t(lds * 2), b, KB, kb, nt);
-        if (nt > 4) return amx_bf16_step6<true>(A, size_t(lds * 2), b, KB, kb, nt);
-        amx_bf16_step<true>(A, size_t(lds * 2), b, KB, kb, nt);
-      };
-      amx_zero_c();
-      if (nt > 4) {
-        _tile_zero(4);
-        _tile_zero(5);
-      }
-      if (t0 > 0) {  // the whole strip is staged by the first pass
-        for (int64_t kb = 0; kb < KB; ++kb) step(stage + 32 * kb, kb);
-        amx_c_to_y(cb, t0, nt, M, nr, y + nb, ldy);
-        continue;
-      }
-      // the first pass over the strip reads it from memory: prefetch two chunks ahead
-      auto deq = [&](int64_t c, int i) {
-        if (i >= nr) return;
-        const uint8_t* row = wb + size_t(i) * row_bytes;
-        for (size_t o = 0; o < chunk_bytes; o += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(row + size_t(c + 2) * chunk_bytes + o), _MM_HINT_T1);
-        dequant_chunk_bf16<QT>(row, 256 * c, std::min(K, 256 * c + 256), chunk_at(c) + size_t(i) * lds);
-      };
-      for (int i = 0; i < 16; ++i) deq(0, i);
-      for (int64_t c = 0; c < NC; ++c) {
-        const int64_t kb0 = c * kSteps, kb1 = std::min(KB, kb0 + kSteps);
-        for (int64_t kb = kb0; kb < kb1; ++kb) {
-          step(chunk_at(c) + 32 * (kb - kb0), kb);
-          if (c + 1 < NC) {  // chunk c has all 8 steps when another follows
-            deq(c + 1, int(2 * (kb - kb0)));
-            deq(c + 1, int(2 * (kb - kb0) + 1));
+  for (int64_t g0 = n0; g0 < n1; g0 += 16 * group) {
+    const int64_t g1 = std::min(n1, g0 + 16 * group);
+    for (int64_t c0 = 0; c0 < NC; c0 += BC) {
+      const int64_t c1 = std::min(NC, c0 + BC), kbe = std::min(KB, c1 * kSteps);
+      const bool first = c0 == 0, last = c1 == NC;
+      for (int64_t nb = g0; nb < g1; nb += 16) {
+        const int nr = int(std::min<int64_t>(16, n1 - nb));
+        if (nr < 16) std::memset(stage, 0, stage_elems * 2);  // rows past nr stay zero
+        const uint8_t* wb = w + size_t(nb) * row_bytes;
+        float* sacc = acc ? acc + size_t((nb - g0) / 16 * MT * 256) : nullptr;
+        for (int64_t t0 = 0; t0 < MT; t0 += per) {
+          const int nt = int(std::min<int64_t>(per, MT - t0));
+          const uint16_t* b = panel + t0 * KB * 512;
+          // one 32-k step over the C tiles of this pass
+          auto step = [&](const uint16_t* A, int64_t kb) {  // B streamed when this is the strip's only pass
+            if (whole)
+              return nt > 4 ? amx_bf16_step6<false>(A, size_t(lds * 2), b, KB, kb, nt)
+                            : amx_bf16_step<false>(A, size_t(lds * 2), b, KB, kb, nt);
+            if (nt > 4) return amx_bf16_step6<true>(A, size_t(lds * 2), b, KB, kb, nt);
+            amx_bf16_step<true>(A, size_t(lds * 2), b, KB, kb, nt);
+          };
+          if (first) {
+            amx_zero_c();
+            if (nt > 4) {
+              _tile_zero(4);
+              _tile_zero(5);
+            }
+          } else {
+            amx_c_restore(sacc + t0 * 256, nt);
           }
+          auto finish = [&]() {
+            if (last)
+              amx_c_to_y(cb, t0, nt, M, nr, y + nb, ldy);
+            else
+              amx_c_save(sacc + t0 * 256, nt);
+          };
+          if (t0 > 0) {  // the strip's K block is staged by the first pass
+            for (int64_t kb = c0 * kSteps; kb < kbe; ++kb) step(stage + 32 * (kb - c0 * kSteps), kb);
+            finish();
+            continue;
+          }
+          // the first pass over the strip reads it from memory: prefetch two chunks ahead
+          auto deq = [&](int64_t c, int i) {
+            if (i >= nr) return;
+            const uint8_t* row = wb + size_t(i) * row_bytes;
+            for (size_t o = 0; o < chunk_bytes; o += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(row + size_t(c + 2) * chunk_bytes + o), _MM_HINT_T1);
+            dequant_chunk_bf16<QT>(row, 256 * c, std::min(K, 256 * c + 256), chunk_at(c, c0) + size_t(i) * lds);
+          };
+          for (int i = 0; i < 16; ++i) deq(c0, i);
+          for (int64_t c = c0; c < c1; ++c) {
+            const int64_t kb0 = c * kSteps, kb1 = std::min(KB, kb0 + kSteps);
+            for (int64_t kb = kb0; kb < kb1; ++kb) {
+              step(chunk_at(c, c0) + 32 * (kb - kb0), kb);
+              if (c + 1 < c1) {  // chunk c has all 8 steps when another follows
+                deq(c + 1, int(2 * (kb - kb0)));
+                deq(c + 1, int(2 * (kb - kb0) + 1));
+              }
+            }
+          }
+          finish();
         }
       }
-      amx_c_to_y(cb, t0, nt, M, nr, y + nb, ldy);
     }
   }
   _tile_release();
