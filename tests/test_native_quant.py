@@ -427,32 +427,40 @@ def test_amx_row_groups(wtype):
         native.set_isa(None)
 
 
-@pytest.mark.parametrize("qtype", ["q6_k", "q8_0"])
-def test_amx_k_blocks(qtype):
-    """The block types' AMX calls whose activation panel would outgrow L2 take K in blocks over groups of weight
-    strips, each strip's C tiles saved between blocks (K 14336: 72 rows in 3 blocks of 19 chunks; 200 rows in 5 blocks
-    over groups of 19 strips, 330 weight rows = 2 groups, the last strip partial): every output bit for bit what a
-    16-row call of the same rows gives (those run K in one block: the sums go on in the same order) and within the
-    bf16-rounding reference. Mutations that fail it: every strip of a group saving its tiles at the group's first
-    strip's place, a block's tiles zeroed instead of restored, the next group starting one strip late."""
+@pytest.mark.parametrize("wtype", ["bf16", "q6_k"])
+def test_amx_k_blocks(wtype):
+    """AMX calls of up to 8 activation tiles whose activation panel would outgrow L2 take K in blocks over groups of
+    weight strips, each strip's C tiles saved between blocks (K 14336: 72 rows in 3 blocks over groups of 51 strips;
+    128 rows in 4 blocks over groups of 32 strips, so 530 weight rows make 2 groups, the last strip partial), and past
+    8 tiles row groups, each K-blocked (200 rows: the block types' groups of 5 + 5 + 3 tiles, bf16's 4 + 4 + 4 + 1):
+    every output bit for bit what a 16-row call of the same rows gives (those run K in one block: the sums go on in
+    the same order), the block types within the bf16-rounding reference. Mutations that fail it (both weight types):
+    every strip of a group saving its tiles at the group's first strip's place, a block's tiles zeroed instead of
+    restored, the next group starting one strip late."""
     _need_amx()
-    rng = np.random.default_rng(41 + QTYPES.index(qtype))
-    K, N = 14336, 330
-    w = native.random_blocks(rng, qtype, N, K)
-    native.set_amx_rows(qtype, 1)
+    rng = np.random.default_rng(41)
+    K, N = 14336, 530
+    if wtype == "bf16":
+        w = (rng.standard_normal((N, K)) * 0.05).astype(BF16)
+    else:
+        w = native.random_blocks(rng, wtype, N, K)
+        native.set_amx_rows(wtype, 1)
     native.set_isa("amx")
     try:
-        for M in (72, 200):
+        for M in (72, 128, 200):
             x = rng.standard_normal((M, K)).astype(np.float32)
-            y = native.linear_host(x, w, threads=1)  # one thread: all 330 rows in one call (2 groups of strips)
+            if wtype == "bf16":
+                x = x.astype(BF16)
+            y = native.linear_host(x, w, threads=1)  # one thread: all 530 rows in one call
             for r in range(0, M, 16):
                 s0 = min(r, M - 16)
                 np.testing.assert_array_equal(y[r:r + 16], native.linear_host(x[s0:s0 + 16], w, threads=1)[r - s0:])
-            if M < 100:  # the 16-row calls are checked against it in the other tests: once here, for the tolerance
+            if M < 100 and wtype != "bf16":  # the 16-row calls are held to it in the other tests: once here
                 ref = native.qlinear_reference(x, w, "bf16")
-                assert np.all(np.abs(y - ref) <= bound(x, w, "bf16")), (qtype, M, np.abs(y - ref).max())
+                assert np.all(np.abs(y - ref) <= bound(x, w, "bf16")), (wtype, M, np.abs(y - ref).max())
     finally:
-        native.set_amx_rows(qtype, None)
+        if wtype != "bf16":
+            native.set_amx_rows(wtype, None)
         native.set_isa(None)
 
 
