@@ -2966,24 +2966,24 @@ bool amx_row_groups(const Act& a, int64_t M, int64_t min_tiles, int64_t unit, Fn
   return true;
 }
 
-// C tiles 0 .. nt - 1 saved to / restored from acc (nt tiles of 16 x 16 f32, 1 KiB apart): a pass's partial sums
-// between two K blocks (amx_blocks). f32 bits as they are, so the sums go on exactly as in one run of steps.
-MS_INLINE void amx_c_save(float* acc, int nt) {
-  _tile_stored(0, acc, 64);
-  if (nt > 1) _tile_stored(1, acc + 256, 64);
-  if (nt > 2) _tile_stored(2, acc + 512, 64);
-  if (nt > 3) _tile_stored(3, acc + 768, 64);
-  if (nt > 4) _tile_stored(4, acc + 1024, 64);
-  if (nt > 5) _tile_stored(5, acc + 1280, 64);
-}
+// C tiles 0 .. nt - 1 saved to (save) or restored from acc (nt tiles of 16 x 16 f32, 1 KiB apart): a pass's partial
+// sums between two K blocks (amx_blocks). f32 bits as they are, so the sums go on exactly as in one run of steps.
+// (A macro per tile: GCC's tile intrinsics take the tile number as a literal.)
+#define MS_AMX_C_MOVE(T, p, save) \
+  do {                            \
+    if (save)                     \
+      _tile_stored(T, (p), 64);   \
+    else                          \
+      _tile_loadd(T, (p), 64);    \
+  } while (0)
 
-MS_INLINE void amx_c_restore(const float* acc, int nt) {
-  _tile_loadd(0, acc, 64);
-  if (nt > 1) _tile_loadd(1, acc + 256, 64);
-  if (nt > 2) _tile_loadd(2, acc + 512, 64);
-  if (nt > 3) _tile_loadd(3, acc + 768, 64);
-  if (nt > 4) _tile_loadd(4, acc + 1024, 64);
-  if (nt > 5) _tile_loadd(5, acc + 1280, 64);
+MS_INLINE void amx_c_move(float* acc, int nt, bool save) {
+  MS_AMX_C_MOVE(0, acc, save);
+  if (nt > 1) MS_AMX_C_MOVE(1, acc + 256, save);
+  if (nt > 2) MS_AMX_C_MOVE(2, acc + 512, save);
+  if (nt > 3) MS_AMX_C_MOVE(3, acc + 768, save);
+  if (nt > 4) MS_AMX_C_MOVE(4, acc + 1024, save);
+  if (nt > 5) MS_AMX_C_MOVE(5, acc + 1280, save);
 }
 
 // How an AMX call whose activation panel would not stay in L2 cuts K (rows x K bf16: 2.9 MiB at 102 rows of K 14336,
@@ -2992,7 +2992,7 @@ MS_INLINE void amx_c_restore(const float* acc, int nt) {
 // the call, 1 KiB per tile and step) stays within kAmxPanelBytes, half of this CPU's 2 MiB L2, beside the weights and
 // the partial sums; one block when the whole panel fits (K 4096 up to 128 rows). Blocked calls take the weight strips
 // in groups whose partial sums (MT tiles a strip) stay within 256 KiB: for each group, block after block, each strip's
-// passes run that block's steps, their C tiles saved in acc between blocks (amx_c_save / amx_c_restore: exact, the
+// passes run that block's steps, their C tiles saved in acc between blocks (amx_c_move: exact, the
 // sums go on in the same order, so the outputs are bit-identical to one run of steps) and written to y after the
 // last. The panel's slice is then read from L3 once per group and block.
 constexpr int64_t kAmxPanelBytes = int64_t(1) << 20;
@@ -3033,8 +3033,8 @@ MS_INLINE void amx_each_block(const AmxBlocks& b, int64_t MT, int64_t KB, int64_
 }
 
 // Starts a pass over C tiles 0 .. nt - 1: zeroed at the first K block, else restored from sacc.
-MS_INLINE void amx_c_begin(bool first, const float* sacc, int nt) {
-  if (!first) return amx_c_restore(sacc, nt);
+MS_INLINE void amx_c_begin(bool first, float* sacc, int nt) {
+  if (!first) return amx_c_move(sacc, nt, false);
   amx_zero_c();
   if (nt > 4) {
     _tile_zero(4);
@@ -3048,7 +3048,7 @@ MS_INLINE void amx_c_end(bool last, float* sacc, float* cb, int64_t t0, int nt, 
   if (last)
     amx_c_to_y(cb, t0, nt, M, nr, y, ldy);
   else
-    amx_c_save(sacc, nt);
+    amx_c_move(sacc, nt, true);
 }
 
 // bf16 weights on AMX: the weights are the A tiles, read where they are (16 rows x 32 k, the rows ldw apart), the
