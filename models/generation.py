@@ -173,7 +173,8 @@ class Generator:
         positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
         logits, cache, captured = forward(self._model(state), tokens, cache, positions, valid,
                                           executor=self.executor, capture=self.capture,
-                                          capture_hidden=self.capture_hidden, last_only=True)
+                                          capture_hidden=self.capture_hidden, last_only=True,
+                                          empty_cache=True)  # `generate` prefills a fresh cache
         first = sample(logits, key, params[0], params[1])
         return first, positions[:, -1] + 1, cache, captured
 
@@ -197,7 +198,8 @@ class Generator:
                      ) -> jax.Array:
         model = self._model(state)
         positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
-        first, cache, _ = forward(model, tokens, cache, positions, valid, executor=self.executor, last_only=True)
+        first, cache, _ = forward(model, tokens, cache, positions, valid, executor=self.executor, last_only=True,
+                                  empty_cache=True)
 
         def step(carry: tuple, tok: jax.Array) -> tuple:
             cache, pos = carry

@@ -165,9 +165,10 @@ class Captured:
     logits: Optional[jax.Array] = None
 
 
-def attention_inputs(cfg: ModelConfig, cache: KVCache, positions: jax.Array, token_valid: jax.Array
-                     ) -> tuple[AttentionInputs, KVCache]:
-    """Write the slot bookkeeping of S new tokens into `cache` and build the attention context."""
+def attention_inputs(cfg: ModelConfig, cache: KVCache, positions: jax.Array, token_valid: jax.Array,
+                     empty_cache: bool = False) -> tuple[AttentionInputs, KVCache]:
+    """Write the slot bookkeeping of S new tokens into `cache` and build the attention context (`empty_cache`: the
+    caller knows the cache holds no token yet, see `AttentionInputs`)."""
     index = cache.index
     valid = jax.lax.dynamic_update_slice(cache.valid, token_valid, (0, index))
     slot_positions = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), (0, index))
@@ -175,7 +176,8 @@ def attention_inputs(cfg: ModelConfig, cache: KVCache, positions: jax.Array, tok
     tables = model_rope(cfg)
     cos, sin = cos_sin(tables, positions, total_len)
     ai = AttentionInputs(positions=positions, write_index=index, valid=valid, slot_positions=slot_positions,
-                         cos={tables.rot_dim: cos}, sin={tables.rot_dim: sin}, total_len=total_len)
+                         cos={tables.rot_dim: cos}, sin={tables.rot_dim: sin}, total_len=total_len,
+                         empty_cache=empty_cache)
     cache = KVCache(layers=cache.layers, valid=valid, positions=slot_positions, index=index)
     return ai, cache
 
@@ -229,18 +231,19 @@ def shared_layer_call(layer: DecoderLayer, x: jax.Array, ai: AttentionInputs, la
 def forward(model: MoETransformer, tokens: jax.Array, cache: KVCache, positions: jax.Array,
             token_valid: Optional[jax.Array] = None, *, executor: ExpertExecutor = DEFAULT_EXECUTOR,
             capture: bool = False, capture_hidden: bool = False, capture_logits: bool = False,
-            last_only: bool = False) -> tuple[jax.Array, KVCache, Optional[Captured]]:
+            last_only: bool = False, empty_cache: bool = False) -> tuple[jax.Array, KVCache, Optional[Captured]]:
     """Run S new tokens per row through the model.
 
     tokens, positions: int32 [B, S]; token_valid: bool [B, S] (False for padding; default all True).
     Returns logits float32 [B, S, V] ([B, V] with `last_only`), the cache advanced by S slots and,
-    with `capture`, the routing of every MoE layer.
+    with `capture`, the routing of every MoE layer. `empty_cache`: the caller vouches that `cache` holds no token
+    (a prefill into a fresh cache): attention then skips the cache's score blocks (`models.layers.sdpa`), same bits.
     """
     cfg = model.cfg
     B, S = tokens.shape
     if token_valid is None:
         token_valid = jnp.ones((B, S), bool)
-    ai, cache = attention_inputs(cfg, cache, positions, token_valid)
+    ai, cache = attention_inputs(cfg, cache, positions, token_valid, empty_cache)
     rope = model_rope(cfg)
     x = model.embed_tokens(tokens)
     new_layers, experts, weights, hidden, router_logits = [], [], [], [], []
@@ -292,7 +295,8 @@ def count_params(cfg: ModelConfig) -> int:
     return int(sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(state)))
 
 
-forward_jit = nnx.jit(forward, static_argnames=("executor", "capture", "capture_hidden", "capture_logits", "last_only"))
+forward_jit = nnx.jit(forward, static_argnames=("executor", "capture", "capture_hidden", "capture_logits", "last_only",
+                                                     "empty_cache"))
 """`forward` compiled once per input shape (the model passes as an NNX argument)."""
 
 

@@ -391,16 +391,15 @@ def test_amx_block_tiles(qtype):
         native.set_isa(None)
 
 
-@pytest.mark.parametrize("wtype", ["bf16"] + QTYPES)
-def test_amx_row_groups(wtype):
-    """Calls whose bf16 B panel would outgrow L2 (rows x K x 2 bytes over 1 MiB) take their activation rows in groups
-    (K = 14336: 6-tile groups for the block types, 4 for bf16): 97 / 130 / 200 rows (2-3 groups, uneven, a partial
-    last tile) give each row bit for bit what a 16-row call of the same rows gives (a row's tile sums do not depend
-    on which rows share its call), and the block types stay within the bf16-rounding reference. Mutations that fail
-    it: the groups' outputs written at the first group's rows, a group's panel slice taken one tile late."""
+def _amx_rows_as_16_row_calls(wtype: str, seed: int, N: int, rows: tuple[int, ...], threads: int,
+                              reference_below: int) -> None:
+    """AMX calls of each row count in `rows` against [N, 14336] weights of `wtype` (bf16 or a block type; `threads`
+    threads): every output row bit for bit what a 16-row call of the same rows gives (the last one ending at M: bf16
+    takes the tiles from 16 rows), and calls of fewer than `reference_below` rows of the block types within the
+    bf16-rounding reference."""
     _need_amx()
-    rng = np.random.default_rng(29)
-    K, N = 14336, 21
+    rng = np.random.default_rng(seed)
+    K = 14336
     if wtype == "bf16":
         w = (rng.standard_normal((N, K)) * 0.05).astype(BF16)
     else:
@@ -408,22 +407,45 @@ def test_amx_row_groups(wtype):
         native.set_amx_rows(wtype, 1)
     native.set_isa("amx")
     try:
-        for M in (97, 130, 200):
+        for M in rows:
             x = rng.standard_normal((M, K)).astype(np.float32)
             if wtype == "bf16":
                 x = x.astype(BF16)
-            y = native.linear_host(x, w, threads=2)
-            # rows r .. r + 15 from a call of 16 rows (the last one ending at M: bf16 takes the tiles from 16 rows)
+            y = native.linear_host(x, w, threads=threads)
             for r in range(0, M, 16):
                 s0 = min(r, M - 16)
                 np.testing.assert_array_equal(y[r:r + 16], native.linear_host(x[s0:s0 + 16], w, threads=1)[r - s0:])
-            if wtype != "bf16":
+            if M < reference_below and wtype != "bf16":
                 ref = native.qlinear_reference(x, w, "bf16")
                 assert np.all(np.abs(y - ref) <= bound(x, w, "bf16")), (wtype, M, np.abs(y - ref).max())
     finally:
         if wtype != "bf16":
             native.set_amx_rows(wtype, None)
         native.set_isa(None)
+
+
+@pytest.mark.parametrize("wtype", ["bf16"] + QTYPES)
+def test_amx_row_groups(wtype):
+    """Calls whose bf16 B panel would outgrow L2 (rows x K x 2 bytes over 1 MiB), K = 14336, 2 threads: 97 rows take K
+    in blocks (`test_amx_k_blocks`), 130 / 200 rows their activation rows in groups (bf16: 4 + 4 + 1 and 4 + 4 + 4 + 1
+    tiles, the block types 5 + 4 and 5 + 5 + 3), each group K-blocked: each row bit for bit what a 16-row call of the
+    same rows gives (a row's tile sums do not depend on which rows share its call), and the block types stay within
+    the bf16-rounding reference. Mutations that fail it: the groups' outputs written at the first group's rows, a
+    group's panel slice taken one tile late."""
+    _amx_rows_as_16_row_calls(wtype, 29, 21, (97, 130, 200), threads=2, reference_below=1 << 30)
+
+
+@pytest.mark.parametrize("wtype", ["bf16", "q6_k"])
+def test_amx_k_blocks(wtype):
+    """AMX calls of up to 8 activation tiles whose activation panel would outgrow L2 take K in blocks over groups of
+    weight strips, each strip's C tiles saved between blocks (K 14336: 72 rows in 3 blocks over groups of 51 strips;
+    128 rows in 4 blocks over groups of 32 strips, so 530 weight rows on one thread make 2 groups, the last strip
+    partial), and past 8 tiles row groups, each K-blocked (200 rows): every output bit for bit what a 16-row call of
+    the same rows gives (those run K in one block: the sums go on in the same order), Q6_K at 72 rows within the
+    bf16-rounding reference. Mutations that fail it (both weight types): every strip of a group saving its tiles at
+    the group's first strip's place, a block's tiles zeroed instead of restored, the next group starting one strip
+    late."""
+    _amx_rows_as_16_row_calls(wtype, 41, 530, (72, 128, 200), threads=1, reference_below=100)
 
 
 def test_silu_mul_matches_scalar():

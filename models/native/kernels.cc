@@ -2739,7 +2739,10 @@ void amx_config(int ka) {
     c.rows[t] = uint8_t(ka / 4);
     c.colsb[t] = 64;
   }
-  _tile_loadconfig(&c);
+  // Not _tile_loadconfig: GCC's intrinsic tells the compiler that LDTILECFG reads 8 bytes of the config, so the stores
+  // of colsb / rows may be dropped as dead (seen once the caller's loop body became a lambda: every tile 0 rows, and
+  // the first tile instruction an illegal one). The whole 64-byte config as the operand keeps them.
+  __asm__ volatile("ldtilecfg %0" : : "m"(c));
 }
 
 // r[i]: 16 words of row i -> r[c]: word c of rows 0..15.
@@ -2766,7 +2769,7 @@ inline void transpose16x16(__m512i* r) {
 }
 
 struct AmxScratch {
-  std::vector<float> panel, cb, rows;
+  std::vector<float> panel, cb, rows, acc;
 };
 thread_local AmxScratch t_amx;
 
@@ -2930,14 +2933,17 @@ MS_INLINE void amx_bf16_step6(const uint16_t* A, size_t lda, const uint16_t* b, 
   }
 }
 
-// Activation tiles per group of a call whose B panel would not stay in L2: the call's rows are taken in groups, each
-// its own call over the weights, so that a group's panel slice (16 rows x K bf16 = KB KiB a tile) stays within
-// 1 MiB, half of this CPU's 2 MiB L2 (with the staged weights beside it), and at least min_tiles tiles (a full pass:
-// 4 for bf16, 6 for the block types, which then dequantize once per group); groups even, bf16's a whole number of
-// its 4-tile passes (unit). Each output is the same tile sum over the same k steps in either case: bit-identical.
+// Calls of many activation rows (over kAmxBlockTiles tiles) whose B panel would not stay in L2 take their rows in
+// groups, each its own call over the weights (bf16's weights then read once per group, the block types' dequantized
+// once per group), so that a group's panel slice (16 rows x K bf16 = KB KiB a tile) stays within 1 MiB and holds at
+// least min_tiles tiles (a full pass: 4 for bf16, 6 for the block types); groups even, bf16's a whole number of its
+// 4-tile passes (unit). Calls of fewer tiles take K in blocks instead (amx_blocks), and so does a group whose slice
+// still outgrows L2 (K 14336). Each output is the same tile sum over the same k steps either way: bit-identical.
 // Measured (bench_qlinear_ab, 1 thread, under load): at 256 rows of one [14336, 4096] matrix the 2 MiB panel made a
-// call 0.75-0.9 TFLOP/s against 1.0-1.2 at 128-192 rows; with the groups 1.2-1.55x at 256 rows, ~2x at 512, and
-// 1.4-1.9x at 102 rows of K 14336 (a prefill expert's down projection; README "Whole-model prefill").
+// call 0.75-0.9 TFLOP/s against 1.0-1.2 at 128-192 rows; with the groups 1.2-1.55x at 256 rows, ~2x at 512. K blocks
+// there instead of the groups: bf16 0.85-0.93x, Q4_K 0.93-1.0x, hence the groups past 8 tiles; at 64-128 rows of K
+// 14336 (a prefill expert's down projection) K blocks beat the groups by 1.2-2x.
+constexpr int64_t kAmxBlockTiles = 8;
 inline int64_t amx_group_tiles(int64_t MT, int64_t KB, int64_t min_tiles, int64_t unit) {
   const int64_t cap = std::max<int64_t>(min_tiles, (int64_t(1) << 20) / (KB * 1024));
   const int64_t groups = (MT + cap - 1) / cap, per = (MT + groups - 1) / groups;
@@ -2948,7 +2954,9 @@ inline int64_t amx_group_tiles(int64_t MT, int64_t KB, int64_t min_tiles, int64_
 // group (the caller then runs it whole).
 template <class Fn>
 bool amx_row_groups(const Act& a, int64_t M, int64_t min_tiles, int64_t unit, Fn&& fn) {
-  const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16, per = amx_group_tiles(MT, KB, min_tiles, unit);
+  const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16;
+  if (MT <= kAmxBlockTiles) return false;
+  const int64_t per = amx_group_tiles(MT, KB, min_tiles, unit);
   if (per >= MT) return false;
   for (int64_t t0 = 0; t0 < MT; t0 += per) {
     Act g = a;
@@ -2956,6 +2964,91 @@ bool amx_row_groups(const Act& a, int64_t M, int64_t min_tiles, int64_t unit, Fn
     fn(g, std::min<int64_t>(M - 16 * t0, 16 * per), 16 * t0);
   }
   return true;
+}
+
+// C tiles 0 .. nt - 1 saved to (save) or restored from acc (nt tiles of 16 x 16 f32, 1 KiB apart): a pass's partial
+// sums between two K blocks (amx_blocks). f32 bits as they are, so the sums go on exactly as in one run of steps.
+// (A macro per tile: GCC's tile intrinsics take the tile number as a literal.)
+#define MS_AMX_C_MOVE(T, p, save) \
+  do {                            \
+    if (save)                     \
+      _tile_stored(T, (p), 64);   \
+    else                          \
+      _tile_loadd(T, (p), 64);    \
+  } while (0)
+
+MS_INLINE void amx_c_move(float* acc, int nt, bool save) {
+  MS_AMX_C_MOVE(0, acc, save);
+  if (nt > 1) MS_AMX_C_MOVE(1, acc + 256, save);
+  if (nt > 2) MS_AMX_C_MOVE(2, acc + 512, save);
+  if (nt > 3) MS_AMX_C_MOVE(3, acc + 768, save);
+  if (nt > 4) MS_AMX_C_MOVE(4, acc + 1024, save);
+  if (nt > 5) MS_AMX_C_MOVE(5, acc + 1280, save);
+}
+
+// How an AMX call whose activation panel would not stay in L2 cuts K (rows x K bf16: 2.9 MiB at 102 rows of K 14336,
+// a prefill expert's down projection; read once per 16-row weight strip, it came from L3): blocks of 32-k steps (a
+// multiple of 8: whole 256-weight chunks), even, such that the panel's slice of one block (every activation tile of
+// the call, 1 KiB per tile and step) stays within kAmxPanelBytes, half of this CPU's 2 MiB L2, beside the weights and
+// the partial sums; one block when the whole panel fits (K 4096 up to 128 rows). Blocked calls take the weight strips
+// in groups whose partial sums (MT tiles a strip) stay within 256 KiB: for each group, block after block, each strip's
+// passes run that block's steps, their C tiles saved in acc between blocks (amx_c_move: exact, the
+// sums go on in the same order, so the outputs are bit-identical to one run of steps) and written to y after the
+// last. The panel's slice is then read from L3 once per group and block.
+constexpr int64_t kAmxPanelBytes = int64_t(1) << 20;
+struct AmxBlocks {
+  int64_t steps = 0, group = 0;  // 32-k steps per block; strips per group
+  float* acc = nullptr;          // the group's partial sums (blocked calls), MT tiles per strip
+};
+
+inline AmxBlocks amx_blocks(int64_t MT, int64_t KB, int64_t strips, std::vector<float>& acc_buf) {
+  const int64_t cap = std::max<int64_t>(8, kAmxPanelBytes / (MT * 1024) / 8 * 8);
+  const int64_t blocks = (KB + cap - 1) / cap;
+  AmxBlocks b;
+  b.steps = ((KB + blocks - 1) / blocks + 7) / 8 * 8;
+  if (b.steps >= KB) {
+    b.steps = KB;
+    b.group = std::max<int64_t>(1, strips);
+    return b;
+  }
+  b.group = std::max<int64_t>(1, 256 / MT);
+  b.acc = grow(acc_buf, size_t(b.group * MT * 256) + 16);
+  b.acc += (16 - reinterpret_cast<uintptr_t>(b.acc) / 4 % 16) % 16;
+  return b;
+}
+
+// body(nb, nr, kb0, kb1, first, last, sacc) for every 16-row strip nb of [n0, n1) (nr rows) and K block [kb0, kb1)
+// of steps, in amx_blocks' order; sacc: the strip's partial sums (MT tiles; null when K is one block).
+template <class Body>
+MS_INLINE void amx_each_block(const AmxBlocks& b, int64_t MT, int64_t KB, int64_t n0, int64_t n1, Body&& body) {
+  for (int64_t g0 = n0; g0 < n1; g0 += 16 * b.group) {
+    const int64_t g1 = std::min(n1, g0 + 16 * b.group);
+    for (int64_t kb0 = 0; kb0 < KB; kb0 += b.steps) {
+      const int64_t kb1 = std::min(KB, kb0 + b.steps);
+      for (int64_t nb = g0; nb < g1; nb += 16)
+        body(nb, int(std::min<int64_t>(16, n1 - nb)), kb0, kb1, kb0 == 0, kb1 == KB,
+             b.acc ? b.acc + size_t((nb - g0) / 16 * MT * 256) : nullptr);
+    }
+  }
+}
+
+// Starts a pass over C tiles 0 .. nt - 1: zeroed at the first K block, else restored from sacc.
+MS_INLINE void amx_c_begin(bool first, float* sacc, int nt) {
+  if (!first) return amx_c_move(sacc, nt, false);
+  amx_zero_c();
+  if (nt > 4) {
+    _tile_zero(4);
+    _tile_zero(5);
+  }
+}
+
+// Ends a pass over C tiles 0 .. nt - 1 (activation tiles t0 ..): into y at the last K block, else saved in sacc.
+MS_INLINE void amx_c_end(bool last, float* sacc, float* cb, int64_t t0, int nt, int64_t M, int nr, float* y,
+                         size_t ldy) {
+  if (last)
+    amx_c_to_y(cb, t0, nt, M, nr, y, ldy);
+  else
+    amx_c_move(sacc, nt, true);
 }
 
 // bf16 weights on AMX: the weights are the A tiles, read where they are (16 rows x 32 k, the rows ldw apart), the
@@ -2972,31 +3065,33 @@ void gemm_range_amx_bf16(const Act& a, int64_t M, int64_t K, const uint16_t* w, 
   const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16;
   const uint16_t* panel = static_cast<const uint16_t*>(a.x);
   AmxScratch& s = t_amx;
+  const AmxBlocks blk = amx_blocks(MT, KB, (n1 - n0 + 15) / 16, s.acc);
   uint16_t* stage = reinterpret_cast<uint16_t*>(grow_bytes(s.panel, size_t(16 * KB * 64) + 64));
   stage += (64 - reinterpret_cast<uintptr_t>(stage) % 64) % 64 / 2;
   float* cb = grow(s.cb, 4 * 256 + 16);
   cb += (16 - reinterpret_cast<uintptr_t>(cb) / 4 % 16) % 16;
   amx_config(64);
-  for (int64_t nb = n0; nb < n1; nb += 16) {
-    const int nr = int(std::min<int64_t>(16, n1 - nb));
-    const uint16_t* A = w + size_t(nb) * ldw;
+  amx_each_block(blk, MT, KB, n0, n1, [&](int64_t nb, int nr, int64_t kb0, int64_t kb1, bool first, bool last,
+                                          float* sacc) MS_INLINE_LAMBDA {
+    const uint16_t* A = w + size_t(nb) * ldw + 32 * kb0;
     size_t lda = ldw * 2;
-    if (nr < 16 || K % 32 != 0) {
+    if (nr < 16 || K % 32 != 0) {  // staged zero padded (the whole strip, once per K block)
       std::memset(stage, 0, size_t(16 * KB * 64));
       for (int i = 0; i < nr; ++i) std::memcpy(stage + size_t(i) * size_t(KB * 32), w + size_t(nb + i) * ldw, size_t(K) * 2);
-      A = stage;
+      A = stage + 32 * kb0;
       lda = size_t(KB * 64);
     }
     for (int64_t t0 = 0; t0 < MT; t0 += 4) {
       const int nt = int(std::min<int64_t>(4, MT - t0));
-      amx_zero_c();
+      float* tacc = sacc ? sacc + t0 * 256 : nullptr;
+      amx_c_begin(first, tacc, nt);
       if (MT <= 4)  // one pass over each strip: the panel streams (MS_AMX_LOAD_B)
-        amx_bf16_steps<true>(A, lda, panel + t0 * KB * 512, KB, 0, KB, nt, t0 == 0);
+        amx_bf16_steps<true>(A, lda, panel + t0 * KB * 512, KB, kb0, kb1, nt, t0 == 0);
       else
-        amx_bf16_steps<false>(A, lda, panel + t0 * KB * 512, KB, 0, KB, nt, t0 == 0);
-      amx_c_to_y(cb, t0, nt, M, nr, y + nb, ldy);
+        amx_bf16_steps<false>(A, lda, panel + t0 * KB * 512, KB, kb0, kb1, nt, t0 == 0);
+      amx_c_end(last, tacc, cb, t0, nt, M, nr, y + nb, ldy);
     }
-  }
+  });
   _tile_release();
 }
 
@@ -3095,14 +3190,13 @@ MS_INLINE void dequant_chunk_bf16(const uint8_t* row, int64_t k0, int64_t k1, ui
 // dequantized after each tile step, meant to let the vector units and the tile unit work at the same time (measured
 // since: on this core the two times add however the dequantization is interleaved, README "Whole-model prefill
 // against llama.cpp", second round; the double buffer still keeps the tile loads off the rows being written). A pass
-// over a strip takes up to 6 C tiles (96 rows: tiles 4 and 5 as C, amx_bf16_step6). Calls of more than 96 rows (several passes over
-// each strip, the C tiles shared evenly among them) stage the whole strip instead (16 rows x K bf16: 128
-// KiB at K 4096, 448 KiB at 14336, L2-resident): the first pass dequantizes it as above, chunk after chunk, and the
-// later passes run their tile steps over the staged strip, so the strip is dequantized once per call, not once per
-// 64 rows (a prefill's experts get 65-110 rows at Mixtral's top-2 of 8: up to 96 rows in one pass, 97-112 in passes of 4 + 3
-// C tiles).
-// Calls whose activation panel would outgrow L2 are first cut into row groups (amx_row_groups: K 14336 past 96 rows,
-// K 4096 past 128), each taken by this function as a call of its own.
+// over a strip takes up to 6 C tiles (96 rows: tiles 4 and 5 as C, amx_bf16_step6). Calls of more than 96 rows
+// (several passes over each strip, the C tiles shared evenly among them) stage the strip's K block instead (16 rows x
+// the block's K in bf16: 128 KiB at K 4096, L2-resident): the first pass dequantizes it as above, chunk after chunk,
+// and the later passes run their tile steps over the staged block, so every weight is dequantized once per call, not
+// once per 64 rows (a prefill's experts get 65-110 rows at Mixtral's top-2 of 8: up to 96 rows in one pass, 97-112 in
+// passes of 4 + 3 C tiles). Calls whose activation panel would outgrow L2 take K in blocks (amx_blocks; up to 8 tiles
+// they were cut into row groups before, each dequantizing the weights again: 1.22-1.86x at 64-128 rows of K 14336).
 template <int QT>
 void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
                       float* y, size_t ldy) {
@@ -3111,33 +3205,36 @@ void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size
       }))
     return;
   constexpr int64_t kSteps = 8;                 // 32-k tile steps per staged chunk (256 weights)
-  const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16, NC = (KB + kSteps - 1) / kSteps;
+  const int64_t KB = int64_t(a.ld), MT = (M + 15) / 16;
   // passes of up to 6 C tiles (96 rows) over each strip, the tiles shared evenly among them (7 tiles: 4 + 3)
   const int64_t passes = (MT + 5) / 6, per = (MT + passes - 1) / passes;
-  const bool whole = passes > 1;                // several passes: stage the whole strip
-  // staged row stride, elements: one chunk plus 64 bytes (576 bytes: rows in distinct L1 sets), or the whole strip
-  // plus 64 bytes
-  const int64_t lds = whole ? 256 * NC + 32 : 32 * kSteps + 32;
+  const bool whole = passes > 1;                // several passes: stage the strip's K block
+  AmxScratch& s = t_amx;
+  const AmxBlocks blk = amx_blocks(MT, KB, (n1 - n0 + 15) / 16, s.acc);
+  // staged row stride, elements: one chunk plus 64 bytes (576 bytes: rows in distinct L1 sets), or a K block plus
+  // 64 bytes
+  const int64_t lds = whole ? 32 * blk.steps + 32 : 32 * kSteps + 32;
   const size_t stage_elems = whole ? size_t(16 * lds) : size_t(2 * 16 * lds);
   const uint16_t* panel = static_cast<const uint16_t*>(a.x);
-  AmxScratch& s = t_amx;
   uint16_t* stage = reinterpret_cast<uint16_t*>(grow_bytes(s.panel, stage_elems * 2 + 64));
   stage += (64 - reinterpret_cast<uintptr_t>(stage) % 64) % 64 / 2;
-  // chunk c's first element in the staging block: alternate halves, or its place in the whole strip
-  auto chunk_at = [&](int64_t c) { return whole ? stage + 256 * c : stage + (c & 1) * 16 * lds; };
   float* cb = grow(s.cb, 6 * 256 + 16);
   cb += (16 - reinterpret_cast<uintptr_t>(cb) / 4 % 16) % 16;
   QSpec sp;
   qspec(QT, sp);
   const size_t chunk_bytes = size_t(256 / sp.blk) * size_t(sp.bytes);
   amx_config(64);
-  for (int64_t nb = n0; nb < n1; nb += 16) {
-    const int nr = int(std::min<int64_t>(16, n1 - nb));
+  amx_each_block(blk, MT, KB, n0, n1, [&](int64_t nb, int nr, int64_t kb0, int64_t kb1, bool first, bool last,
+                                          float* sacc) MS_INLINE_LAMBDA {
+    const int64_t c0 = kb0 / kSteps, c1 = (kb1 + kSteps - 1) / kSteps;  // the block's chunks
+    // chunk c in the staging block: alternate halves, or its place in the staged K block
+    auto chunk_at = [&](int64_t c) { return whole ? stage + 256 * (c - c0) : stage + (c & 1) * 16 * lds; };
     if (nr < 16) std::memset(stage, 0, stage_elems * 2);  // rows past nr stay zero
     const uint8_t* wb = w + size_t(nb) * row_bytes;
     for (int64_t t0 = 0; t0 < MT; t0 += per) {
       const int nt = int(std::min<int64_t>(per, MT - t0));
       const uint16_t* b = panel + t0 * KB * 512;
+      float* tacc = sacc ? sacc + t0 * 256 : nullptr;
       // one 32-k step over the C tiles of this pass
       auto step = [&](const uint16_t* A, int64_t kb) {  // B streamed when this is the strip's only pass
         if (whole)
@@ -3146,14 +3243,10 @@ void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size
         if (nt > 4) return amx_bf16_step6<true>(A, size_t(lds * 2), b, KB, kb, nt);
         amx_bf16_step<true>(A, size_t(lds * 2), b, KB, kb, nt);
       };
-      amx_zero_c();
-      if (nt > 4) {
-        _tile_zero(4);
-        _tile_zero(5);
-      }
-      if (t0 > 0) {  // the whole strip is staged by the first pass
-        for (int64_t kb = 0; kb < KB; ++kb) step(stage + 32 * kb, kb);
-        amx_c_to_y(cb, t0, nt, M, nr, y + nb, ldy);
+      amx_c_begin(first, tacc, nt);
+      if (t0 > 0) {  // the strip's K block is staged by the first pass
+        for (int64_t kb = kb0; kb < kb1; ++kb) step(stage + 32 * (kb - kb0), kb);
+        amx_c_end(last, tacc, cb, t0, nt, M, nr, y + nb, ldy);
         continue;
       }
       // the first pass over the strip reads it from memory: prefetch two chunks ahead
@@ -3164,20 +3257,20 @@ void qgemm_amx_bf16_t(const Act& a, int64_t M, int64_t K, const uint8_t* w, size
           _mm_prefetch(reinterpret_cast<const char*>(row + size_t(c + 2) * chunk_bytes + o), _MM_HINT_T1);
         dequant_chunk_bf16<QT>(row, 256 * c, std::min(K, 256 * c + 256), chunk_at(c) + size_t(i) * lds);
       };
-      for (int i = 0; i < 16; ++i) deq(0, i);
-      for (int64_t c = 0; c < NC; ++c) {
-        const int64_t kb0 = c * kSteps, kb1 = std::min(KB, kb0 + kSteps);
-        for (int64_t kb = kb0; kb < kb1; ++kb) {
-          step(chunk_at(c) + 32 * (kb - kb0), kb);
-          if (c + 1 < NC) {  // chunk c has all 8 steps when another follows
-            deq(c + 1, int(2 * (kb - kb0)));
-            deq(c + 1, int(2 * (kb - kb0) + 1));
+      for (int i = 0; i < 16; ++i) deq(c0, i);
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t s0 = c * kSteps, s1 = std::min(kb1, s0 + kSteps);
+        for (int64_t kb = s0; kb < s1; ++kb) {
+          step(chunk_at(c) + 32 * (kb - s0), kb);
+          if (c + 1 < c1) {  // chunk c has all 8 steps when another follows
+            deq(c + 1, int(2 * (kb - s0)));
+            deq(c + 1, int(2 * (kb - s0) + 1));
           }
         }
       }
-      amx_c_to_y(cb, t0, nt, M, nr, y + nb, ldy);
+      amx_c_end(last, tacc, cb, t0, nt, M, nr, y + nb, ldy);
     }
-  }
+  });
   _tile_release();
 }
 
