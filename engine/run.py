@@ -32,6 +32,7 @@ from engine.calibrate import device_memory_gib
 from engine.fidelity import fidelity_report, float32_copy, offloaded_forced_logits
 from engine.offload.cache import slots_for_budget
 from engine.offload.executor import OffloadExecutor, OffloadOutput, new_cache, padded_shapes
+from engine.offload.host_alloc import map_large_blocks
 from engine.offload.settings import OffloadSettings
 from engine.offload.store import ExpertStore, stores_blocks
 from engine.recording import record_generation, trace_meta
@@ -242,6 +243,7 @@ def forecast_distances(rc: RunConfig, num_moe_layers: int) -> list[int]:
 def run(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     rc: RunConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
     hardware = composed_profile(node.hardware)  # its defaults are the keys the composition left unset: read off the node
+    map_large_blocks(rc.offload.host_mmap_threshold_kib)  # before loading: the slots and the run's buffers
     with PeakMemory() as peak:  # loading and serving (with the in-memory model too when it is compared)
         loaded = load_offload_model(rc.model, rc.dtype, rc.compare_in_memory, rc.seed)
         results, executor, outs, batches, wall = serve_offloaded(rc, hardware, loaded, tm)

@@ -36,6 +36,11 @@ class OffloadSettings:
     # the Timer feeds measured costs back into the cost model (LayerScope §4.1); False: the plans see the cost model as
     # calibrated, so that two runs on a synchronous link make the same plans (the plan-order comparisons)
     timer_updates_cost: bool = True
+    # host blocks of at least this many KiB get their own mapping, returned to the system when freed (glibc;
+    # `engine.offload.host_alloc`): on the CPU backend the expert slots and every program's buffers are host memory,
+    # and blocks of about a megabyte freed inside the allocator's arenas made a run's memory climb. null: the
+    # allocator's default
+    host_mmap_threshold_kib: Optional[int] = 256
 
     def slots(self) -> int:
         """`cache_slots`, which must have been sized by now."""
