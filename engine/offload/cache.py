@@ -212,7 +212,7 @@ class DeviceExpertCache:
             if s.state is not SlotState.loading:
                 raise CacheError(f"slot {slot} is {s.state.value}, not reserved for a transfer")
             target = self.down if part == "down" else self.gate_up
-            self._fit(target, slot, src.shape[1])
+            self._fit(target, slot, src.shape[1], part == "down")
             at = row + (F if part == "up" else 0)
             if isinstance(src, np.ndarray):
                 block = jax.device_put(src[row:row + rows], self.sharding)
@@ -221,14 +221,15 @@ class DeviceExpertCache:
                 target[slot] = out = self._write_rows(target[slot], src, row, at, rows)
             return out
 
-    def _fit(self, target: list[jax.Array], slot: int, width: int) -> None:
+    def _fit(self, target: list[jax.Array], slot: int, width: int, down: bool) -> None:
         """A quantized slot's array (`target[slot]`) at `width` row bytes, the layer being loaded's: new arrays
         where the slot last held a layer of other block types (its bytes are all written by the transfer)."""
         have = target[slot]
         if self.block_widths is None or have.shape[1] == width:
             return
-        if width > max(self.block_widths):
-            raise CacheError(f"slot {slot}: rows of {width} bytes exceed the slot's budget of {self.block_widths}")
+        if width > self.block_widths[int(down)]:
+            raise CacheError(f"slot {slot}: {'down' if down else 'gate|up'} rows of {width} bytes exceed the slot's "
+                             f"budget of {self.block_widths[int(down)]}")
         target[slot] = self._blank((have.shape[0], width), have.dtype)
 
     def slot_shapes(self, widths: Optional[tuple[int, int]] = None) -> tuple[tuple[int, int], tuple[int, int]]:
