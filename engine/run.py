@@ -32,6 +32,7 @@ from engine.calibrate import device_memory_gib
 from engine.fidelity import fidelity_report, float32_copy, offloaded_forced_logits
 from engine.offload.cache import slots_for_budget
 from engine.offload.executor import OffloadExecutor, OffloadOutput, new_cache, padded_shapes
+from engine.offload.host_alloc import map_large_blocks
 from engine.offload.settings import OffloadSettings
 from engine.offload.store import ExpertStore, stores_blocks
 from engine.recording import record_generation, trace_meta
@@ -44,7 +45,7 @@ from models.generation import Generator
 from models.hf import OpenCheckpoint
 from models.loading import (DType, ModelSpec, check_weights, load_model, load_tokenizer, model_dtype,
                             open_model_checkpoint, quantized_experts, resolve_model_config)
-from models.memory import GIB, PeakMemory, check_fits, host_memory, memory_report
+from models.memory import GIB, PeakMemory, anon_bytes, check_fits, host_memory, memory_report
 from models.transformer import param_bytes, without_experts
 from predictors.factory import make_predictors
 from schedulers.base import PlanningPrice, SchedulerSettings, SchedulerSetup, build_scheduler, scheduler_settings
@@ -242,21 +243,36 @@ def forecast_distances(rc: RunConfig, num_moe_layers: int) -> list[int]:
 def run(node: DictConfig, tm: Telemetry) -> dict[str, Any]:
     rc: RunConfig = OmegaConf.to_object(node)  # type: ignore[assignment]
     hardware = composed_profile(node.hardware)  # its defaults are the keys the composition left unset: read off the node
+    map_large_blocks(rc.offload.host_mmap_threshold_kib)  # before loading: the slots and the run's buffers
     with PeakMemory() as peak:  # loading and serving (with the in-memory model too when it is compared)
         loaded = load_offload_model(rc.model, rc.dtype, rc.compare_in_memory, rc.seed)
-        results, executor, outs, batches, wall = serve_offloaded(rc, hardware, loaded, tm)
+        phases = {"after_load": anon_bytes()}
+        results, executor, outs, batches, wall = serve_offloaded(rc, hardware, loaded, tm, phases)
     results.update({"dtype": np.dtype(loaded.dtype).name, "load_s": loaded.load_s,
-                    "compared_in_memory": loaded.full is not None, **memory_report(peak, loaded.checkpoint_bytes)})
+                    "compared_in_memory": loaded.full is not None, **memory_report(peak, loaded.checkpoint_bytes),
+                    **anon_phases(phases)})
     if loaded.full is not None:
         results.update(compare_with_in_memory(loaded, batches, outs, executor, wall))
     results["text"] = [loaded.tokenizer.decode(s) for s in outs[0].sequences()[:4]] if loaded.tokenizer else []
     return results
 
 
+def anon_phases(phases: dict[str, Optional[int]]) -> dict[str, Any]:
+    """Results entries of the anonymous memory at each phase's end (`anon_<phase>_bytes`) and what the measured
+    batches added after the warm-up (`anon_growth_serving_bytes`: ~0 when a run's memory is flat)."""
+    out: dict[str, Any] = {f"anon_{k}_bytes": v for k, v in phases.items()}
+    if phases.get("after_serving") is not None and phases.get("after_warm_up") is not None:
+        out["anon_growth_serving_bytes"] = phases["after_serving"] - phases["after_warm_up"]
+    return out
+
+
 def serve_offloaded(rc: RunConfig, hardware: tuple[HardwareProfile, dict[str, object]], loaded: LoadedModel,
-                    tm: Telemetry) -> tuple[dict[str, Any], Callable[[], OffloadExecutor], list[OffloadOutput], list, float]:
+                    tm: Telemetry, phases: Optional[dict[str, Optional[int]]] = None
+                    ) -> tuple[dict[str, Any], Callable[[], OffloadExecutor], list[OffloadOutput], list, float]:
     """Profile, warm up and serve the workload offloaded: (results, a factory of executors like the measured
-    one, the measured outputs, their batches, the seconds serving them took). `hardware`: `composed_profile`'s."""
+    one, the measured outputs, their batches, the seconds serving them took). `hardware`: `composed_profile`'s;
+    `phases` gets the anonymous memory after the profiling, the warm-up and the measured batches."""
+    phases = {} if phases is None else phases
     cfg, model, store, full = loaded.cfg, loaded.model, loaded.store, loaded.full
     if loaded.tokenizer is None:
         raise ValueError(f"model {rc.model.name}: no tokenizer next to the checkpoint; text workloads need one "
@@ -293,6 +309,7 @@ def serve_offloaded(rc: RunConfig, hardware: tuple[HardwareProfile, dict[str, ob
         with OffloadExecutor(model, store, counter, cost, mech, {}, lookup, cache=cache) as ex:
             serve(ex, profile, cfg)
             profile_loads = ex.expert_tokens.copy()
+        phases["after_profile"] = anon_bytes()
     # the executor waits for every plan on the host (its `planning_ms`): its price is the plan's wall time
     setup = SchedulerSetup(L, E, cfg.num_experts_per_tok, slots, cost, profile_loads, PlanningPrice(time.perf_counter))
 
@@ -303,8 +320,10 @@ def serve_offloaded(rc: RunConfig, hardware: tuple[HardwareProfile, dict[str, ob
     with executor() as ex:
         seq_offset = sum(b.batch_size for b in profile)
         warm_up(ex, batches, cfg, seq_offset)
+        phases["after_warm_up"] = anon_bytes()
         ex.stages.clear()  # the measured batches' layers only
         outs, wall = serve(ex, batches, cfg, seq_offset=seq_offset)
+        phases["after_serving"] = anon_bytes()
         timer = ex.timer.summary()
         planning, breakdown = ex.stages.planning(), ex.stages.decode_breakdown()
     generated = int(sum(o.lengths.sum() for o in outs))
@@ -316,6 +335,8 @@ def serve_offloaded(rc: RunConfig, hardware: tuple[HardwareProfile, dict[str, ob
         "predictor_distances": sorted(predictors), "hardware_profile": hw.name, "hardware_defaults": hw_defaults,
         "batch_size": rc.workload.batch_size, "batches_in_flight": settings.in_flight, "batches": len(batches),
         "cache_slots": slots, "experts_total": L * E, "expert_mib": store.expert_bytes / 2**20,
+        # the cache's budget and what its slots hold at the end (quantized slots at their experts' own row bytes)
+        "expert_cache_bytes": cache.device_bytes, "expert_cache_held_bytes": cache.held_bytes(),
         "throughput_tok_s": generated / wall, "decode_latency_ms": step_ms,
         "decode_tokens_per_s": sum(len(o.lengths) * len(o.step_s) for o in outs) / sum(decode_steps) if step_ms else None,
         "prefill_s": float(np.mean([o.prefill_s for o in outs])), "generated_tokens": generated,

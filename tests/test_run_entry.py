@@ -41,6 +41,10 @@ def test_main_job_serves_offloaded_with_the_in_memory_tokens(tmp_path: Path) -> 
     # the laps cover the MoE layers: their sum is the decode passes' MoE time, short of each pass's wall time
     assert parts["layer_ms"] * 8 <= r["decode_latency_ms"] * 1.05
     assert parts["layer_ms"] * 8 >= r["moe_layers_decode_latency_s"] * 1e3 * 0.5
+    # issue 28 item 6: the anonymous memory at each phase's end and what the measured batches added; the cache's bytes
+    assert all(r[f"anon_{k}_bytes"] > 0 for k in ("after_load", "after_profile", "after_warm_up", "after_serving"))
+    assert r["anon_growth_serving_bytes"] == r["anon_after_serving_bytes"] - r["anon_after_warm_up_bytes"]
+    assert r["expert_cache_held_bytes"] == r["expert_cache_bytes"] > 0  # float slots: as budgeted
 
 
 def test_main_job_names_a_bad_override(tmp_path: Path) -> None:

@@ -92,11 +92,12 @@ class ChildWatch:
                 "major_faults": self.majflt, "disk_read_bytes": self.read_bytes}
 
 
-def run_watched(cmd: list[str], log: Path, timeout: float, env: dict) -> dict[str, Any]:
-    """Run `cmd` (stdout and stderr to `log`), sampling its memory; returns the peaks, seconds and exit status."""
+def run_watched(cmd: list[str], log: Path, timeout: float, env: dict, cwd: Optional[Path] = None) -> dict[str, Any]:
+    """Run `cmd` (stdout and stderr to `log`) in `cwd` (default: this checkout), sampling its memory; returns the
+    peaks, seconds and exit status."""
     t = time.perf_counter()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd or REPO, env=env)
         watch = ChildWatch(proc.pid)
         try:
             rc = proc.wait(timeout=timeout)
@@ -211,7 +212,9 @@ class Bench:
                    f"workload.gen_len={self.a.new + 1}", "wandb.mode=disabled", f"hydra.run.dir={run_dir}"]
             run = run_watched(cmd, self.dir / f"run-r{r}-b{B}.log", self.a.timeout, self.env)
             d = self._json(run_dir / "results.json") or {}
-            run.update({k: d.get(k) for k in ("load_s", "decode_tokens_per_s", "cache_slots", "expert_cache_bytes")})
+            run.update({k: d.get(k) for k in ("load_s", "decode_tokens_per_s", "cache_slots", "expert_cache_bytes",
+                                              "anon_after_load_bytes", "anon_after_warm_up_bytes",
+                                              "anon_after_serving_bytes", "anon_growth_serving_bytes")})
             out["runs"][str(B)] = run
             out["tok_s"][str(B)] = d.get("decode_tokens_per_s")
         runs = list(out["runs"].values())

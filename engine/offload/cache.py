@@ -5,6 +5,13 @@ hot-expert table and prefetches) and `staging_slots` on-demand buffers that alte
 computing and loading. A transfer writes into its slot with a donated jitted update, so no device
 memory is allocated per transfer. The residency table maps (MoE layer, expert) to its slot. A slot
 that a computation is using is pinned: writing into it is an error, never a silent overwrite.
+
+Quantized slots are budgeted at the widest layer's row bytes (a Q4_K_M file's Q6_K down rows) but hold each
+expert at its own layer's row bytes: a transfer into a slot last holding a layer of other block types gives it
+arrays of the new width first. The expert kernels then read every slot as it is; a slot wider than its expert
+would be cut to the expert's rows inside every expert call, a copy of all E operands per call (at
+Qwen3-30B-A3B width 128 x 0.88 MB = 113 MB, made and freed per Q4_K layer: host memory that fragmented the
+allocator's arenas over a run on the CPU backend).
 """
 
 from __future__ import annotations
@@ -96,6 +103,8 @@ class DeviceExpertCache:
         self._write_rows = jax.jit(functools.partial(_write_rows, sharding=self.sharding), donate_argnums=0,
                                    static_argnums=(2, 3, 4))
         self._write_block = jax.jit(_write_block, donate_argnums=0)
+        self._blank = jax.jit(jnp.zeros, static_argnums=(0, 1), out_shardings=self.sharding)
+        self.block_widths = block_widths
         H, F = cfg.hidden_size, cfg.expert_intermediate_size
         self.num_layers, self.num_experts = len(cfg.moe_layers), cfg.num_experts
         n = cache_slots + staging_slots
@@ -203,6 +212,7 @@ class DeviceExpertCache:
             if s.state is not SlotState.loading:
                 raise CacheError(f"slot {slot} is {s.state.value}, not reserved for a transfer")
             target = self.down if part == "down" else self.gate_up
+            self._fit(target, slot, src.shape[1], part == "down")
             at = row + (F if part == "up" else 0)
             if isinstance(src, np.ndarray):
                 block = jax.device_put(src[row:row + rows], self.sharding)
@@ -210,6 +220,31 @@ class DeviceExpertCache:
             else:
                 target[slot] = out = self._write_rows(target[slot], src, row, at, rows)
             return out
+
+    def _fit(self, target: list[jax.Array], slot: int, width: int, down: bool) -> None:
+        """A quantized slot's array (`target[slot]`) at `width` row bytes, the layer being loaded's: new arrays
+        where the slot last held a layer of other block types (its bytes are all written by the transfer)."""
+        have = target[slot]
+        if self.block_widths is None or have.shape[1] == width:
+            return
+        if width > self.block_widths[int(down)]:
+            raise CacheError(f"slot {slot}: {'down' if down else 'gate|up'} rows of {width} bytes exceed the slot's "
+                             f"budget of {self.block_widths[int(down)]}")
+        target[slot] = self._blank((have.shape[0], width), have.dtype)
+
+    def slot_shapes(self, widths: Optional[tuple[int, int]] = None) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Shapes of a slot's (gate|up, down) arrays holding an expert of row bytes `widths` (None: float slots, or
+        quantized ones at the budgeted widths)."""
+        H, F = self.cfg.hidden_size, self.cfg.expert_intermediate_size
+        if self.block_widths is None:
+            return (2 * F, H), (H, F)
+        gu, dn = widths if widths is not None else self.block_widths
+        return (2 * F, gu), (H, dn)
+
+    def held_bytes(self) -> int:
+        """Bytes the slots hold now (at most `device_bytes`: quantized slots at their experts' own widths)."""
+        with self._lock:
+            return sum(a.nbytes for a in self.gate_up + self.down)
 
     def land(self, slot: int) -> None:
         with self._lock:

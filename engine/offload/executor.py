@@ -165,10 +165,7 @@ class OffloadExecutor:
         for predictor in (predictors or {}).values():  # online learning compiles now, not inside a decode step
             getattr(predictor, "warm_up", lambda: None)()
         self.row_lookup = row_lookup
-        # committed to the cache's device like the slots: an uncommitted filler would make every pattern of
-        # (slot, filler) positions a new jit cache entry (a compile in the middle of serving)
-        self._dummy = (jax.device_put(jnp.zeros_like(self.cache.gate_up[0]), self.cache.sharding),
-                       jax.device_put(jnp.zeros_like(self.cache.down[0]), self.cache.sharding))
+        self._dummies = self._fillers(store)
         self.expert_tokens = np.zeros((self.L, self.E), np.int64)  # tokens routed per expert (the Counter)
         self.stages = StageTimes()  # where each MoE layer's wall time went (planning time per policy among it)
         self.seq_offset = 0  # sequence id of the next batch's first row (row_lookup into a reference trace)
@@ -194,6 +191,19 @@ class OffloadExecutor:
                 self.link.wait(job.layer, job.expert)
         self.link.completed.clear()
 
+    def _fillers(self, store: ExpertStore) -> dict[Optional[tuple[int, int]], tuple[jax.Array, jax.Array]]:
+        """Zero (gate|up, down) arrays padding an expert call's slot list to E, one pair per row width (a quantized
+        layer's slots hold its own widths; None: float slots). Committed to the cache's device like the slots: an
+        uncommitted filler would make every pattern of (slot, filler) positions a new jit cache entry (a compile in
+        the middle of serving)."""
+        widths = {store.layer_widths(m) for m in range(self.L)} if store.quantized else {None}
+        dtype = self.cache.gate_up[0].dtype
+        return {w: tuple(jax.device_put(jnp.zeros(shape, dtype), self.cache.sharding)  # type: ignore[misc]
+                         for shape in self.cache.slot_shapes(w)) for w in widths}
+
+    def _filler(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        return self._dummies[self.store.layer_widths(layer) if self.store.quantized else None]
+
     def close(self) -> None:
         """Stop the link and the CPU worker and give the device slots back (an executor built next, e.g.
         after the profiling run, must not find this one's cache still holding device memory)."""
@@ -201,7 +211,7 @@ class OffloadExecutor:
         self.cpu.close()
         if self._owns_cache:
             self.cache.free()
-        self._dummy = ()
+        self._dummies = {}
 
     def __enter__(self) -> "OffloadExecutor":
         return self
@@ -492,9 +502,9 @@ class OffloadExecutor:
         local = np.full(self.E, -1, np.int32)
         local[list(chosen)] = np.arange(len(chosen), dtype=np.int32)
         index = np.where(experts >= 0, local[np.maximum(experts, 0)], -1)
-        filler = self.E - len(slots)
-        gate_up_slots = [gate_up[slot] for slot in slots] + [self._dummy[0]] * filler  # type: ignore[index]
-        down_slots = [down[slot] for slot in slots] + [self._dummy[1]] * filler  # type: ignore[index]
+        filler, blank = self.E - len(slots), self._filler(layer)
+        gate_up_slots = [gate_up[slot] for slot in slots] + [blank[0]] * filler  # type: ignore[index]
+        down_slots = [down[slot] for slot in slots] + [blank[1]] * filler  # type: ignore[index]
         out = self.kernels.experts(hidden, index, weights, gate_up_slots, down_slots, layer)
         return out, slots  # type: ignore[return-value]
 

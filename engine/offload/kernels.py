@@ -139,8 +139,12 @@ def _build(d: _Defs) -> _Fns:
         the blocks)."""
         H, F = d.cfg.hidden_size, d.cfg.expert_intermediate_size
         gu_w, dn_w = block_type(fmt.gate_up).row_bytes(H), block_type(fmt.down).row_bytes(F)
-        return ([QuantArray(a[:, :gu_w], fmt.gate_up, (2 * F, H)) for a in gate_up],
-                [QuantArray(a[:, :dn_w], fmt.down, (H, F)) for a in down])
+
+        def rows(a: jax.Array, width: int) -> jax.Array:  # a slot at its expert's width goes to the kernel as it is
+            return a if a.shape[1] == width else a[:, :width]
+
+        return ([QuantArray(rows(a, gu_w), fmt.gate_up, (2 * F, H)) for a in gate_up],
+                [QuantArray(rows(a, dn_w), fmt.down, (H, F)) for a in down])
 
     def experts(g: jax.Array, slot_idx: jax.Array, weights: jax.Array, gate_up: list, down: list,
                 fmt: Any = None) -> jax.Array:

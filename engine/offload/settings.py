@@ -36,6 +36,14 @@ class OffloadSettings:
     # the Timer feeds measured costs back into the cost model (LayerScope §4.1); False: the plans see the cost model as
     # calibrated, so that two runs on a synchronous link make the same plans (the plan-order comparisons)
     timer_updates_cost: bool = True
+    # host blocks of at least this many KiB get their own mapping, returned to the system when freed (glibc;
+    # `engine.offload.host_alloc`): on the CPU backend the expert slots and every program's buffers are host memory,
+    # and blocks of about a megabyte freed inside the allocator's arenas made a run's memory climb. 768 KiB maps a
+    # Qwen3-30B-A3B slot's arrays (0.88-1.77 MB, made anew when a slot changes block widths) and leaves the
+    # transfers' blocks (<= 0.65 MB, made and freed per expert at a few sizes) in the arenas: at full depth b8, flat
+    # (+0 / -9 MB over the measured batch) at ~1.5x the decode rate of 256 KiB, which maps those too (flat, 0.15 GB
+    # lower); 1 MiB grew by up to 130 MB. README "Full-depth quantized models". null: the allocator's default
+    host_mmap_threshold_kib: Optional[int] = 768
 
     def slots(self) -> int:
         """`cache_slots`, which must have been sized by now."""

@@ -92,11 +92,16 @@ class ExpertStore:
         blocks = [self.formats[m] for m in range(self.num_layers)]
         return {"expert_format": blocks_format(self.cfg, blocks), "expert_blocks": blocks}
 
+    def layer_widths(self, layer: int) -> tuple[int, int]:
+        """Row bytes of MoE layer `layer`'s quantized expert: (gate|up rows, down rows)."""
+        H, F = self.cfg.hidden_size, self.cfg.expert_intermediate_size
+        fmt = self.formats[layer]
+        return block_type(fmt.gate_up).row_bytes(H), block_type(fmt.down).row_bytes(F)
+
     def slot_widths(self) -> tuple[int, int]:
         """Row bytes of a device slot able to hold any layer's quantized expert: (gate|up rows, down rows)."""
-        H, F = self.cfg.hidden_size, self.cfg.expert_intermediate_size
-        return (max(block_type(f.gate_up).row_bytes(H) for f in self.formats.values()),
-                max(block_type(f.down).row_bytes(F) for f in self.formats.values()))
+        widths = [self.layer_widths(layer) for layer in self.formats]
+        return max(w[0] for w in widths), max(w[1] for w in widths)
 
     def put_quant(self, layer: int, expert: int, gate: QuantArray, up: QuantArray, down: QuantArray) -> None:
         """Store one quantized expert (MoE layer index): its three matrices' block bytes, kept as given (views)."""
