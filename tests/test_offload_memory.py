@@ -9,6 +9,10 @@ measured run is `engine/bench/bench_run_memory.py`, and the slow test at the end
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -113,33 +117,50 @@ def test_slots_of_mixed_row_widths_give_the_in_memory_tokens(mixed) -> None:
     np.testing.assert_array_equal(offloaded(cfg, model, store, []), ref.tokens)
 
 
+HANDED_BACK = """
+import ctypes
+from engine.offload.host_alloc import glibc, map_large_blocks
+
+libc = glibc()
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.malloc_trim(0)
+big = libc.malloc(16 * 2**20)  # freeing this mapped block raises glibc's dynamic threshold to 16 MiB
+libc.free(big)
+assert map_large_blocks(THRESHOLD_KIB)
+
+
+def anon():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon")) * 1024
+
+
+size = 4 * 2**20
+blocks = [libc.malloc(size) for _ in range(16)]  # every other one kept: the freed ones cannot merge into the top
+for b in blocks:
+    ctypes.memset(b, 1, size)
+held = anon()
+for b in blocks[::2]:
+    libc.free(b)
+print(held - anon())
+"""
+
+
+def freed_bytes(threshold_kib: int) -> int:
+    """RssAnon handed back by freeing 8 of 16 blocks of 4 MiB after glibc's dynamic threshold rose to 16 MiB and
+    `map_large_blocks(threshold_kib)`; measured in a fresh interpreter (no other thread allocating meanwhile, and the
+    test process's allocator left as it was)."""
+    code = HANDED_BACK.replace("THRESHOLD_KIB", str(threshold_kib))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout)
+
+
 @pytest.mark.skipif(glibc() is None, reason="glibc's allocator option")
 def test_large_host_blocks_are_mapped_and_handed_back() -> None:
     """With the threshold set, a freed 4 MiB block leaves the process (the arenas would have kept it once glibc's
     dynamic threshold had risen past it, as it does after a checkpoint's large frees)."""
-    import ctypes
-
-    libc = glibc()
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    libc.malloc_trim(0)
-    big = libc.malloc(16 * 2**20)  # freeing this mapped block raises glibc's dynamic threshold to 16 MiB
-    libc.free(big)
-    assert map_large_blocks(256)
-
-    def anon() -> int:
-        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon")) * 1024
-
-    size = 4 * 2**20
-    blocks = [libc.malloc(size) for _ in range(16)]  # every other one kept: the freed ones cannot merge into the top
-    for b in blocks:
-        ctypes.memset(b, 1, size)
-    held = anon()
-    for b in blocks[::2]:
-        libc.free(b)
-    assert held - anon() >= 7 * size
-    for b in blocks[1::2]:
-        libc.free(b)
+    assert freed_bytes(256) >= 7 * 4 * 2**20
     with pytest.raises(ValueError, match=r"^offload.host_mmap_threshold_kib=0: expected 1 to 32768"):
         map_large_blocks(0)
 

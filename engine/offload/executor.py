@@ -604,7 +604,8 @@ class OffloadExecutor:
         """A pass over a full cache as one device call; its routing is accounted afterwards."""
         self.accounting.pass_index += 1
         t = time.perf_counter()
-        logits, kv, routed = self.kernels.resident_pass(*self._resident_slots(), kv, tokens, positions, valid)
+        logits, kv, routed = self.kernels.resident_pass(*self._resident_slots(), kv, tokens, positions, valid,
+                                                        empty_cache=phase is Phase.prefill)  # `generate`: fresh
         self._account_fused(phase is Phase.prefill, np.asarray(routed)[None, :, valid.reshape(-1)])
         self.accounting.record("gpu", t - self._t0, self._now(), -1, -1, int(valid.sum()), "fused")
         return logits, kv
@@ -631,7 +632,8 @@ class OffloadExecutor:
         self.accounting.pass_index += 1
         self._moe_wall = 0.0
         B, S = tokens.shape
-        ai, kv = self.kernels.prepare(kv, jnp.asarray(positions), jnp.asarray(valid))
+        # a prefill fills a fresh cache (`generate`): it attends the new tokens only, as the in-memory model does
+        ai, kv = self.kernels.prepare(kv, jnp.asarray(positions), jnp.asarray(valid), empty_cache=phase is Phase.prefill)
         x = self.kernels.embed_tokens(jnp.asarray(tokens))
         flat = (valid.reshape(-1), np.repeat(seqs, S), positions.reshape(-1), tokens.reshape(-1))
         layers = list(kv.layers)

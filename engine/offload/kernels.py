@@ -165,10 +165,11 @@ def _build(d: _Defs) -> _Fns:
         return merge(d.head, head_state)(x_last)
 
     def resident_forward(params: dict, gate_up: tuple, down: tuple, kv: KVCache, tokens: jax.Array,
-                         positions: jax.Array, valid: jax.Array) -> tuple[jax.Array, KVCache, jax.Array]:
+                         positions: jax.Array, valid: jax.Array, empty_cache: bool = False
+                         ) -> tuple[jax.Array, KVCache, jax.Array]:
         """One forward pass, expert e of MoE layer m at gate_up[m][e] / down[m][e]: (last logits, kv,
-        experts routed [L, B*S, k])."""
-        ai, kv = attention_inputs(d.cfg, kv, positions, valid)
+        experts routed [L, B*S, k]). `empty_cache`: a prefill into a fresh cache (as `models.forward`'s)."""
+        ai, kv = attention_inputs(d.cfg, kv, positions, valid, empty_cache)
         x = embed_lookup(params["embed"], tokens, d.dtype)
         layers, routed = list(kv.layers), []
         live = valid.reshape(-1, 1)
@@ -201,10 +202,13 @@ def _build(d: _Defs) -> _Fns:
     front_j, dense_j, finish_j = jax.jit(front), jax.jit(dense), jax.jit(finish)  # called inside resident_forward
     experts_j = jax.jit(experts, static_argnames=("fmt",))
     jit = functools.partial(jax.jit, compiler_options=EXACT_ROUNDING)  # the rounding of the in-memory model
-    return _Fns(prepare=jit(lambda cache, pos, valid: attention_inputs(d.cfg, cache, pos, valid)),
+    def prepare(cache: KVCache, pos: jax.Array, valid: jax.Array, empty_cache: bool = False) -> tuple[Any, KVCache]:
+        return attention_inputs(d.cfg, cache, pos, valid, empty_cache)
+
+    return _Fns(prepare=jit(prepare, static_argnames=("empty_cache",)),
                 embed=jit(lambda table, tokens: embed_lookup(table, tokens, d.dtype)), front=jit(front),
                 back_front=jit(back_front), back=jit(finish), dense=jit(dense), experts=jit(experts, static_argnames=("fmt",)),
-                head=jit(head), resident_pass=jit(resident_forward, donate_argnames=("kv",)),
+                head=jit(head), resident_pass=jit(resident_forward, donate_argnames=("kv",), static_argnames=("empty_cache",)),
                 resident_decode=jit(resident_decode, static_argnames=("n_buffer", "keep_logits")))
 
 
@@ -242,8 +246,11 @@ class LayerKernels:
         self.fns = _COMPILED[defs]
         self.formats = formats
 
-    def prepare(self, cache: KVCache, positions: jax.Array, valid: jax.Array) -> tuple[Any, KVCache]:
-        return self.fns.prepare(cache, positions, valid)
+    def prepare(self, cache: KVCache, positions: jax.Array, valid: jax.Array, empty_cache: bool = False
+                ) -> tuple[Any, KVCache]:
+        """Attention inputs of the new tokens (`empty_cache`: a prefill into a fresh cache attends them only, the
+        in-memory model's program: `models.transformer.forward`)."""
+        return self.fns.prepare(cache, positions, valid, empty_cache=empty_cache)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return self.fns.embed(self.embed, tokens)
@@ -275,11 +282,11 @@ class LayerKernels:
         return self.fns.head(self.head, x_last)
 
     def resident_pass(self, gate_up: tuple, down: tuple, kv: KVCache, tokens: jax.Array, positions: jax.Array,
-                      valid: jax.Array) -> tuple[jax.Array, KVCache, jax.Array]:
+                      valid: jax.Array, empty_cache: bool = False) -> tuple[jax.Array, KVCache, jax.Array]:
         """A whole forward pass in one call (every routed expert resident; `kv` is donated): gate_up[m][e],
         down[m][e] hold expert e of MoE layer m. Returns (logits of the last position [B, V], kv,
-        experts routed [L, B*S, k] int32)."""
-        return self.fns.resident_pass(self.params, gate_up, down, kv, tokens, positions, valid)
+        experts routed [L, B*S, k] int32). `empty_cache`: a prefill into a fresh cache."""
+        return self.fns.resident_pass(self.params, gate_up, down, kv, tokens, positions, valid, empty_cache=empty_cache)
 
     def resident_decode(self, gate_up: tuple, down: tuple, kv: KVCache, first: np.ndarray, next_pos: np.ndarray,
                         done: np.ndarray, n_steps: int, eos: int, pad: int, keep_logits: bool
