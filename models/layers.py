@@ -164,8 +164,9 @@ def split_softmax(scores_cache: jax.Array, scores_new: jax.Array, masks: tuple[j
 
 def new_softmax(scores_new: jax.Array, mask: jax.Array) -> jax.Array:
     """`split_softmax`'s new-token block when every cache slot is masked: each masked score is NEG_INF, whose exp
-    after subtracting a row maximum of a real key is exactly 0, so the two are equal bit for bit on every row that has
-    a key (a row without one, a padding query whose output is discarded, is uniform over fewer keys)."""
+    after subtracting a row maximum of a real key is exactly 0, so the two are equal (up to XLA's order of the sum)
+    on every row that has a key (a row without one, a padding query whose output is discarded, is uniform over fewer
+    keys)."""
     sn = jnp.where(mask, scores_new, NEG_INF)
     top = jnp.max(sn, axis=-1, keepdims=True)
     en = jnp.exp(sn - top)
@@ -188,8 +189,10 @@ def sdpa(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new: jax.Array,
 
     q [B, S, Hq, D]; k_cache, v_cache [B, Hkv, C, D(v)]; k_new, v_new [B, S, Hkv, D(v)];
     masks ([B, S, C], [B, S, S]) from `attention_masks` -> [B, S, Hq, Dv]. `empty_cache`: no cache slot holds a
-    token yet (every one masked), so the cache's scores, probabilities and product are left out: the same bits for
-    every query with a key (a masked slot's probability is exactly 0 and adds 0), a prefill's attention without its
+    token yet (every one masked), so the cache's scores, probabilities and product are left out: the same values for
+    every query with a key (a masked slot's probability is exactly 0 and adds 0; XLA may order the remaining sums
+    differently: bit for bit in bf16 in the tests, up to ~4e-6 apart in float32 logits on mixtral_tiny, which is why
+    the offload executor's prefill takes this path too), a prefill's attention without its
     [S, C] score blocks (256 tokens of Mixtral: half the attention's dot work, 15 MB of XLA temp per layer).
     """
     B, S, Hq, D = q.shape

@@ -237,7 +237,8 @@ def forward(model: MoETransformer, tokens: jax.Array, cache: KVCache, positions:
     tokens, positions: int32 [B, S]; token_valid: bool [B, S] (False for padding; default all True).
     Returns logits float32 [B, S, V] ([B, V] with `last_only`), the cache advanced by S slots and,
     with `capture`, the routing of every MoE layer. `empty_cache`: the caller vouches that `cache` holds no token
-    (a prefill into a fresh cache): attention then skips the cache's score blocks (`models.layers.sdpa`), same bits.
+    (a prefill into a fresh cache): attention then skips the cache's score blocks (`models.layers.sdpa`), the same
+    values up to the order XLA sums them in (the offload executor's prefill does the same, so the two stay bit for bit).
     """
     cfg = model.cfg
     B, S = tokens.shape
