@@ -191,18 +191,17 @@ class OffloadExecutor:
                 self.link.wait(job.layer, job.expert)
         self.link.completed.clear()
 
-    def _fillers(self, store: ExpertStore) -> dict[Optional[tuple[int, int]], tuple[jax.Array, jax.Array]]:
-        """Zero (gate|up, down) arrays padding an expert call's slot list to E, one pair per row width (a quantized
-        layer's slots hold its own widths; None: float slots). Committed to the cache's device like the slots: an
-        uncommitted filler would make every pattern of (slot, filler) positions a new jit cache entry (a compile in
-        the middle of serving)."""
-        widths = {store.layer_widths(m) for m in range(self.L)} if store.quantized else {None}
+    def _fillers(self, store: ExpertStore) -> list[tuple[jax.Array, jax.Array]]:
+        """Per MoE layer, the zero (gate|up, down) arrays padding its expert call's slot list to E: one pair per row
+        width, shared by the layers of that width (a quantized layer's slots hold its own widths; float slots one
+        pair), looked up per layer here rather than in every expert call. Committed to the cache's device like the
+        slots: an uncommitted filler would make every pattern of (slot, filler) positions a new jit cache entry (a
+        compile in the middle of serving)."""
+        per_layer = [store.layer_widths(m) if store.quantized else None for m in range(self.L)]
         dtype = self.cache.gate_up[0].dtype
-        return {w: tuple(jax.device_put(jnp.zeros(shape, dtype), self.cache.sharding)  # type: ignore[misc]
-                         for shape in self.cache.slot_shapes(w)) for w in widths}
-
-    def _filler(self, layer: int) -> tuple[jax.Array, jax.Array]:
-        return self._dummies[self.store.layer_widths(layer) if self.store.quantized else None]
+        pairs = {w: tuple(jax.device_put(jnp.zeros(shape, dtype), self.cache.sharding)  # type: ignore[misc]
+                          for shape in self.cache.slot_shapes(w)) for w in set(per_layer)}
+        return [pairs[w] for w in per_layer]  # type: ignore[misc]
 
     def close(self) -> None:
         """Stop the link and the CPU worker and give the device slots back (an executor built next, e.g.
@@ -211,7 +210,7 @@ class OffloadExecutor:
         self.cpu.close()
         if self._owns_cache:
             self.cache.free()
-        self._dummies = {}
+        self._dummies = []
 
     def __enter__(self) -> "OffloadExecutor":
         return self
@@ -502,7 +501,7 @@ class OffloadExecutor:
         local = np.full(self.E, -1, np.int32)
         local[list(chosen)] = np.arange(len(chosen), dtype=np.int32)
         index = np.where(experts >= 0, local[np.maximum(experts, 0)], -1)
-        filler, blank = self.E - len(slots), self._filler(layer)
+        filler, blank = self.E - len(slots), self._dummies[layer]
         gate_up_slots = [gate_up[slot] for slot in slots] + [blank[0]] * filler  # type: ignore[index]
         down_slots = [down[slot] for slot in slots] + [blank[1]] * filler  # type: ignore[index]
         out = self.kernels.experts(hidden, index, weights, gate_up_slots, down_slots, layer)
