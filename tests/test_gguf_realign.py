@@ -79,3 +79,34 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode != 0 and proc.stderr.strip().count("\n") == 0
     assert proc.stderr.startswith(f"gguf_realign: {junk}: truncated or not a GGUF file")
     assert not (tmp_path / "o.gguf").exists()
+
+
+def test_llama_quantizer_output_gets_the_alignment_its_data_was_laid_out_at(tmp_path: Path) -> None:
+    """llama.cpp's quantizer copies a source's `general.alignment = 64` but lays its file out at 32
+    (engine/bench/peers/llama_quantize.py): such a file reads 32 bytes past every tensor until repaired."""
+    from engine.bench.peers.llama_quantize import repair_alignment
+
+    rng = np.random.default_rng(1)
+    weights = gguf.quants.quantize(rng.standard_normal((4, 64, 64)).astype(np.float32), Q8)
+    path = tmp_path / "quantized.gguf"
+    for pad in range(64):
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_custom_alignment(32)
+        w.add_name("q" * pad)
+        w.add_tensor("blk.0.ffn_up_exps.weight", weights, raw_dtype=Q8)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        if gguf.GGUFReader(path).data_offset % 64 == 32:
+            break
+    field = gguf.GGUFReader(path).fields["general.alignment"]
+    with open(path, "r+b") as f:  # what the quantizer writes: the source's 64 over a layout at 32
+        f.seek(int(field.offset) + sum(int(p.nbytes) for p in field.parts[:-1]))
+        f.write(np.uint32(64).tobytes())
+    with pytest.raises(ValueError):
+        gguf.GGUFReader(path)
+
+    assert repair_alignment(path) == 64
+    assert repair_alignment(path) is None  # consistent now: left alone
+    np.testing.assert_array_equal(np.asarray(gguf.GGUFReader(path).tensors[0].data), weights)
