@@ -1235,6 +1235,7 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 #endif
 
 enum QType { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+constexpr int kKTileMin = 16;  // rows from which Q4_K / Q6_K calls take kgemm (AVX-512 path; kgemm_range)
 
 struct QSpec {
   int blk = 0;    // weights per block
@@ -1655,12 +1656,12 @@ void quantize_row(const QSpec& sp, const float* x, int64_t K, uint8_t* dst, int6
 
 // Quantizes M rows (row m: x + row(m) * ld, bf16 bits if xbf16 else f32; row(m) = rows ? rows[m] : m).
 QAct quantize_rows(const QSpec& sp, const void* x, bool xbf16, size_t ld, const int32_t* rows, int64_t M, int64_t K,
-                   std::vector<float>& buf) {
+                   std::vector<float>& buf, size_t extra = 0) {
   QAct a;
   a.Kp = pad64(K);
   // only the vector paths read these rows, never past M (the AMX path takes bf16 tiles, amx_bf16_panel)
   a.stride = 4 * a.Kp + bs_bytes(a.Kp) + kx_bytes(a.Kp) + (sp.xblk == 32 ? ux_bytes(a.Kp) : 0) + 64;
-  uint8_t* d = static_cast<uint8_t*>(grow_bytes(buf, size_t(M * a.stride) + 64));
+  uint8_t* d = static_cast<uint8_t*>(grow_bytes(buf, size_t(M * a.stride) + extra + 64));  // extra: after the rows
   d += (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64;
   std::vector<float> tmp(xbf16 ? size_t(K) : 0);
   for (int64_t m = 0; m < M; ++m) {
@@ -2656,6 +2657,214 @@ void qgemm_range_512(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size
     pass(R, mb, std::min(M, mb + kmb), kc, MG, [&](auto&& block) { for_blocks<R>(n0, n1, block); });
 }
 
+// ---- K-quants at many activation rows: weight codes broadcast, 16 activation rows per vector (kgemm) ----------
+// Why: at 4-64 rows qmk512k_rm is compute-bound on Zen 5 (no AMX; 0.17-0.25 TOP/s per core measured). Per super-block
+// and output pair it issues 8 VPDPBUSD for 4 VPACKSSDW + 4 (Q6_K 5) VPDPWSSD + a conversion, a multiply and one or two
+// FMAs (~12 operations of overhead for 8 useful ones), each weight row's super-block unpacked in registers for only
+// MR / 2 pairs (8 rows: 4), its sub-block scales permuted into the pair layout, and 4-8 horizontal sums per pair at the
+// end. Here a call of at least kKTileMin rows takes another layout: the activations of 16 rows as one vector per 4
+// consecutive k (dword r: row r's 4 int8 q; kpanel_build, once per call), each weight row's super-block unpacked once
+// per K chunk into its codes (u8, memory) and float sub-block scales (KW), shared by every tile of 16 rows. Per 4 codes
+// one broadcast dword (a load) x the tile's vector, VPDPBUSD (codes unsigned, q signed) into one int32 lane per row;
+// per sub-block (Q4_K 32 weights: 8 VPDPBUSD; Q6_K 16: 4) the exact int32 sum is converted and multiplied into the
+// super-block's f32 sum by d * sc (VCVTDQ2PS + FMA), Q6_K's offset (-32 x the sub-block's q sum) the chain's start
+// value and Q4_K's mins 4 VPDPWSSD of (m_2i, m_2i+1) against the rows' 32-sums per super-block; then x d_x into the
+// output (one FMA per super-block). Per 256 weights x 16 rows: 64 VPDPBUSD + 16 (Q6_K 32) + 7 (Q6_K 1) other
+// operations, no pair packing and no horizontal sums (lane r is row r's output).
+// Rounding: every sub-block's integer sum is exact (|sum| < 2^17), converted exactly, then f32 products and sums in a
+// fixed order per lane (sub-blocks in K order into the super-block's sum, super-blocks in K order into the output),
+// whatever the row count, the tile a row lands in or the K chunking: a row's output is the same bits in every call
+// that takes this path (M >= kKTileMin); against a call on the pair kernels (fewer rows) it differs by f32 summation
+// order only (both within the reference's f32 tolerance).
+constexpr int kKT = 16;        // activation rows per tile (one vector)
+
+// bytes per tile and super-block in the panel: 64 vectors of 4 q per row, the side (Q4_K: 4 vectors of the rows'
+// (bs32[2i], bs32[2i+1]) int16 pairs; Q6_K: 16 vectors of -32 * the rows' 16-sums, int32), the rows' d_x
+template <int QT>
+constexpr int kKSide = QT == kQ4_K ? 256 : 1024;
+template <int QT>
+constexpr int kKSB = 4096 + kKSide<QT> + 64;
+
+inline int64_t kpanel_bytes(int qt, int64_t M, int64_t K) {
+  const int64_t sbb = qt == kQ4_K ? kKSB<kQ4_K> : kKSB<kQ6_K>;
+  return (M + kKT - 1) / kKT * (K / 256) * sbb;
+}
+
+// The panel of a call (layout above; rows past M zero), tile t's super-block s at p + (t * nsb + s) * kKSB.
+template <int QT>
+void kpanel_build_t(const QAct& a, int64_t M, int64_t K, uint8_t* p) {
+  const int64_t nsb = K / 256, T = (M + kKT - 1) / kKT;
+  std::memset(p, 0, size_t(kpanel_bytes(QT, M, K)));
+  for (int64_t t = 0; t < T; ++t)
+    for (int r = 0; r < kKT && t * kKT + r < M; ++r) {
+      const QRow x = a.row(t * kKT + r);
+      for (int64_t s = 0; s < nsb; ++s) {
+        uint8_t* b = p + (t * nsb + s) * kKSB<QT>;
+        for (int k4 = 0; k4 < 64; ++k4) std::memcpy(b + 64 * k4 + 4 * r, x.q + 256 * s + 4 * k4, 4);
+        const int16_t* bs = x.bs + 16 * s;
+        uint8_t* side = b + 4096;
+        if constexpr (QT == kQ4_K) {
+          for (int i = 0; i < 4; ++i) {
+            const int16_t v[2] = {int16_t(bs[4 * i] + bs[4 * i + 1]), int16_t(bs[4 * i + 2] + bs[4 * i + 3])};
+            std::memcpy(side + 64 * i + 4 * r, v, 4);
+          }
+        } else {
+          for (int i = 0; i < 16; ++i) {
+            const int32_t v = -32 * int32_t(bs[i]);
+            std::memcpy(side + 64 * i + 4 * r, &v, 4);
+          }
+        }
+        std::memcpy(side + kKSide<QT> + 4 * r, x.dl + 64 * s, 4);
+      }
+    }
+}
+
+void kpanel_build(int qt, const QAct& a, int64_t M, int64_t K, uint8_t* p) {
+  if (qt == kQ4_K) kpanel_build_t<kQ4_K>(a, M, K, p);
+  else kpanel_build_t<kQ6_K>(a, M, K, p);
+}
+
+// One weight row's super-block for kgemm: codes in k order (Q4_K 0..15, Q6_K 0..63), d * sc per sub-block (Q4_K 8,
+// Q6_K 16), Q4_K's mins as (m_2i, m_2i+1) int16 pairs and -dmin.
+struct alignas(64) KW {
+  uint8_t u[256];
+  float dsc[16];
+  int32_t mn[4];
+  float ndmin;
+};
+
+template <int QT>
+MS_INLINE void kw_unpack(const uint8_t* sb, KW& w) {
+  __m512i u[4];
+  kcodes<QT>(sb, u);
+  for (int g = 0; g < 4; ++g) _mm512_store_si512(w.u + 64 * g, u[g]);
+  if constexpr (QT == kQ4_K) {
+    uint64_t sc, mn;
+    q4k_scales_mins(sb, sc, mn);
+    const __m256 d = _mm256_set1_ps(f16_at(sb));
+    _mm256_store_ps(w.dsc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc))))));
+    _mm_store_si128(reinterpret_cast<__m128i*>(w.mn), _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn))));
+    w.ndmin = -f16_at(sb + 2);
+  } else {
+    const __m512i s = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)));
+    _mm512_store_ps(w.dsc, _mm512_mul_ps(_mm512_set1_ps(f16_at(sb + 208)), _mm512_cvtepi32_ps(s)));
+  }
+}
+
+// NT tiles x NW weight rows over nsb super-blocks: tp[t] the tiles' panel at the chunk's first super-block, wp[j] the
+// rows' unpacked super-blocks; v(t, j) the 16 output sums (rows of tile t, weight row j) between chunks.
+template <int QT, int NT, int NW>
+MS_INLINE void kgemm_tiles(const uint8_t* const* tp, const KW* const* wp, int64_t nsb, float* v, int64_t vt,
+                           int64_t vj, bool first) {
+  constexpr int SUB = QT == kQ4_K ? 32 : 16, NSUB = 256 / SUB, QPS = SUB / 4;
+  __m512 tot[NT][NW];
+  for (int t = 0; t < NT; ++t)
+    for (int j = 0; j < NW; ++j) tot[t][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(v + t * vt + j * vj);
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* x[NT];
+    for (int t = 0; t < NT; ++t) x[t] = tp[t] + s * kKSB<QT>;
+    const KW* w[NW];
+    for (int j = 0; j < NW; ++j) w[j] = wp[j] + s;
+    __m512 sbs[NT][NW];
+#pragma GCC unroll 16
+    for (int b = 0; b < NSUB; ++b) {
+      __m512i acc[NT][NW];
+      for (int t = 0; t < NT; ++t) {
+        const __m512i a0 = QT == kQ4_K ? _mm512_setzero_si512() : _mm512_load_si512(x[t] + 4096 + 64 * b);
+        for (int j = 0; j < NW; ++j) acc[t][j] = a0;
+      }
+#pragma GCC unroll 8
+      for (int q = 0; q < QPS; ++q) {
+        const int k4 = b * QPS + q;
+        __m512i xv[NT];
+        for (int t = 0; t < NT; ++t) xv[t] = _mm512_load_si512(x[t] + 64 * k4);
+        for (int j = 0; j < NW; ++j) {
+          int32_t c;
+          std::memcpy(&c, w[j]->u + 4 * k4, 4);
+          const __m512i wb = _mm512_set1_epi32(c);
+          for (int t = 0; t < NT; ++t) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], wb, xv[t]);
+        }
+      }
+      for (int j = 0; j < NW; ++j) {
+        const __m512 ds = _mm512_set1_ps(w[j]->dsc[b]);
+        for (int t = 0; t < NT; ++t) {
+          const __m512 f = _mm512_cvtepi32_ps(acc[t][j]);
+          sbs[t][j] = b == 0 ? _mm512_mul_ps(f, ds) : _mm512_fmadd_ps(f, ds, sbs[t][j]);
+        }
+      }
+    }
+    if constexpr (QT == kQ4_K) {
+      for (int j = 0; j < NW; ++j)
+        for (int t = 0; t < NT; ++t) {
+          __m512i m = _mm512_setzero_si512();
+          for (int i = 0; i < 4; ++i)
+            m = _mm512_dpwssd_epi32(m, _mm512_set1_epi32(w[j]->mn[i]), _mm512_load_si512(x[t] + 4096 + 64 * i));
+          sbs[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(w[j]->ndmin), sbs[t][j]);
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m512 dx = _mm512_load_ps(x[t] + 4096 + kKSide<QT>);
+      for (int j = 0; j < NW; ++j) tot[t][j] = _mm512_fmadd_ps(sbs[t][j], dx, tot[t][j]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int j = 0; j < NW; ++j) _mm512_store_ps(v + t * vt + j * vj, tot[t][j]);
+}
+
+thread_local std::vector<float> t_kw, t_kv;  // kgemm's unpacked weight rows and output sums
+
+// y[m, n] for n in [n0, n1), all M rows (panel: kpanel_build). K in chunks whose panel (all tiles) stays in L2; per
+// chunk, blocks of 8 weight rows unpacked once (the next block prefetched) and taken by every tile, 2 tiles x 4 rows
+// (1 x 8 for a last odd tile) a kernel call; the sums kept in v [n][tile][16] between chunks, written to y at the end.
+template <int QT>
+void kgemm_range(const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0,
+                 int64_t n1, float* y, size_t ldy) {
+  constexpr int bytes = QT == kQ4_K ? 144 : 210, NB = 8;
+  const int64_t nsb = K / 256, T = (M + kKT - 1) / kKT, N = n1 - n0;
+  const int64_t kc = std::max<int64_t>(1, std::min<int64_t>(nsb, (384 << 10) / (T * kKSB<QT>)));
+  KW* kw = static_cast<KW*>(grow_bytes(t_kw, size_t(NB * kc) * sizeof(KW) + 64));
+  kw = reinterpret_cast<KW*>(reinterpret_cast<uintptr_t>(kw) + (64 - reinterpret_cast<uintptr_t>(kw) % 64) % 64);
+  float* v = static_cast<float*>(grow_bytes(t_kv, size_t((N + NB) * T * kKT) * 4 + 64));
+  v += (16 - reinterpret_cast<uintptr_t>(v) / 4 % 16) % 16;
+  const int64_t vj = T * kKT;  // floats from one weight row's sums to the next's
+  for (int64_t c0 = 0; c0 < nsb; c0 += kc) {
+    const int64_t c1 = std::min(nsb, c0 + kc), cn = c1 - c0;
+    for (int64_t n = n0; n < n1; n += NB) {
+      const int r = int(std::min<int64_t>(NB, n1 - n));
+      for (int j = 0; j < r; ++j) {
+        const uint8_t* row = w + size_t(n + j) * row_bytes + c0 * bytes;
+        for (int64_t s = 0; s < cn; ++s) kw_unpack<QT>(row + s * bytes, kw[j * kc + s]);
+        if (n + NB + j < n1)  // the next block's row, this chunk
+          for (int64_t off = 0; off < cn * bytes; off += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(row + NB * row_bytes + off), _MM_HINT_T0);
+      }
+      const KW* wp[NB];
+      for (int j = 0; j < NB; ++j) wp[j] = kw + (j < r ? j : 0) * kc;  // rows past r: row 0 again, sums dropped
+      float* vn = v + (n - n0) * vj;
+      int64_t t = 0;
+      for (; t + 2 <= T; t += 2) {
+        const uint8_t* tp[2] = {panel + (t * nsb + c0) * kKSB<QT>, panel + ((t + 1) * nsb + c0) * kKSB<QT>};
+        kgemm_tiles<QT, 2, 4>(tp, wp, cn, vn + t * kKT, kKT, vj, c0 == 0);
+        kgemm_tiles<QT, 2, 4>(tp, wp + 4, cn, vn + 4 * vj + t * kKT, kKT, vj, c0 == 0);
+      }
+      if (t < T) {
+        const uint8_t* tp[1] = {panel + (t * nsb + c0) * kKSB<QT>};
+        kgemm_tiles<QT, 1, 8>(tp, wp, cn, vn + t * kKT, kKT, vj, c0 == 0);
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const float* vm = v + (m / kKT) * kKT + m % kKT;
+    for (int64_t n = 0; n < N; ++n) y[m * int64_t(ldy) + n0 + n] = vm[n * vj];
+  }
+}
+
+void kgemm_range_any(int qt, const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes,
+                     int64_t n0, int64_t n1, float* y, size_t ldy) {
+  if (qt == kQ4_K) kgemm_range<kQ4_K>(panel, M, K, w, row_bytes, n0, n1, y, ldy);
+  else kgemm_range<kQ6_K>(panel, M, K, w, row_bytes, n0, n1, y, ldy);
+}
+
 void qgemm_range_avx512(int qt, const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0,
                         int64_t n1, float* y, size_t ldy, int64_t kc, int64_t kmb) {
   switch (qt) {
@@ -3290,7 +3499,7 @@ void qgemm_range_amx_bf16(int qt, const Act& a, int64_t M, int64_t K, const uint
 // Which path block weights of type qt take for a call of M activation rows on ISA path isa: kQVec (AVX-512 / AVX2 /
 // scalar, Q8 activations) or kQAmxBf16 (the weights dequantized to bf16 per 16-row strip, AMX-BF16 tiles, bf16
 // activations: qgemm_amx_bf16_t), from a threshold of rows per type. ms_set_amx_rows changes it (A/B, tests).
-enum QPath { kQVec = 0, kQAmxBf16 = 2 };
+enum QPath { kQVec = 0, kQTiles = 1, kQAmxBf16 = 2 };  // kQTiles: kgemm (Q4_K / Q6_K, AVX-512, many rows)
 constexpr int kNoRows = 1 << 30;
 std::atomic<int> g_amx_rows[16] = {};  // by ggml type id; 0: amx_rows_default
 
@@ -3303,15 +3512,17 @@ std::atomic<int> g_amx_rows[16] = {};  // by ggml type id; 0: amx_rows_default
 inline int64_t amx_rows_default(int) { return 12; }
 
 inline int qpath(int isa, int qt, int64_t M) {
-  if (isa != kAmx) return kQVec;
+  const bool tiles = MS_X86 && isa >= kAvx512Bf16 && (qt == kQ4_K || qt == kQ6_K) && M >= kKTileMin;
+  if (isa != kAmx) return tiles ? kQTiles : kQVec;
   const int v = g_amx_rows[qt & 15].load(std::memory_order_relaxed);
-  return M >= (v > 0 ? v : amx_rows_default(qt)) ? kQAmxBf16 : kQVec;
+  return M >= (v > 0 ? v : amx_rows_default(qt)) ? kQAmxBf16 : tiles ? kQTiles : kQVec;
 }
 
 // The activations of a block-weight call, prepared for its path.
 struct QIn {
   int path = kQVec;
-  QAct q;  // kQVec: the rows quantized for the weight type (quantize_rows)
+  QAct q;  // kQVec, kQTiles: the rows quantized for the weight type (quantize_rows)
+  const uint8_t* panel = nullptr;  // kQTiles: the rows as kgemm's tiles (kpanel_build), in buf after q's rows
   Act b;   // kQAmxBf16: the rows' bf16 B tiles (amx_bf16_panel)
 };
 
@@ -3326,6 +3537,15 @@ QIn qprepare(int isa, int qt, const QSpec& sp, const void* x, bool xbf16, size_t
     return in;
   }
 #endif
+#if MS_X86
+  if (in.path == kQTiles) {
+    in.q = quantize_rows(sp, x, xbf16, ld, rows, M, K, buf, size_t(kpanel_bytes(qt, M, K)) + 64);
+    uint8_t* p = const_cast<uint8_t*>(in.q.base) + size_t(M) * size_t(in.q.stride);  // stride: a multiple of 64
+    kpanel_build(qt, in.q, M, K, p);
+    in.panel = p;
+    return in;
+  }
+#endif
   in.q = quantize_rows(sp, x, xbf16, ld, rows, M, K, buf);
   return in;
 }
@@ -3336,6 +3556,7 @@ void qgemm_range(int isa, int qt, const QIn& a, int64_t M, int64_t K, const uint
   if (K == 0) return zero_cols(M, n0, n1, y, ldy);
 #if MS_X86
   if (a.path == kQAmxBf16) return qgemm_range_amx_bf16(qt, a.b, M, K, w, row_bytes, n0, n1, y, ldy);
+  if (a.path == kQTiles) return kgemm_range_any(qt, a.panel, M, K, w, row_bytes, n0, n1, y, ldy);
 #endif
   qgemm_range_vec(isa, qt, a.q, M, K, w, row_bytes, n0, n1, y, ldy);
 }
@@ -3615,7 +3836,8 @@ int ms_qlinear(const void* x, int xbf16, int64_t M, int64_t K, const void* w, in
   return 0;
 }
 
-// The path (0: vector kernels with Q8 activations, 2: bf16-dequantized weights on AMX-BF16 with bf16 activations;
+// The path (0: vector kernels with Q8 activations, 1: kgemm's tiles of 16 rows (Q4_K / Q6_K, Q8 activations), 2:
+// bf16-dequantized weights on AMX-BF16 with bf16 activations;
 // qpath) that ms_qlinear takes for M rows of weight type qtype on the current ISA
 // path; -1 for an unknown type.
 int ms_qpath(int qtype, int64_t M) {
