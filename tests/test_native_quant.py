@@ -88,6 +88,33 @@ def test_qlinear_rows_independent_of_call_size(qtype):
 
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
+def test_kgemm_tiles(qtype):
+    """The K-quants' path for calls of >= 16 rows on AVX-512 (kgemm: tiles of 16 activation rows, weight codes
+    broadcast; ms_qpath 1) is taken by row count and matches the reference: one tile; three tiles (a pair of tiles,
+    then the odd one) over K in two chunks of the panel (the last of one super-block) with N not a multiple of the
+    8-row weight blocks; four tiles. A row's output is the same bits in every call on this path (15 rows: the pair
+    kernels, within the reference's tolerance only)."""
+    if native.best_isa() not in ("amx", "avx512bf16"):
+        pytest.skip(f"no AVX512-VNNI path: best {native.best_isa()}")
+    lib, qid = native.load(), native.QTYPE_IDS[qtype]
+    rng = np.random.default_rng(23 + (qtype == "q6_k"))
+    K = 256 * 23  # > the 64-row call's chunk of super-blocks (Q4_K 22, Q6_K 18): a tail chunk
+    w = native.random_blocks(rng, qtype, 19, K)
+    x = rng.standard_normal((64, K)).astype(np.float32)
+    native.set_isa("avx512bf16")
+    try:
+        assert [lib.ms_qpath(qid, m) for m in (1, 8, 15, 16, 40)] == [0, 0, 0, 1, 1]
+        ys = {M: native.linear_host(x[:M], w, threads=2) for M in (15, 16, 37, 64)}
+    finally:
+        native.set_isa(None)
+    ref = native.qlinear_reference(x, w, "q8")
+    for M, y in ys.items():
+        assert np.all(np.abs(y - ref[:M]) <= bound(x[:M], w, "q8")), (qtype, M, np.abs(y - ref[:M]).max())
+    np.testing.assert_array_equal(ys[37], ys[64][:37])
+    np.testing.assert_array_equal(ys[16], ys[64][:16])
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
 def test_kquant_extreme_blocks(isa, qtype):
     """K-quant blocks at the ends of their ranges (every code at its maximum, 6-bit scales / mins 63, Q6_K's int8
     scales -128 and 127) against activations of one sign and of alternating sign, so every 4-product integer sum of

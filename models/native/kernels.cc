@@ -1235,7 +1235,10 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 #endif
 
 enum QType { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
-constexpr int kKTileMin = 16;  // rows from which Q4_K / Q6_K calls take kgemm (AVX-512 path; kgemm_range)
+#ifndef MS_KTILE_MIN
+#define MS_KTILE_MIN 16
+#endif
+constexpr int kKTileMin = MS_KTILE_MIN;  // rows from which Q4_K / Q6_K calls take kgemm (AVX-512 path; kgemm_range)
 
 struct QSpec {
   int blk = 0;    // weights per block
