@@ -68,10 +68,10 @@ def test_qlinear_host_bf16_x_and_threads_identical(isa):
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_qlinear_rows_independent_of_call_size(qtype):
     """AVX-512 path, K over several 2048-weight chunks: row m of an M-row call is the 1-row call on that row, bit for
-    bit, for M = 2..8 (one pass, every weight block applied to all rows) and, for Q8_0 / Q4_0, M = 9..13 (K in chunks,
-    partial sums carried as vectors); Q4_K / Q6_K take kgemm's tiles from 9 rows (ms_qpath 1), whose rows are equal
-    between calls on that path (M = 9 and 13 here) but not to the 1-row call's (f32 summation order); all match the
-    reference (a chunk's sums dropped or added twice would not)."""
+    bit, for M = 2..8 (one pass, every weight block applied to all rows) and, for Q4_0 at M = 9..13 and Q8_0 at 9
+    (K in chunks, partial sums carried as vectors); Q4_K / Q6_K take kgemm's tiles from 9 rows, Q8_0 from 12 (ms_qpath
+    1), whose rows are equal between calls on that path (M = 9 / 13 here) but not to the 1-row call's (f32 summation
+    order); all match the reference (a chunk's sums dropped or added twice would not)."""
     if native.best_isa() not in ("amx", "avx512bf16"):
         pytest.skip(f"no AVX512-VNNI path: best {native.best_isa()}")
     rng = np.random.default_rng(11 + QTYPES.index(qtype))
@@ -94,31 +94,32 @@ def test_qlinear_rows_independent_of_call_size(qtype):
         assert np.all(np.abs(y - ref) <= bound(x, w, "q8")), np.abs(y - ref).max()
 
 
-@pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q8_0"])
 def test_kgemm_tiles(qtype):
-    """The K-quants' path for calls of >= 9 rows on AVX-512 (kgemm: tiles of 16 activation rows, weight codes
-    broadcast; ms_qpath 1) is taken by row count and matches the reference: one tile (9 rows: 7 zero rows); three tiles
-    (a pair of tiles, then the odd one) over K in two chunks of the panel (the last of one super-block) with N not a
-    multiple of the 8-row weight blocks; four tiles. A row's output is the same bits in every call on this path (8
-    rows: the pair kernels, within the reference's tolerance only)."""
+    """The path for calls of >= 9 rows (Q4_K, Q6_K; Q8_0 >= 12) on AVX-512 (kgemm: tiles of 16 activation rows, weight
+    codes broadcast; ms_qpath 1) is taken by row count and matches the reference: one tile (partly zero rows); three
+    tiles (a pair of tiles, then the odd one) over K in two chunks of the panel (the last shorter) with N not a
+    multiple of the 8-row weight blocks; four tiles. A row's output is the same bits in every call on this path (one
+    row fewer: the pair kernels, within the reference's tolerance only)."""
     if native.best_isa() not in ("amx", "avx512bf16"):
         pytest.skip(f"no AVX512-VNNI path: best {native.best_isa()}")
     lib, qid = native.load(), native.QTYPE_IDS[qtype]
-    rng = np.random.default_rng(23 + (qtype == "q6_k"))
-    K = 256 * 23  # > the 64-row call's chunk of super-blocks (Q4_K 22, Q6_K 18): a tail chunk
+    rng = np.random.default_rng(23 + ["q4_k", "q6_k", "q8_0"].index(qtype))
+    # K past the 64-row call's chunk (Q4_K 22 super-blocks, Q6_K 18, Q8_0 153 blocks): a tail chunk
+    K, first = (32 * 301, 12) if qtype == "q8_0" else (256 * 23, 9)
     w = native.random_blocks(rng, qtype, 19, K)
     x = rng.standard_normal((64, K)).astype(np.float32)
     native.set_isa("avx512bf16")
     try:
-        assert [lib.ms_qpath(qid, m) for m in (1, 8, 9, 16, 40)] == [0, 0, 1, 1, 1]
-        ys = {M: native.linear_host(x[:M], w, threads=2) for M in (8, 9, 37, 64)}
+        assert [lib.ms_qpath(qid, m) for m in (1, first - 1, first, 16, 40)] == [0, 0, 1, 1, 1]
+        ys = {M: native.linear_host(x[:M], w, threads=2) for M in (first - 1, first, 37, 64)}
     finally:
         native.set_isa(None)
     ref = native.qlinear_reference(x, w, "q8")
     for M, y in ys.items():
         assert np.all(np.abs(y - ref[:M]) <= bound(x[:M], w, "q8")), (qtype, M, np.abs(y - ref[:M]).max())
     np.testing.assert_array_equal(ys[37], ys[64][:37])
-    np.testing.assert_array_equal(ys[9], ys[64][:9])
+    np.testing.assert_array_equal(ys[first], ys[64][:first])
 
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])

@@ -1203,8 +1203,11 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 // -dmin * m_j * d_x * sum_k q_k; those f32 terms are summed per lane, then the lanes in a fixed order.
 // So each output equals "dequantize the blocks, dequantize the quantized activation, f32 matmul" up to f32
 // summation error. On the AVX-512 path an output does not depend on the other rows of the call: row m of an M-row
-// call is the 1-row call on that row, bit for bit (qgemm_range_512).
-// Paths: AVX512-VNNI (VPDPBUSD; the K-quants with integer sub-block scales, two outputs per vector; Q4_0 with exact
+// call is the 1-row call on that row, bit for bit (qgemm_range_512), up to kKTileMin rows (Q8_0 kKTileMin8); calls of
+// more rows of Q4_K / Q6_K / Q8_0 take kgemm's tiles, whose rows are the same bits in every call on that path (a
+// different f32 summation order from the 1-row call's).
+// Paths: AVX512-VNNI (VPDPBUSD; from kKTileMin rows (Q8_0 kKTileMin8) tiles of 16 activation rows against broadcast
+// weight codes, kgemm_range; below, the K-quants with integer sub-block scales, two outputs per vector; Q4_0 with exact
 // per-block sums, four outputs per vector, qmk512_u; Q8_0 in the same 4-block units, qmk512_u8), AVX2 (16-bit madd;
 // the K-quants likewise, qmk_avx2_k; Q4_0 in 2-block units, four outputs per vector, qmk_avx2_q4_0_u; Q8_0 per block,
 // four outputs per vector, qmk_avx2_q8_0_b), portable scalar -- all with the Q8 activations above (vector code on the
@@ -1239,6 +1242,10 @@ enum QType { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 #define MS_KTILE_MIN 9  // 1-thread A/B vs the pair kernels (Zen 5): 8 rows 0.97x / 0.85x, 9 rows 1.19x / 1.10x (Q4_K / Q6_K)
 #endif
 constexpr int kKTileMin = MS_KTILE_MIN;  // rows from which Q4_K / Q6_K calls take kgemm (AVX-512 path; kgemm_range)
+#ifndef MS_KTILE_MIN8
+#define MS_KTILE_MIN8 12  // A/B: 9 rows 0.96x, 10 1.00x, 11 0.94x, 12 1.05-1.10x, 16 1.25x
+#endif
+constexpr int kKTileMin8 = MS_KTILE_MIN8;  // the same for Q8_0 (kgemm8_tiles)
 
 struct QSpec {
   int blk = 0;    // weights per block
@@ -2673,7 +2680,8 @@ void qgemm_range_512(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size
 // super-block's f32 sum by d * sc (VCVTDQ2PS + FMA), Q6_K's offset (-32 x the sub-block's q sum) the chain's start
 // value and Q4_K's mins 4 VPDPWSSD of (m_2i, m_2i+1) against the rows' 32-sums per super-block; then x d_x into the
 // output (one FMA per super-block). Per 256 weights x 16 rows: 64 VPDPBUSD + 16 (Q6_K 32) + 7 (Q6_K 1) other
-// operations, no pair packing and no horizontal sums (lane r is row r's output).
+// operations, no pair packing and no horizontal sums (lane r is row r's output). Q8_0 likewise per 32-weight block
+// (kgemm8_tiles; its pair kernel, qmk512_u8, ran at ~0.12 TOP/s per core from 16 rows).
 // Rounding: every sub-block's integer sum is exact (|sum| < 2^17), converted exactly, then f32 products and sums in a
 // fixed order per lane (sub-blocks in K order into the super-block's sum, super-blocks in K order into the output),
 // whatever the row count, the tile a row lands in or the K chunking: a row's output is the same bits in every call
@@ -2685,22 +2693,36 @@ constexpr int kKT = 16;        // activation rows per tile (one vector)
 // (bs32[2i], bs32[2i+1]) int16 pairs; Q6_K: 16 vectors of -32 * the rows' 16-sums, int32), the rows' d_x
 template <int QT>
 constexpr int kKSide = QT == kQ4_K ? 256 : 1024;
+// Q8_0 (kgemm8_tiles) takes units of one 32-weight block: 8 vectors of 4 q per row, -128 * the rows' 32-sums (int32,
+// the start of the block's chain: the weights are made unsigned, w + 128), the rows' d_x: 640 bytes.
 template <int QT>
-constexpr int kKSB = 4096 + kKSide<QT> + 64;
+constexpr int kKSB = QT == kQ8_0 ? 640 : 4096 + kKSide<QT> + 64;  // panel bytes per tile and unit
+template <int QT>
+constexpr int kKUnit = QT == kQ8_0 ? 32 : 256;  // weights per unit
 
 inline int64_t kpanel_bytes(int qt, int64_t M, int64_t K) {
-  const int64_t sbb = qt == kQ4_K ? kKSB<kQ4_K> : kKSB<kQ6_K>;
-  return (M + kKT - 1) / kKT * (K / 256) * sbb;
+  const int64_t sbb = qt == kQ4_K ? kKSB<kQ4_K> : qt == kQ6_K ? kKSB<kQ6_K> : kKSB<kQ8_0>;
+  return (M + kKT - 1) / kKT * (K / (qt == kQ8_0 ? 32 : 256)) * sbb;
 }
 
 // The panel of a call (layout above; rows past M zero), tile t's super-block s at p + (t * nsb + s) * kKSB.
 template <int QT>
 void kpanel_build_t(const QAct& a, int64_t M, int64_t K, uint8_t* p) {
-  const int64_t nsb = K / 256, T = (M + kKT - 1) / kKT;
+  const int64_t nsb = K / kKUnit<QT>, T = (M + kKT - 1) / kKT;
   std::memset(p, 0, size_t(kpanel_bytes(QT, M, K)));
   for (int64_t t = 0; t < T; ++t)
     for (int r = 0; r < kKT && t * kKT + r < M; ++r) {
       const QRow x = a.row(t * kKT + r);
+      if constexpr (QT == kQ8_0) {
+        for (int64_t b = 0; b < nsb; ++b) {
+          uint8_t* u = p + (t * nsb + b) * kKSB<QT>;
+          for (int k4 = 0; k4 < 8; ++k4) std::memcpy(u + 64 * k4 + 4 * r, x.q + 32 * b + 4 * k4, 4);
+          const int32_t off = -128 * (int32_t(x.bs[2 * b]) + x.bs[2 * b + 1]);
+          std::memcpy(u + 512 + 4 * r, &off, 4);
+          std::memcpy(u + 576 + 4 * r, x.dl + 8 * b, 4);
+        }
+        continue;
+      }
       for (int64_t s = 0; s < nsb; ++s) {
         uint8_t* b = p + (t * nsb + s) * kKSB<QT>;
         for (int k4 = 0; k4 < 64; ++k4) std::memcpy(b + 64 * k4 + 4 * r, x.q + 256 * s + 4 * k4, 4);
@@ -2724,7 +2746,8 @@ void kpanel_build_t(const QAct& a, int64_t M, int64_t K, uint8_t* p) {
 
 void kpanel_build(int qt, const QAct& a, int64_t M, int64_t K, uint8_t* p) {
   if (qt == kQ4_K) kpanel_build_t<kQ4_K>(a, M, K, p);
-  else kpanel_build_t<kQ6_K>(a, M, K, p);
+  else if (qt == kQ6_K) kpanel_build_t<kQ6_K>(a, M, K, p);
+  else kpanel_build_t<kQ8_0>(a, M, K, p);
 }
 
 // One weight row's super-block for kgemm: codes in k order (Q4_K 0..15, Q6_K 0..63), d * sc per sub-block (Q4_K 8,
@@ -2814,6 +2837,57 @@ MS_INLINE void kgemm_tiles(const uint8_t* const* tp, const KW* const* wp, int64_
     for (int j = 0; j < NW; ++j) _mm512_store_ps(v + t * vt + j * vj, tot[t][j]);
 }
 
+// One weight row's Q8_0 block for kgemm8_tiles: the codes made unsigned (w + 128), d.
+struct alignas(64) KW8 {
+  uint8_t u[32];
+  float d;
+};
+
+MS_INLINE void kw8_unpack(const uint8_t* b, KW8& w) {
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w.u), _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))));
+  w.d = f16_at(b);
+}
+
+// kgemm_tiles for Q8_0, per 32-weight block: 8 VPDPBUSD from -128 * the rows' 32-sum (exact: |sum| < 2^20), one
+// conversion, d_w x the rows' d_x (f16 x f16: exact in f32) and one FMA into the output.
+template <int NT, int NW>
+MS_INLINE void kgemm8_tiles(const uint8_t* const* tp, const KW8* const* wp, int64_t nb, float* v, int64_t vt,
+                            int64_t vj, bool first) {
+  __m512 tot[NT][NW];
+  for (int t = 0; t < NT; ++t)
+    for (int j = 0; j < NW; ++j) tot[t][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(v + t * vt + j * vj);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* x[NT];
+    for (int t = 0; t < NT; ++t) x[t] = tp[t] + b * kKSB<kQ8_0>;
+    const KW8* w[NW];
+    for (int j = 0; j < NW; ++j) w[j] = wp[j] + b;
+    __m512i acc[NT][NW];
+    for (int t = 0; t < NT; ++t) {
+      const __m512i a0 = _mm512_load_si512(x[t] + 512);
+      for (int j = 0; j < NW; ++j) acc[t][j] = a0;
+    }
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q) {
+      __m512i xv[NT];
+      for (int t = 0; t < NT; ++t) xv[t] = _mm512_load_si512(x[t] + 64 * q);
+      for (int j = 0; j < NW; ++j) {
+        int32_t c;
+        std::memcpy(&c, w[j]->u + 4 * q, 4);
+        const __m512i wb = _mm512_set1_epi32(c);
+        for (int t = 0; t < NT; ++t) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], wb, xv[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m512 dx = _mm512_load_ps(x[t] + 576);
+      for (int j = 0; j < NW; ++j)
+        tot[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][j]), _mm512_mul_ps(dx, _mm512_set1_ps(w[j]->d)), tot[t][j]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int j = 0; j < NW; ++j) _mm512_store_ps(v + t * vt + j * vj, tot[t][j]);
+}
+
 thread_local std::vector<float> t_kw, t_kv;  // kgemm's unpacked weight rows and output sums
 
 // y[m, n] for n in [n0, n1), all M rows (panel: kpanel_build). K in chunks whose panel (all tiles) stays in L2; per
@@ -2822,37 +2896,49 @@ thread_local std::vector<float> t_kw, t_kv;  // kgemm's unpacked weight rows and
 template <int QT>
 void kgemm_range(const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0,
                  int64_t n1, float* y, size_t ldy) {
-  constexpr int bytes = QT == kQ4_K ? 144 : 210, NB = 8;
-  const int64_t nsb = K / 256, T = (M + kKT - 1) / kKT, N = n1 - n0;
-  const int64_t kc = std::max<int64_t>(1, std::min<int64_t>(nsb, (384 << 10) / (T * kKSB<QT>)));
-  KW* kw = static_cast<KW*>(grow_bytes(t_kw, size_t(NB * kc) * sizeof(KW) + 64));
-  kw = reinterpret_cast<KW*>(reinterpret_cast<uintptr_t>(kw) + (64 - reinterpret_cast<uintptr_t>(kw) % 64) % 64);
+  using W = typename std::conditional<QT == kQ8_0, KW8, KW>::type;
+  constexpr int bytes = QT == kQ4_K ? 144 : QT == kQ6_K ? 210 : 34, NB = 8, SB = kKSB<QT>;
+  const int64_t nsb = K / kKUnit<QT>, T = (M + kKT - 1) / kKT, N = n1 - n0;
+  const int64_t kc = std::max<int64_t>(1, std::min<int64_t>(nsb, (384 << 10) / (T * SB)));
+  W* kw = static_cast<W*>(grow_bytes(t_kw, size_t(NB * kc) * sizeof(W) + 64));
+  kw = reinterpret_cast<W*>(reinterpret_cast<uintptr_t>(kw) + (64 - reinterpret_cast<uintptr_t>(kw) % 64) % 64);
   float* v = static_cast<float*>(grow_bytes(t_kv, size_t((N + NB) * T * kKT) * 4 + 64));
   v += (16 - reinterpret_cast<uintptr_t>(v) / 4 % 16) % 16;
   const int64_t vj = T * kKT;  // floats from one weight row's sums to the next's
+  auto tiles = [&](auto nt, auto nw, const uint8_t* const* tp, const W* const* wp, int64_t cn, float* vv, bool first) {
+    if constexpr (QT == kQ8_0) kgemm8_tiles<decltype(nt)::value, decltype(nw)::value>(tp, wp, cn, vv, kKT, vj, first);
+    else kgemm_tiles<QT, decltype(nt)::value, decltype(nw)::value>(tp, wp, cn, vv, kKT, vj, first);
+  };
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  using I4 = std::integral_constant<int, 4>;
+  using I8 = std::integral_constant<int, 8>;
   for (int64_t c0 = 0; c0 < nsb; c0 += kc) {
     const int64_t c1 = std::min(nsb, c0 + kc), cn = c1 - c0;
     for (int64_t n = n0; n < n1; n += NB) {
       const int r = int(std::min<int64_t>(NB, n1 - n));
       for (int j = 0; j < r; ++j) {
         const uint8_t* row = w + size_t(n + j) * row_bytes + c0 * bytes;
-        for (int64_t s = 0; s < cn; ++s) kw_unpack<QT>(row + s * bytes, kw[j * kc + s]);
+        for (int64_t s = 0; s < cn; ++s) {
+          if constexpr (QT == kQ8_0) kw8_unpack(row + s * bytes, kw[j * kc + s]);
+          else kw_unpack<QT>(row + s * bytes, kw[j * kc + s]);
+        }
         if (n + NB + j < n1)  // the next block's row, this chunk
           for (int64_t off = 0; off < cn * bytes; off += 64)
             _mm_prefetch(reinterpret_cast<const char*>(row + NB * row_bytes + off), _MM_HINT_T0);
       }
-      const KW* wp[NB];
+      const W* wp[NB];
       for (int j = 0; j < NB; ++j) wp[j] = kw + (j < r ? j : 0) * kc;  // rows past r: row 0 again, sums dropped
       float* vn = v + (n - n0) * vj;
       int64_t t = 0;
       for (; t + 2 <= T; t += 2) {
-        const uint8_t* tp[2] = {panel + (t * nsb + c0) * kKSB<QT>, panel + ((t + 1) * nsb + c0) * kKSB<QT>};
-        kgemm_tiles<QT, 2, 4>(tp, wp, cn, vn + t * kKT, kKT, vj, c0 == 0);
-        kgemm_tiles<QT, 2, 4>(tp, wp + 4, cn, vn + 4 * vj + t * kKT, kKT, vj, c0 == 0);
+        const uint8_t* tp[2] = {panel + (t * nsb + c0) * SB, panel + ((t + 1) * nsb + c0) * SB};
+        tiles(I2(), I4(), tp, wp, cn, vn + t * kKT, c0 == 0);
+        tiles(I2(), I4(), tp, wp + 4, cn, vn + 4 * vj + t * kKT, c0 == 0);
       }
       if (t < T) {
-        const uint8_t* tp[1] = {panel + (t * nsb + c0) * kKSB<QT>};
-        kgemm_tiles<QT, 1, 8>(tp, wp, cn, vn + t * kKT, kKT, vj, c0 == 0);
+        const uint8_t* tp[1] = {panel + (t * nsb + c0) * SB};
+        tiles(I1(), I8(), tp, wp, cn, vn + t * kKT, c0 == 0);
       }
     }
   }
@@ -2865,7 +2951,8 @@ void kgemm_range(const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, s
 void kgemm_range_any(int qt, const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes,
                      int64_t n0, int64_t n1, float* y, size_t ldy) {
   if (qt == kQ4_K) kgemm_range<kQ4_K>(panel, M, K, w, row_bytes, n0, n1, y, ldy);
-  else kgemm_range<kQ6_K>(panel, M, K, w, row_bytes, n0, n1, y, ldy);
+  else if (qt == kQ6_K) kgemm_range<kQ6_K>(panel, M, K, w, row_bytes, n0, n1, y, ldy);
+  else kgemm_range<kQ8_0>(panel, M, K, w, row_bytes, n0, n1, y, ldy);
 }
 
 void qgemm_range_avx512(int qt, const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0,
@@ -3515,7 +3602,8 @@ std::atomic<int> g_amx_rows[16] = {};  // by ggml type id; 0: amx_rows_default
 inline int64_t amx_rows_default(int) { return 12; }
 
 inline int qpath(int isa, int qt, int64_t M) {
-  const bool tiles = MS_X86 && isa >= kAvx512Bf16 && (qt == kQ4_K || qt == kQ6_K) && M >= kKTileMin;
+  const bool tiles = MS_X86 && isa >= kAvx512Bf16 && (qt == kQ4_K || qt == kQ6_K || qt == kQ8_0) &&
+                     M >= (qt == kQ8_0 ? kKTileMin8 : kKTileMin);
   if (isa != kAmx) return tiles ? kQTiles : kQVec;
   const int v = g_amx_rows[qt & 15].load(std::memory_order_relaxed);
   return M >= (v > 0 ? v : amx_rows_default(qt)) ? kQAmxBf16 : tiles ? kQTiles : kQVec;
