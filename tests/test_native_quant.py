@@ -68,10 +68,11 @@ def test_qlinear_host_bf16_x_and_threads_identical(isa):
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_qlinear_rows_independent_of_call_size(qtype):
     """AVX-512 path, K over several 2048-weight chunks: row m of an M-row call is the 1-row call on that row, bit for
-    bit, for M = 2..8 (one pass, every weight block applied to all rows) and, for Q4_0 at M = 9..13 and Q8_0 at 9
-    (K in chunks, partial sums carried as vectors); Q4_K / Q6_K take kgemm's tiles from 9 rows, Q8_0 from 12 (ms_qpath
-    1), whose rows are equal between calls on that path (M = 9 / 13 here) but not to the 1-row call's (f32 summation
-    order); all match the reference (a chunk's sums dropped or added twice would not)."""
+    bit, for M = 2..7 (one pass, every weight block applied to all rows; Q8_0 / Q4_0 also 8) and, for Q4_0 at M =
+    9..13 and Q8_0 at 9 (K in chunks, partial sums carried as vectors). Q4_K / Q6_K take kgemm's tiles from 8 rows
+    (8: two lanes a row, a class of its own), Q8_0 from 12 (ms_qpath 1): rows of calls of >= 9 rows on that path are
+    equal (M = 9 / 13 here), not to the 1-row call's (f32 summation order); all match the reference (a chunk's sums
+    dropped or added twice would not)."""
     if native.best_isa() not in ("amx", "avx512bf16"):
         pytest.skip(f"no AVX512-VNNI path: best {native.best_isa()}")
     rng = np.random.default_rng(11 + QTYPES.index(qtype))
@@ -83,43 +84,48 @@ def test_qlinear_rows_independent_of_call_size(qtype):
         single = np.concatenate([native.linear_host(x[m:m + 1], w, threads=1) for m in range(13)])
         tiles = native.linear_host(x, w, threads=2)  # 13 rows: kgemm's tiles for the K-quants
         path = {M: native.load().ms_qpath(native.QTYPE_IDS[qtype], M) for M in range(1, 14)}
+        kquant = qtype in ("q4_k", "q6_k")
         for M in (2, 3, 4, 5, 6, 7, 8, 9, 13):
+            if kquant and M == 8:
+                continue
             same = tiles if path[M] == 1 else single
             np.testing.assert_array_equal(native.linear_host(x[:M], w, threads=2), same[:M], err_msg=f"M={M}")
+        eight = native.linear_host(x[:8], w, threads=2)
     finally:
         native.set_isa(None)
-    assert [path[M] for M in (8, 9)] == ([0, 1] if qtype in ("q4_k", "q6_k") else [0, 0])
+    assert [path[M] for M in (7, 8, 9)] == ([0, 1, 1] if kquant else [0, 0, 0])
     ref = native.qlinear_reference(x, w, "q8")  # the AVX-512 path's rounding (the default path may be AMX's)
-    for y in (single, tiles):
-        assert np.all(np.abs(y - ref) <= bound(x, w, "q8")), np.abs(y - ref).max()
+    for y in (single, tiles, eight):
+        assert np.all(np.abs(y - ref[:len(y)]) <= bound(x[:len(y)], w, "q8")), np.abs(y - ref[:len(y)]).max()
 
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q8_0"])
 def test_kgemm_tiles(qtype):
-    """The path for calls of >= 9 rows (Q4_K, Q6_K; Q8_0 >= 12) on AVX-512 (kgemm: tiles of 16 activation rows, weight
-    codes broadcast; ms_qpath 1) is taken by row count and matches the reference: one tile (partly zero rows); three
-    tiles (a pair of tiles, then the odd one) over K in two chunks of the panel (the last shorter) with N not a
-    multiple of the 8-row weight blocks; four tiles. A row's output is the same bits in every call on this path (one
-    row fewer: the pair kernels, within the reference's tolerance only)."""
+    """The path for calls of >= 8 rows (Q4_K, Q6_K; Q8_0 >= 12) on AVX-512 (kgemm: tiles of 16 activation lanes,
+    weight codes broadcast; ms_qpath 1) is taken by row count and matches the reference: one tile (8 K-quant rows: two
+    lanes a row; 9 or 12: partly zero rows); three tiles (a pair of tiles, then the odd one) over K in two chunks of
+    the panel (the last shorter) with N not a multiple of the 8-row weight blocks; four tiles. A row's output is the
+    same bits in every call of >= 9 rows (one row fewer than the first: the pair kernels, within the reference's
+    tolerance only)."""
     if native.best_isa() not in ("amx", "avx512bf16"):
         pytest.skip(f"no AVX512-VNNI path: best {native.best_isa()}")
     lib, qid = native.load(), native.QTYPE_IDS[qtype]
     rng = np.random.default_rng(23 + ["q4_k", "q6_k", "q8_0"].index(qtype))
     # K past the 64-row call's chunk (Q4_K 22 super-blocks, Q6_K 18, Q8_0 153 blocks): a tail chunk
-    K, first = (32 * 301, 12) if qtype == "q8_0" else (256 * 23, 9)
+    K, first = (32 * 301, 12) if qtype == "q8_0" else (256 * 23, 8)
     w = native.random_blocks(rng, qtype, 19, K)
     x = rng.standard_normal((64, K)).astype(np.float32)
     native.set_isa("avx512bf16")
     try:
         assert [lib.ms_qpath(qid, m) for m in (1, first - 1, first, 16, 40)] == [0, 0, 1, 1, 1]
-        ys = {M: native.linear_host(x[:M], w, threads=2) for M in (first - 1, first, 37, 64)}
+        ys = {M: native.linear_host(x[:M], w, threads=2) for M in (first - 1, first, 12, 37, 64)}
     finally:
         native.set_isa(None)
     ref = native.qlinear_reference(x, w, "q8")
     for M, y in ys.items():
         assert np.all(np.abs(y - ref[:M]) <= bound(x[:M], w, "q8")), (qtype, M, np.abs(y - ref[:M]).max())
     np.testing.assert_array_equal(ys[37], ys[64][:37])
-    np.testing.assert_array_equal(ys[first], ys[64][:first])
+    np.testing.assert_array_equal(ys[12], ys[64][:12])
 
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
@@ -127,7 +133,7 @@ def test_kquant_extreme_blocks(isa, qtype):
     """K-quant blocks at the ends of their ranges (every code at its maximum, 6-bit scales / mins 63, Q6_K's int8
     scales -128 and 127) against activations of one sign and of alternating sign, so every 4-product integer sum of
     the super-block kernels is at its largest (4 x 63 x 127 for Q6_K): nothing may saturate on the way (the AVX-512
-    kernel packs two outputs' 4-product sums into 16 bits); odd row counts take the weight-paired path, 11 rows
+    kernel packs two outputs' 4-product sums into 16 bits); odd row counts take the weight-paired path, 8 and 11 rows
     kgemm's tiles (sub-block sums in int32, Q6_K's from -32 x the 16-sum)."""
     rows, K = 9, 512
     nbytes = 144 if qtype == "q4_k" else 210
@@ -147,7 +153,7 @@ def test_kquant_extreme_blocks(isa, qtype):
     x[3] = np.where((np.arange(K) // 16) % 2 == 0, 2.0, -1.0)
     x[4] = np.linspace(-1.0, 1.0, K, dtype=np.float32)
     x = np.concatenate([x, x[::-1], x[:1]])  # 11 rows: kgemm's tiles on the AVX-512 path
-    for M in (1, 2, 3, 5, 11):
+    for M in (1, 2, 3, 5, 8, 11):
         y = native.linear_host(x[:M], w, threads=1)
         ref = native.qlinear_reference(x[:M], w)
         assert np.all(np.abs(y - ref) <= bound(x[:M], w)), (isa, qtype, M, np.abs(y - ref).max())

@@ -1239,7 +1239,8 @@ void dense_experts(int isa, int wt, const void* x, int64_t H, int64_t F, int64_t
 
 enum QType { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 #ifndef MS_KTILE_MIN
-#define MS_KTILE_MIN 9  // 1-thread A/B vs the pair kernels (Zen 5): 8 rows 0.97x / 0.85x, 9 rows 1.19x / 1.10x (Q4_K / Q6_K)
+#define MS_KTILE_MIN 8  // 1-thread A/B vs the pair kernels (Zen 5; Q4_K / Q6_K): 8 rows (2 lanes a row, kseg) 1.39-1.46x /
+                        // 1.14-1.24x, 9 rows 1.19x / 1.10x (kgemm_range)
 #endif
 constexpr int kKTileMin = MS_KTILE_MIN;  // rows from which Q4_K / Q6_K calls take kgemm (AVX-512 path; kgemm_range)
 #ifndef MS_KTILE_MIN8
@@ -2700,19 +2701,30 @@ constexpr int kKSB = QT == kQ8_0 ? 640 : 4096 + kKSide<QT> + 64;  // panel bytes
 template <int QT>
 constexpr int kKUnit = QT == kQ8_0 ? 32 : 256;  // weights per unit
 
+// Segments: a K-quant call of 8 rows fills a vector with 8 rows, each in S = 2 lanes: lane r * S + s takes row r's
+// products of segment s of every super-block (weights 256 / S * s .. 256 / S * (s + 1) - 1), its weight codes, scales
+// and mins broadcast S at a time (VPBROADCASTQ: a load, as the dword broadcast), and the S lanes of a row are summed
+// once at the end. Rows per tile: kKT / S. 1-thread A/B against the pair kernels (bench_qlinear_ab, cached [14336 x
+// 4096]; Q4_K / Q6_K): 8 rows 1.39-1.46x / 1.14-1.24x, but 6 rows 1.01x / 1.01x, 7 rows 0.95x / 0.89x, 5 rows 0.70x /
+// 0.65x; S = 4 at 3-4 rows 0.74-0.83x / 0.59-0.62x: at one tile the weight unpacking (kw_unpack: codes, the
+// segment-interleaving permutes, scales), per weight row and super-block, outweighs the tile's 16-32 VPDPBUSD.
+inline int kseg(int qt, int64_t M) { return qt == kQ8_0 || M > 8 ? 1 : 2; }
+
 inline int64_t kpanel_bytes(int qt, int64_t M, int64_t K) {
   const int64_t sbb = qt == kQ4_K ? kKSB<kQ4_K> : qt == kQ6_K ? kKSB<kQ6_K> : kKSB<kQ8_0>;
-  return (M + kKT - 1) / kKT * (K / (qt == kQ8_0 ? 32 : 256)) * sbb;
+  const int64_t tr = kKT / kseg(qt, M);
+  return (M + tr - 1) / tr * (K / (qt == kQ8_0 ? 32 : 256)) * sbb;
 }
 
 // The panel of a call (layout above; rows past M zero), tile t's super-block s at p + (t * nsb + s) * kKSB.
-template <int QT>
+template <int QT, int S>
 void kpanel_build_t(const QAct& a, int64_t M, int64_t K, uint8_t* p) {
-  const int64_t nsb = K / kKUnit<QT>, T = (M + kKT - 1) / kKT;
+  constexpr int TR = kKT / S;
+  const int64_t nsb = K / kKUnit<QT>, T = (M + TR - 1) / TR;
   std::memset(p, 0, size_t(kpanel_bytes(QT, M, K)));
   for (int64_t t = 0; t < T; ++t)
-    for (int r = 0; r < kKT && t * kKT + r < M; ++r) {
-      const QRow x = a.row(t * kKT + r);
+    for (int r = 0; r < TR && t * TR + r < M; ++r) {
+      const QRow x = a.row(t * TR + r);
       if constexpr (QT == kQ8_0) {
         for (int64_t b = 0; b < nsb; ++b) {
           uint8_t* u = p + (t * nsb + b) * kKSB<QT>;
@@ -2725,29 +2737,39 @@ void kpanel_build_t(const QAct& a, int64_t M, int64_t K, uint8_t* p) {
       }
       for (int64_t s = 0; s < nsb; ++s) {
         uint8_t* b = p + (t * nsb + s) * kKSB<QT>;
-        for (int k4 = 0; k4 < 64; ++k4) std::memcpy(b + 64 * k4 + 4 * r, x.q + 256 * s + 4 * k4, 4);
         const int16_t* bs = x.bs + 16 * s;
         uint8_t* side = b + 4096;
-        if constexpr (QT == kQ4_K) {
-          for (int i = 0; i < 4; ++i) {
-            const int16_t v[2] = {int16_t(bs[4 * i] + bs[4 * i + 1]), int16_t(bs[4 * i + 2] + bs[4 * i + 3])};
-            std::memcpy(side + 64 * i + 4 * r, v, 4);
+        for (int g = 0; g < S; ++g) {  // segment g: lane r * S + g of vector i (i: its quad, sub-block or pair step)
+          const int lane = 4 * (r * S + g);
+          for (int i = 0; i < 64 / S; ++i) std::memcpy(b + 64 * i + lane, x.q + 256 * s + 4 * (64 / S * g + i), 4);
+          if constexpr (QT == kQ4_K) {
+            for (int i = 0; i < 4 / S; ++i) {
+              const int pr = 4 / S * g + i;
+              const int16_t v[2] = {int16_t(bs[4 * pr] + bs[4 * pr + 1]), int16_t(bs[4 * pr + 2] + bs[4 * pr + 3])};
+              std::memcpy(side + 64 * i + lane, v, 4);
+            }
+          } else {
+            for (int i = 0; i < 16 / S; ++i) {
+              const int32_t v = -32 * int32_t(bs[16 / S * g + i]);
+              std::memcpy(side + 64 * i + lane, &v, 4);
+            }
           }
-        } else {
-          for (int i = 0; i < 16; ++i) {
-            const int32_t v = -32 * int32_t(bs[i]);
-            std::memcpy(side + 64 * i + 4 * r, &v, 4);
-          }
+          std::memcpy(side + kKSide<QT> + lane, x.dl + 64 * s, 4);
         }
-        std::memcpy(side + kKSide<QT> + 4 * r, x.dl + 64 * s, 4);
       }
     }
 }
 
+template <int QT>
+void kpanel_build_s(const QAct& a, int64_t M, int64_t K, uint8_t* p) {
+  if (kseg(QT, M) == 1) return kpanel_build_t<QT, 1>(a, M, K, p);
+  kpanel_build_t<QT, 2>(a, M, K, p);
+}
+
 void kpanel_build(int qt, const QAct& a, int64_t M, int64_t K, uint8_t* p) {
-  if (qt == kQ4_K) kpanel_build_t<kQ4_K>(a, M, K, p);
-  else if (qt == kQ6_K) kpanel_build_t<kQ6_K>(a, M, K, p);
-  else kpanel_build_t<kQ8_0>(a, M, K, p);
+  if (qt == kQ4_K) kpanel_build_s<kQ4_K>(a, M, K, p);
+  else if (qt == kQ6_K) kpanel_build_s<kQ6_K>(a, M, K, p);
+  else kpanel_build_t<kQ8_0, 1>(a, M, K, p);
 }
 
 // One weight row's super-block for kgemm: codes in k order (Q4_K 0..15, Q6_K 0..63), d * sc per sub-block (Q4_K 8,
@@ -2759,30 +2781,62 @@ struct alignas(64) KW {
   float ndmin;
 };
 
-template <int QT>
+// With S segments (kseg) the codes, scales and min pairs are stored segment-interleaved: element i * S + g is
+// segment g's i-th (dword of 4 codes, sub-block scale, min pair), so that S of them broadcast together.
+template <int QT, int S>
 MS_INLINE void kw_unpack(const uint8_t* sb, KW& w) {
   __m512i u[4];
   kcodes<QT>(sb, u);
+  if constexpr (S == 2) {  // segments: dwords 0..31 (u0, u1) and 32..63 (u2, u3)
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    const __m512i o[4] = {_mm512_permutex2var_epi32(u[0], lo, u[2]), _mm512_permutex2var_epi32(u[0], hi, u[2]),
+                          _mm512_permutex2var_epi32(u[1], lo, u[3]), _mm512_permutex2var_epi32(u[1], hi, u[3])};
+    for (int g = 0; g < 4; ++g) u[g] = o[g];
+  }
   for (int g = 0; g < 4; ++g) _mm512_store_si512(w.u + 64 * g, u[g]);
   if constexpr (QT == kQ4_K) {
     uint64_t sc, mn;
     q4k_scales_mins(sb, sc, mn);
     const __m256 d = _mm256_set1_ps(f16_at(sb));
-    _mm256_store_ps(w.dsc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc))))));
-    _mm_store_si128(reinterpret_cast<__m128i*>(w.mn), _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn))));
+    __m256 ds = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc)))));
+    __m128i m = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn)));
+    if constexpr (S == 2) {  // sub-blocks 0..3 | 4..7; pairs 0, 1 | 2, 3
+      ds = _mm256_permutevar8x32_ps(ds, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      m = _mm_shuffle_epi32(m, 0xD8);
+    }
+    _mm256_store_ps(w.dsc, ds);
+    _mm_store_si128(reinterpret_cast<__m128i*>(w.mn), m);
     w.ndmin = -f16_at(sb + 2);
   } else {
     const __m512i s = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)));
-    _mm512_store_ps(w.dsc, _mm512_mul_ps(_mm512_set1_ps(f16_at(sb + 208)), _mm512_cvtepi32_ps(s)));
+    __m512 ds = _mm512_mul_ps(_mm512_set1_ps(f16_at(sb + 208)), _mm512_cvtepi32_ps(s));
+    if constexpr (S == 2) ds = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), ds);
+    _mm512_store_ps(w.dsc, ds);
+  }
+}
+
+// S consecutive dwords (S = 1, 2) broadcast to every S-lane group of a vector (one load).
+template <int S>
+MS_INLINE __m512i kbcast(const void* p) {
+  static_assert(S == 1 || S == 2, "segments: 1 or 2");
+  if constexpr (S == 1) {
+    int32_t c;
+    std::memcpy(&c, p, 4);
+    return _mm512_set1_epi32(c);
+  } else {
+    int64_t c;
+    std::memcpy(&c, p, 8);
+    return _mm512_set1_epi64(c);
   }
 }
 
 // NT tiles x NW weight rows over nsb super-blocks: tp[t] the tiles' panel at the chunk's first super-block, wp[j] the
 // rows' unpacked super-blocks; v(t, j) the 16 output sums (rows of tile t, weight row j) between chunks.
-template <int QT, int NT, int NW>
+template <int QT, int NT, int NW, int S>
 MS_INLINE void kgemm_tiles(const uint8_t* const* tp, const KW* const* wp, int64_t nsb, float* v, int64_t vt,
                            int64_t vj, bool first) {
-  constexpr int SUB = QT == kQ4_K ? 32 : 16, NSUB = 256 / SUB, QPS = SUB / 4;
+  constexpr int SUB = QT == kQ4_K ? 32 : 16, NSUB = 256 / SUB / S, QPS = SUB / 4;  // NSUB: sub-block steps
   __m512 tot[NT][NW];
   for (int t = 0; t < NT; ++t)
     for (int j = 0; j < NW; ++j) tot[t][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(v + t * vt + j * vj);
@@ -2805,14 +2859,12 @@ MS_INLINE void kgemm_tiles(const uint8_t* const* tp, const KW* const* wp, int64_
         __m512i xv[NT];
         for (int t = 0; t < NT; ++t) xv[t] = _mm512_load_si512(x[t] + 64 * k4);
         for (int j = 0; j < NW; ++j) {
-          int32_t c;
-          std::memcpy(&c, w[j]->u + 4 * k4, 4);
-          const __m512i wb = _mm512_set1_epi32(c);
+          const __m512i wb = kbcast<S>(w[j]->u + 4 * S * k4);
           for (int t = 0; t < NT; ++t) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], wb, xv[t]);
         }
       }
       for (int j = 0; j < NW; ++j) {
-        const __m512 ds = _mm512_set1_ps(w[j]->dsc[b]);
+        const __m512 ds = _mm512_castsi512_ps(kbcast<S>(w[j]->dsc + S * b));
         for (int t = 0; t < NT; ++t) {
           const __m512 f = _mm512_cvtepi32_ps(acc[t][j]);
           sbs[t][j] = b == 0 ? _mm512_mul_ps(f, ds) : _mm512_fmadd_ps(f, ds, sbs[t][j]);
@@ -2823,8 +2875,8 @@ MS_INLINE void kgemm_tiles(const uint8_t* const* tp, const KW* const* wp, int64_
       for (int j = 0; j < NW; ++j)
         for (int t = 0; t < NT; ++t) {
           __m512i m = _mm512_setzero_si512();
-          for (int i = 0; i < 4; ++i)
-            m = _mm512_dpwssd_epi32(m, _mm512_set1_epi32(w[j]->mn[i]), _mm512_load_si512(x[t] + 4096 + 64 * i));
+          for (int i = 0; i < 4 / S; ++i)
+            m = _mm512_dpwssd_epi32(m, kbcast<S>(w[j]->mn + S * i), _mm512_load_si512(x[t] + 4096 + 64 * i));
           sbs[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(w[j]->ndmin), sbs[t][j]);
         }
     }
@@ -2893,12 +2945,12 @@ thread_local std::vector<float> t_kw, t_kv;  // kgemm's unpacked weight rows and
 // y[m, n] for n in [n0, n1), all M rows (panel: kpanel_build). K in chunks whose panel (all tiles) stays in L2; per
 // chunk, blocks of 8 weight rows unpacked once (the next block prefetched) and taken by every tile, 2 tiles x 4 rows
 // (1 x 8 for a last odd tile) a kernel call; the sums kept in v [n][tile][16] between chunks, written to y at the end.
-template <int QT>
+template <int QT, int S>
 void kgemm_range(const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0,
                  int64_t n1, float* y, size_t ldy) {
   using W = typename std::conditional<QT == kQ8_0, KW8, KW>::type;
-  constexpr int bytes = QT == kQ4_K ? 144 : QT == kQ6_K ? 210 : 34, NB = 8, SB = kKSB<QT>;
-  const int64_t nsb = K / kKUnit<QT>, T = (M + kKT - 1) / kKT, N = n1 - n0;
+  constexpr int bytes = QT == kQ4_K ? 144 : QT == kQ6_K ? 210 : 34, NB = 8, SB = kKSB<QT>, TR = kKT / S;
+  const int64_t nsb = K / kKUnit<QT>, T = (M + TR - 1) / TR, N = n1 - n0;
   const int64_t kc = std::max<int64_t>(1, std::min<int64_t>(nsb, (384 << 10) / (T * SB)));
   W* kw = static_cast<W*>(grow_bytes(t_kw, size_t(NB * kc) * sizeof(W) + 64));
   kw = reinterpret_cast<W*>(reinterpret_cast<uintptr_t>(kw) + (64 - reinterpret_cast<uintptr_t>(kw) % 64) % 64);
@@ -2907,7 +2959,7 @@ void kgemm_range(const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, s
   const int64_t vj = T * kKT;  // floats from one weight row's sums to the next's
   auto tiles = [&](auto nt, auto nw, const uint8_t* const* tp, const W* const* wp, int64_t cn, float* vv, bool first) {
     if constexpr (QT == kQ8_0) kgemm8_tiles<decltype(nt)::value, decltype(nw)::value>(tp, wp, cn, vv, kKT, vj, first);
-    else kgemm_tiles<QT, decltype(nt)::value, decltype(nw)::value>(tp, wp, cn, vv, kKT, vj, first);
+    else kgemm_tiles<QT, decltype(nt)::value, decltype(nw)::value, S>(tp, wp, cn, vv, kKT, vj, first);
   };
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
@@ -2921,7 +2973,7 @@ void kgemm_range(const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, s
         const uint8_t* row = w + size_t(n + j) * row_bytes + c0 * bytes;
         for (int64_t s = 0; s < cn; ++s) {
           if constexpr (QT == kQ8_0) kw8_unpack(row + s * bytes, kw[j * kc + s]);
-          else kw_unpack<QT>(row + s * bytes, kw[j * kc + s]);
+          else kw_unpack<QT, S>(row + s * bytes, kw[j * kc + s]);
         }
         if (n + NB + j < n1)  // the next block's row, this chunk
           for (int64_t off = 0; off < cn * bytes; off += 64)
@@ -2942,17 +2994,26 @@ void kgemm_range(const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, s
       }
     }
   }
-  for (int64_t m = 0; m < M; ++m) {
-    const float* vm = v + (m / kKT) * kKT + m % kKT;
-    for (int64_t n = 0; n < N; ++n) y[m * int64_t(ldy) + n0 + n] = vm[n * vj];
+  for (int64_t m = 0; m < M; ++m) {  // row m: lanes S (m % TR) .. + S - 1 of its tile, summed pairwise
+    const float* vm = v + (m / TR) * kKT + S * (m % TR);
+    for (int64_t n = 0; n < N; ++n) {
+      const float* l = vm + n * vj;
+      y[m * int64_t(ldy) + n0 + n] = S == 1 ? l[0] : l[0] + l[1];
+    }
   }
 }
 
 void kgemm_range_any(int qt, const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes,
                      int64_t n0, int64_t n1, float* y, size_t ldy) {
-  if (qt == kQ4_K) kgemm_range<kQ4_K>(panel, M, K, w, row_bytes, n0, n1, y, ldy);
-  else if (qt == kQ6_K) kgemm_range<kQ6_K>(panel, M, K, w, row_bytes, n0, n1, y, ldy);
-  else kgemm_range<kQ8_0>(panel, M, K, w, row_bytes, n0, n1, y, ldy);
+  const int S = kseg(qt, M);
+  auto go = [&](auto qtc) {
+    constexpr int QT = decltype(qtc)::value;
+    if (S == 1) return kgemm_range<QT, 1>(panel, M, K, w, row_bytes, n0, n1, y, ldy);
+    if constexpr (QT != kQ8_0) kgemm_range<QT, 2>(panel, M, K, w, row_bytes, n0, n1, y, ldy);
+  };
+  if (qt == kQ4_K) go(std::integral_constant<int, kQ4_K>());
+  else if (qt == kQ6_K) go(std::integral_constant<int, kQ6_K>());
+  else go(std::integral_constant<int, kQ8_0>());
 }
 
 void qgemm_range_avx512(int qt, const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0,
