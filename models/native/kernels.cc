@@ -3662,12 +3662,16 @@ std::atomic<int> g_amx_rows[16] = {};  // by ggml type id; 0: amx_rows_default
 // to 10 (AMX / AVX-512 0.74x / 0.90x / 0.95x / 1.03x / 1.10x at 8-12 rows, README "AMX, block types")
 inline int64_t amx_rows_default(int) { return 12; }
 
+// kgemm's tiles (kQTiles) on the avx512bf16 ISA path only: measured on Zen 5 (no AMX); on the amx path calls below the
+// tiles' threshold keep the pair kernels, as tuned on Sapphire Rapids (kgemm there is unmeasured).
 inline int qpath(int isa, int qt, int64_t M) {
-  const bool tiles = MS_X86 && isa >= kAvx512Bf16 && (qt == kQ4_K || qt == kQ6_K || qt == kQ8_0) &&
-                     M >= (qt == kQ8_0 ? kKTileMin8 : kKTileMin);
-  if (isa != kAmx) return tiles ? kQTiles : kQVec;
+  if (isa != kAmx) {
+    const bool tiles = MS_X86 && isa == kAvx512Bf16 && (qt == kQ4_K || qt == kQ6_K || qt == kQ8_0) &&
+                       M >= (qt == kQ8_0 ? kKTileMin8 : kKTileMin);
+    return tiles ? kQTiles : kQVec;
+  }
   const int v = g_amx_rows[qt & 15].load(std::memory_order_relaxed);
-  return M >= (v > 0 ? v : amx_rows_default(qt)) ? kQAmxBf16 : tiles ? kQTiles : kQVec;
+  return M >= (v > 0 ? v : amx_rows_default(qt)) ? kQAmxBf16 : kQVec;
 }
 
 // The activations of a block-weight call, prepared for its path.
