@@ -2668,7 +2668,7 @@ void qgemm_range_512(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size
     pass(R, mb, std::min(M, mb + kmb), kc, MG, [&](auto&& block) { for_blocks<R>(n0, n1, block); });
 }
 
-// ---- K-quants at many activation rows: weight codes broadcast, 16 activation rows per vector (kgemm) ----------
+// ---- K-quants and Q8_0 at many activation rows: weight codes broadcast, 16 rows per vector (kgemm) ------------
 // Why: at 4-64 rows qmk512k_rm is compute-bound on Zen 5 (no AMX; 0.17-0.25 TOP/s per core measured). Per super-block
 // and output pair it issues 8 VPDPBUSD for 4 VPACKSSDW + 4 (Q6_K 5) VPDPWSSD + a conversion, a multiply and one or two
 // FMAs (~12 operations of overhead for 8 useful ones), each weight row's super-block unpacked in registers for only
@@ -2686,8 +2686,8 @@ void qgemm_range_512(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size
 // Rounding: every sub-block's integer sum is exact (|sum| < 2^17), converted exactly, then f32 products and sums in a
 // fixed order per lane (sub-blocks in K order into the super-block's sum, super-blocks in K order into the output),
 // whatever the row count, the tile a row lands in or the K chunking: a row's output is the same bits in every call
-// that takes this path (M >= kKTileMin); against a call on the pair kernels (fewer rows) it differs by f32 summation
-// order only (both within the reference's f32 tolerance).
+// of >= 9 rows (8-row K-quant calls, two lanes a row (kseg), are a class of their own); against a call on the pair
+// kernels (fewer rows) it differs by f32 summation order only (both within the reference's f32 tolerance).
 constexpr int kKT = 16;        // activation rows per tile (one vector)
 
 // bytes per tile and super-block in the panel: 64 vectors of 4 q per row, the side (Q4_K: 4 vectors of the rows'
