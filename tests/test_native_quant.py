@@ -104,8 +104,8 @@ def test_kgemm_tiles(qtype):
     """The path for calls of >= 8 rows (Q4_K, Q6_K; Q8_0 >= 12) on AVX-512 (kgemm: tiles of 16 activation lanes,
     weight codes broadcast; ms_qpath 1) is taken by row count and matches the reference: one tile (8 K-quant rows: two
     lanes a row; 9 or 12: partly zero rows); three tiles (a pair of tiles, then the odd one) over K in two chunks of
-    the panel (the last shorter) with N not a multiple of the 8-row weight blocks; four tiles. A row's output is the
-    same bits in every call of >= 9 rows (one row fewer than the first: the pair kernels, within the reference's
+    the panel (the last shorter) with N not a multiple of the 8-row weight blocks; four tiles; ten (two passes over the
+    weights: 8 tiles, then 2). A row's output is the same bits in every call of >= 9 rows (one row fewer than the first: the pair kernels, within the reference's
     tolerance only)."""
     if native.best_isa() not in ("amx", "avx512bf16"):
         pytest.skip(f"no AVX512-VNNI path: best {native.best_isa()}")
@@ -114,11 +114,11 @@ def test_kgemm_tiles(qtype):
     # K past the 64-row call's chunk (Q4_K 22 super-blocks, Q6_K 18, Q8_0 153 blocks): a tail chunk
     K, first = (32 * 301, 12) if qtype == "q8_0" else (256 * 23, 8)
     w = native.random_blocks(rng, qtype, 19, K)
-    x = rng.standard_normal((64, K)).astype(np.float32)
+    x = rng.standard_normal((150, K)).astype(np.float32)
     native.set_isa("avx512bf16")
     try:
         assert [lib.ms_qpath(qid, m) for m in (1, first - 1, first, 16, 40)] == [0, 0, 1, 1, 1]
-        ys = {M: native.linear_host(x[:M], w, threads=2) for M in (first - 1, first, 12, 37, 64)}
+        ys = {M: native.linear_host(x[:M], w, threads=2) for M in (first - 1, first, 12, 37, 64, 150)}
     finally:
         native.set_isa(None)
     ref = native.qlinear_reference(x, w, "q8")
@@ -126,6 +126,7 @@ def test_kgemm_tiles(qtype):
         assert np.all(np.abs(y - ref[:M]) <= bound(x[:M], w, "q8")), (qtype, M, np.abs(y - ref[:M]).max())
     np.testing.assert_array_equal(ys[37], ys[64][:37])
     np.testing.assert_array_equal(ys[12], ys[64][:12])
+    np.testing.assert_array_equal(ys[64], ys[150][:64])
 
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])

@@ -2942,12 +2942,13 @@ MS_INLINE void kgemm8_tiles(const uint8_t* const* tp, const KW8* const* wp, int6
 
 thread_local std::vector<float> t_kw, t_kv;  // kgemm's unpacked weight rows and output sums
 
-// y[m, n] for n in [n0, n1), all M rows (panel: kpanel_build). K in chunks whose panel (all tiles) stays in L2; per
-// chunk, blocks of 8 weight rows unpacked once (the next block prefetched) and taken by every tile, 2 tiles x 4 rows
-// (1 x 8 for a last odd tile) a kernel call; the sums kept in v [n][tile][16] between chunks, written to y at the end.
+// y[m, n] for n in [n0, n1), M rows of at most kKTB tiles (panel: their first tile). K in chunks whose panel (all
+// tiles) stays in L2; per chunk, blocks of 8 weight rows unpacked once (the next block prefetched) and taken by every
+// tile, 2 tiles x 4 rows (1 x 8 for a last odd tile) a kernel call; the sums kept in v [n][tile][16] between chunks,
+// written to y at the end.
 template <int QT, int S>
-void kgemm_range(const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0,
-                 int64_t n1, float* y, size_t ldy) {
+void kgemm_rows(const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0,
+                int64_t n1, float* y, size_t ldy) {
   using W = typename std::conditional<QT == kQ8_0, KW8, KW>::type;
   constexpr int bytes = QT == kQ4_K ? 144 : QT == kQ6_K ? 210 : 34, NB = 8, SB = kKSB<QT>, TR = kKT / S;
   const int64_t nsb = K / kKUnit<QT>, T = (M + TR - 1) / TR, N = n1 - n0;
@@ -3001,6 +3002,18 @@ void kgemm_range(const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, s
       y[m * int64_t(ldy) + n0 + n] = S == 1 ? l[0] : l[0] + l[1];
     }
   }
+}
+
+// Tiles per pass over the weights: bounds the sums kept between K chunks ((n1 - n0) x 8 x 16 floats a thread, 3.5 MiB
+// at 7168 columns) and the panel chunk's share of L2; calls of more rows read and unpack the weights once per pass.
+constexpr int64_t kKTB = 8;
+
+template <int QT, int S>
+void kgemm_range(const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0,
+                 int64_t n1, float* y, size_t ldy) {
+  const int64_t tr = kKT / S, per = kKTB * tr, tile_bytes = K / kKUnit<QT> * kKSB<QT>;
+  for (int64_t m0 = 0; m0 < M; m0 += per)
+    kgemm_rows<QT, S>(panel + m0 / tr * tile_bytes, std::min(per, M - m0), K, w, row_bytes, n0, n1, y + m0 * ldy, ldy);
 }
 
 void kgemm_range_any(int qt, const uint8_t* panel, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes,
