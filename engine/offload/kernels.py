@@ -4,9 +4,11 @@ Per MoE layer the executor needs the router's output on the host before it can p
 forward pass is cut at every gate: `front` runs attention + post-norm + router of the first MoE
 layer; `back_front` finishes MoE layer l (its expert outputs, shared experts, residual) and runs
 the next MoE layer's attention and router in the same call; `back` finishes the last one. Dense
-decoder layers (DeepSeek's first) are `dense` calls. Device experts (`experts`) index the slots
-of the expert cache: a pair whose slot index is -1 (a CPU expert, a padding row, an expert
-computed elsewhere) carries weight 0 and contributes nothing.
+decoder layers (DeepSeek's first) are `dense` calls. A prefill's last decoder layer (`front`, `back_front` or
+`dense` with `last_rows`) keeps each row's last token after its attention, as `models.transformer.forward` does:
+the pass wants only the last logits, so that layer's router, experts and residual run on B rows, not B * S.
+Device experts (`experts`) index the slots of the expert cache: a pair whose slot index is -1 (a CPU expert, a
+padding row, an expert computed elsewhere) carries weight 0 and contributes nothing.
 
 When every routed expert is in the cache and the scheduler would plan nothing but device work,
 `resident_pass` runs a whole forward pass as one call over the cache slots (the executor's fast
@@ -219,8 +221,9 @@ def _build(d: _Defs) -> _Fns:
 
     return _Fns(prepare=jit(prepare, static_argnames=("empty_cache",)),
                 embed=jit(lambda table, tokens: embed_lookup(table, tokens, d.dtype)),
-                front=jit(front, static_argnames=("last_rows",)), back_front=jit(back_front, static_argnames=("last_rows",)),
-                back=jit(finish), dense=jit(dense, static_argnames=("last_rows",)), experts=jit(experts, static_argnames=("fmt",)),
+                front=jit(front, static_argnames=("last_rows",)),
+                back_front=jit(back_front, static_argnames=("last_rows",)), back=jit(finish),
+                dense=jit(dense, static_argnames=("last_rows",)), experts=jit(experts, static_argnames=("fmt",)),
                 head=jit(head), resident_pass=jit(resident_forward, donate_argnames=("kv",), static_argnames=("empty_cache",)),
                 resident_decode=jit(resident_decode, static_argnames=("n_buffer", "keep_logits")))
 
