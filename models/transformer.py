@@ -103,17 +103,28 @@ class DecoderLayer(nnx.Module):
         h, cache = self.attn(self.input_norm(x), ai, cache, rope)
         return x + h, cache
 
-    def __call__(self, x: jax.Array, ai: AttentionInputs, cache: dict, rope: RopeTables,
-                 executor: ExpertExecutor, token_valid: jax.Array
-                 ) -> tuple[jax.Array, dict, Optional[Routing], jax.Array]:
-        """x [B, S, H] -> (output [B, S, H], cache, routing of the B*S tokens or None, gate input [B, S, H])."""
-        x, cache = self.attend(x, ai, cache, rope)
+    def feed_forward(self, x: jax.Array, executor: ExpertExecutor, token_valid: jax.Array
+                     ) -> tuple[jax.Array, Optional[Routing], jax.Array]:
+        """x [B, S, H] -> (x + ffn(norm(x)), routing of the B*S tokens or None, gate input norm(x) [B, S, H])."""
         g = self.post_norm(x)
         B, S, H = g.shape
         if self.moe is None:
-            return x + self.mlp(g), cache, None, g
+            return x + self.mlp(g), None, g
         y, routing = self.moe(self.index, g.reshape(B * S, H), executor, token_valid.reshape(B * S))
-        return x + y.reshape(B, S, H), cache, routing, g
+        return x + y.reshape(B, S, H), routing, g
+
+    def __call__(self, x: jax.Array, ai: AttentionInputs, cache: dict, rope: RopeTables,
+                 executor: ExpertExecutor, token_valid: jax.Array, last_rows: bool = False
+                 ) -> tuple[jax.Array, dict, Optional[Routing], jax.Array]:
+        """x [B, S, H] -> (output [B, S', H], cache, routing of the B*S' tokens or None, gate input [B, S', H]).
+
+        S' is S, or 1 with `last_rows`: attention (and so the cache) covers all S tokens, the feed-forward only
+        each row's last one (`forward`'s `last_only` at the last layer: the only rows whose logits are wanted)."""
+        x, cache = self.attend(x, ai, cache, rope)
+        if last_rows:
+            x, token_valid = x[:, -1:], token_valid[:, -1:]
+        x, routing, g = self.feed_forward(x, executor, token_valid)
+        return x, cache, routing, g
 
 
 class MoETransformer(nnx.Module):
@@ -207,25 +218,36 @@ class SharedLayer(DecoderLayer):
 
 
 def _layer_step(graphdef: Any, state: Any, x: jax.Array, ai: AttentionInputs, layer_cache: dict,
-                token_valid: jax.Array, cfg: ModelConfig, executor: ExpertExecutor
+                token_valid: jax.Array, cfg: ModelConfig, executor: ExpertExecutor, last_rows: bool = False
                 ) -> tuple[jax.Array, dict, Optional[Routing], jax.Array]:
     layer = nnx.merge(graphdef, state)
-    return layer(x, ai, layer_cache, model_rope(cfg), executor, token_valid)
+    return layer(x, ai, layer_cache, model_rope(cfg), executor, token_valid, last_rows)
 
 
-_layer_step_jit = jax.jit(_layer_step, static_argnums=(0,), static_argnames=("cfg", "executor"))
+_layer_step_jit = jax.jit(_layer_step, static_argnums=(0,), static_argnames=("cfg", "executor", "last_rows"))
 """Why a nested jit: the model's program used to unroll every layer's Python (the MoE block traces every
 expert's branches), so its trace, lowering and compile grew with depth (a 48-layer Qwen3-30B-A3B took minutes
 before its first token). Called inside the model's jit, this is traced and lowered once per layer structure
-and called from each layer; XLA inlines the calls, so the numbers are the unrolled program's."""
+and called from each layer; XLA inlines the calls, so the numbers are the unrolled program's. A prefill's last layer
+(`last_rows`) is one more trace of its structure."""
 
 
 def shared_layer_call(layer: DecoderLayer, x: jax.Array, ai: AttentionInputs, layer_cache: dict,
-                      token_valid: jax.Array, executor: ExpertExecutor
+                      token_valid: jax.Array, executor: ExpertExecutor, last_rows: bool = False
                       ) -> tuple[jax.Array, dict, Optional[Routing], jax.Array]:
-    """`layer(x, ai, layer_cache, rope, executor, token_valid)` through the trace its structure shares."""
+    """`layer(x, ai, layer_cache, rope, executor, token_valid, last_rows)` through the trace its structure shares."""
     graphdef, state = nnx.split(SharedLayer(layer))
-    return _layer_step_jit(graphdef, state, x, ai, layer_cache, token_valid, cfg=layer.attn.cfg, executor=executor)
+    return _layer_step_jit(graphdef, state, x, ai, layer_cache, token_valid, cfg=layer.attn.cfg, executor=executor,
+                           last_rows=last_rows)
+
+
+def trims_last_layer(last_only: bool, capture: bool, seq_len: int) -> bool:
+    """Whether a pass runs its last decoder layer's feed-forward on each row's last token only (llama.cpp's "skip
+    computing output for unused tokens"): only the last token's logits are wanted (`last_only`), more than one token
+    per row, and no routing capture (that records every token's routing). The KV cache does not need the skipped rows:
+    the last layer's keys and values come from its attention input. The offload executor follows the same rule, so
+    its experts see the rows the in-memory model's do."""
+    return last_only and not capture and seq_len > 1
 
 
 def forward(model: MoETransformer, tokens: jax.Array, cache: KVCache, positions: jax.Array,
@@ -236,7 +258,9 @@ def forward(model: MoETransformer, tokens: jax.Array, cache: KVCache, positions:
 
     tokens, positions: int32 [B, S]; token_valid: bool [B, S] (False for padding; default all True).
     Returns logits float32 [B, S, V] ([B, V] with `last_only`), the cache advanced by S slots and,
-    with `capture`, the routing of every MoE layer. `empty_cache`: the caller vouches that `cache` holds no token
+    with `capture`, the routing of every MoE layer. With `last_only` (and no `capture`) the last decoder layer's
+    feed-forward runs on each row's last token only (`trims_last_layer`; left padding puts every row's last token in
+    the last column). `empty_cache`: the caller vouches that `cache` holds no token
     (a prefill into a fresh cache): attention then skips the cache's score blocks (`models.layers.sdpa`), the same
     values up to the order XLA sums them in (the offload executor's prefill does the same, so the two stay bit for bit).
     """
@@ -249,11 +273,14 @@ def forward(model: MoETransformer, tokens: jax.Array, cache: KVCache, positions:
     x = model.embed_tokens(tokens)
     new_layers, experts, weights, hidden, router_logits = [], [], [], [], []
     shared = shares_layers(executor, x)
-    for layer, layer_cache in zip(model.layers, cache.layers):
+    trim = trims_last_layer(last_only, capture, S)
+    for i, (layer, layer_cache) in enumerate(zip(model.layers, cache.layers)):
+        last_rows = trim and i == len(model.layers) - 1  # x becomes [B, 1, H]: each row's last token
         if shared:
-            x, layer_cache, routing, gate_in = shared_layer_call(layer, x, ai, layer_cache, token_valid, executor)
+            x, layer_cache, routing, gate_in = shared_layer_call(layer, x, ai, layer_cache, token_valid, executor,
+                                                                 last_rows)
         else:
-            x, layer_cache, routing, gate_in = layer(x, ai, layer_cache, rope, executor, token_valid)
+            x, layer_cache, routing, gate_in = layer(x, ai, layer_cache, rope, executor, token_valid, last_rows)
         new_layers.append(layer_cache)
         if routing is not None and capture:
             k = routing.experts.shape[-1]

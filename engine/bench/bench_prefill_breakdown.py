@@ -9,10 +9,16 @@ round-robin (each repeat runs every part once, so load on a shared machine falls
 - `prefill`: `Generator.prefill_s` of one prompt of `--prompt` tokens (what `engine.bench.peers.interleaved
   --phase prefill` reports), with the minor page faults of the call (`ru_minflt`: fresh pages of XLA's buffers);
 - `prefill, no experts`: the same program with an executor that returns zeros (everything but the routed experts);
+- `prefill, last layer on all tokens`: the same pass with routing capture, which runs the last decoder layer's
+  feed-forward on every token (the prefill runs it on the last token only, `models.transformer.trims_last_layer`, as
+  llama.cpp skips unused tokens): the A/B of that skip;
 - per decoder layer (`--layer`, times the number of layers of its structure): the routed experts on the prompt's own
   routing (the in-memory executor's call), the attention's input projection (q|k|v) and output projection, the
   attention core (norm, rope, scores, softmax, cache write: the attention block less its two projections), the router;
 - once per prompt: the embedding lookup and the LM head on the last token (final norm included).
+
+The prefill runs the last decoder layer's router and experts on the last token only (`models.transformer.
+trims_last_layer`, as llama.cpp skips unused tokens): the summary counts them for the other layers like `--layer`.
 
 `rest` is the prefill less the parts: the glue XLA runs between them (residual adds, norms, the gather / scatter
 around the experts, copies) and what the parts cost only inside one program (or save there). Parts timed alone run
@@ -113,10 +119,11 @@ def once_parts(model: Any, prompt: np.ndarray) -> dict[str, Callable[[], Any]]:
 class Prefill:
     """One Generator's prefill of the prompt (the interleaved bench's call) and its capture of the routing."""
 
-    def __init__(self, model: Any, executor: Any = None, pad: Optional[int] = None):
+    def __init__(self, model: Any, executor: Any = None, pad: Optional[int] = None, capture: bool = False):
         from models.generation import Generator, SamplingParams
 
-        self.gen = Generator(model) if executor is None else Generator(model, executor=executor)
+        self.gen = Generator(model, capture=capture) if executor is None else Generator(model, executor=executor,
+                                                                                         capture=capture)
         self.greedy, self.pad, self.model = SamplingParams(0.0, 1.0, 0), pad, model
 
     @property
@@ -163,7 +170,9 @@ def breakdown(checkpoint: str, prompt_len: int, repeats: int, layer_index: int, 
     cfg, model, _ = load_model(spec, dtype=model_dtype("auto", opened), opened=opened)
     prompt = prompt_ids(1, prompt_len, cfg.vocab_size)
     whole, bare = Prefill(model, pad=cfg.pad_token_id), Prefill(model, ZeroExperts(), cfg.pad_token_id)
-    parts = {"prefill": lambda: whole(prompt), "prefill, no experts": lambda: bare(prompt)}
+    untrimmed = Prefill(model, pad=cfg.pad_token_id, capture=True)
+    parts = {"prefill": lambda: whole(prompt), "prefill, no experts": lambda: bare(prompt),
+             "prefill, last layer on all tokens": lambda: untrimmed(prompt)}
     if whole_only:
         return {"checkpoint": checkpoint, "prompt": prompt_len, "repeats": repeats, "parts": measure(parts, repeats)}
     per_layer = layer_parts(model, layer_index, prompt, whole)
@@ -171,10 +180,12 @@ def breakdown(checkpoint: str, prompt_len: int, repeats: int, layer_index: int, 
     parts.update(once_parts(model, prompt))
     result = measure(parts, repeats)
     like = sum(1 for l in model.layers if l.is_moe == model.layers[layer_index].is_moe)
+    # the last decoder layer's router and experts run on the last token only (`trims_last_layer`): not counted
+    full_rows = like - int(model.layers[-1].is_moe == model.layers[layer_index].is_moe)
     attn = result["attention block"]["ms"]
     proj = result["attention, q|k|v projection"]["ms"] + result["attention, output projection"]["ms"]
-    summary = {"experts": like * result["experts"]["ms"], "attention projections": like * proj,
-               "attention core": like * (attn - proj), "router": like * result["router"]["ms"],
+    summary = {"experts": full_rows * result["experts"]["ms"], "attention projections": like * proj,
+               "attention core": like * (attn - proj), "router": full_rows * result["router"]["ms"],
                "embedding": result["embedding"]["ms"], "LM head (last token)": result["LM head (last token)"]["ms"]}
     summary["rest"] = result["prefill"]["ms"] - sum(summary.values())
     return {"checkpoint": checkpoint, "prompt": prompt_len, "repeats": repeats, "layer": layer_index,
@@ -186,7 +197,7 @@ def report(res: dict) -> None:
     total = p["prefill"]["ms"]
     print(f"{res['checkpoint']}: {res['prompt']}-token prefill, medians of {res['repeats']} (round-robin)")
     for name, v in p.items():
-        print(f"  {name:32s} {v['ms']:8.1f} ms (min {v['ms_min']:7.1f}, CPU {v['cpu_ms']:7.1f})  minor faults "
+        print(f"  {name:34s} {v['ms']:8.1f} ms (min {v['ms_min']:7.1f}, CPU {v['cpu_ms']:7.1f})  minor faults "
               f"{v['minor_faults']:8.0f}")
     if "summary_ms" not in res:
         return

@@ -48,7 +48,7 @@ from engine.offload.store import ExpertStore
 from engine.offload.timer import Timer
 from models.config import ModelConfig
 from models.generation import bucket, left_pad, pad_id
-from models.transformer import MoETransformer, init_cache
+from models.transformer import MoETransformer, init_cache, trims_last_layer
 from predictors.base import LayerContext, Predictor
 from schedulers.base import LayerPlan, LayerState, OffloadScheduler, Phase, Transfer
 from schedulers.cost import CostModel
@@ -233,17 +233,20 @@ class OffloadExecutor:
     # ---- one MoE layer ---------------------------------------------------------------------------------
     def _moe_layer(self, block: int, hidden: jax.Array, experts_d: jax.Array, weights_d: jax.Array, phase: Phase,
                    valid_flat: np.ndarray, seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray, context_len: int,
-                   begin: float) -> tuple[list[jax.Array], list[int], Optional[Callable[[jax.Array], None]]]:
+                   begin: float, last_rows: bool = False
+                   ) -> tuple[list[jax.Array], list[int], Optional[Callable[[jax.Array], None]]]:
         """Plan the MoE layer of decoder layer `block` (its gate has run) and compute its experts: (partial
         outputs, pinned slots, the layer's plan to make once the call consuming its output is dispatched, or None
         when it was planned already: `_plan_later`).
 
         `begin`: when the layer's attention call was dispatched; the wall time from there to the issued
-        plan, minus the modelled attention, is the layer's fixed host overhead (the Timer's sample)."""
+        plan, minus the modelled attention, is the layer's fixed host overhead (the Timer's sample). `last_rows`: the
+        layer runs each row's last token only (`trims_last_layer`; the flat arrays are those rows')."""
         laps = self.stages.laps(phase)
         experts_d.block_until_ready()  # the device's attention and gate
         laps.lap("device_sync")
-        run = self._route(self.moe_index[block], phase, hidden, experts_d, weights_d, valid_flat, seqs, pos, tokens)
+        run = self._route(self.moe_index[block], phase, hidden, experts_d, weights_d, valid_flat, seqs, pos, tokens,
+                          last_rows)
         laps.lap("route")
         early = self._start_resident(run)
         laps.lap("dispatch")
@@ -269,9 +272,11 @@ class OffloadExecutor:
         return parts, run.pinned, None
 
     def _route(self, layer: int, phase: Phase, hidden: jax.Array, experts_d: jax.Array, weights_d: jax.Array,
-               valid: np.ndarray, seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray) -> LayerRun:
+               valid: np.ndarray, seqs: np.ndarray, pos: np.ndarray, tokens: np.ndarray, last_rows: bool = False
+               ) -> LayerRun:
         """The layer's routing on the host (its sync point): the forecasts made for it are scored, the Counter
-        counts it, and the forecasts made here get their context."""
+        counts it, and the forecasts made here get their context. With `last_rows` the layer routes each row's last
+        token only: the forecasts made for it (over the pass's tokens, row by row) have no truth to score against."""
         start = time.perf_counter()
         # the sync point of the layer: the three arrays fetched in one call (their copies overlap)
         experts_h, weights_h, host = jax.device_get((experts_d, weights_d, hidden))
@@ -284,7 +289,10 @@ class OffloadExecutor:
         else:
             live_experts, live_weights, live_host = experts[valid], weights[valid], host[valid]
             live_seqs, live_pos, live_tokens = seqs[valid], pos[valid], tokens[valid]
-        self.book.settle_live(layer, live_experts)
+        if last_rows:
+            self.book.discard(layer)
+        else:
+            self.book.settle_live(layer, live_experts)
         self.expert_tokens[layer] += np.bincount(live_experts.reshape(-1), minlength=self.E)
         rows = self.row_lookup(live_seqs, live_pos) if self.row_lookup is not None else None
         context = LayerContext(layer=layer, step=self.accounting.pass_index, experts=live_experts,
@@ -589,13 +597,14 @@ class OffloadExecutor:
         return (tuple(tuple(gate_up[s] for s in row) for row in slots),  # type: ignore[index]
                 tuple(tuple(down[s] for s in row) for row in slots))  # type: ignore[index]
 
-    def _account_fused(self, prefill: bool, experts: np.ndarray) -> None:
-        """Counter and residency metrics of fused passes: experts [passes, L, tokens, k] (all resident)."""
-        passes = experts.shape[0]
-        for layer in range(self.L):
-            np.add.at(self.expert_tokens[layer], experts[:, layer].reshape(-1), 1)
+    def _account_fused(self, prefill: bool, experts: Sequence[np.ndarray]) -> None:
+        """Counter and residency metrics of fused passes: per MoE layer experts [passes, tokens, k] (all resident; a
+        prefill's last decoder layer routes fewer tokens: `trims_last_layer`)."""
+        passes = experts[0].shape[0]
         used = np.zeros((passes, self.L, self.E), bool)
-        used[np.arange(passes)[:, None, None, None], np.arange(self.L)[None, :, None, None], experts] = True
+        for layer, routed in enumerate(experts):
+            np.add.at(self.expert_tokens[layer], routed.reshape(-1), 1)
+            used[np.arange(passes)[:, None, None], layer, routed] = True
         self.accounting.fused_passes(prefill, passes, int(used.sum()))
 
     def _fused_forward(self, kv: Any, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
@@ -605,7 +614,9 @@ class OffloadExecutor:
         t = time.perf_counter()
         logits, kv, routed = self.kernels.resident_pass(*self._resident_slots(), kv, tokens, positions, valid,
                                                         empty_cache=phase is Phase.prefill)  # `generate`: fresh
-        self._account_fused(phase is Phase.prefill, np.asarray(routed)[None, :, valid.reshape(-1)])
+        routed = [np.asarray(r) for r in jax.device_get(routed)]
+        live = [valid.reshape(-1) if len(r) == valid.size else valid[:, -1] for r in routed]  # [B, k]: the last tokens
+        self._account_fused(phase is Phase.prefill, [r[None, m] for r, m in zip(routed, live)])
         self.accounting.record("gpu", t - self._t0, self._now(), -1, -1, int(valid.sum()), "fused")
         return logits, kv
 
@@ -619,7 +630,8 @@ class OffloadExecutor:
         n = int(steps)
         out = np.asarray(out)[:, 1:n + 1]
         seconds = time.perf_counter() - t
-        self._account_fused(False, np.asarray(routed)[:n])
+        routed = np.asarray(routed)[:n]
+        self._account_fused(False, [routed[:, layer] for layer in range(self.L)])
         self.accounting.pass_index += 1  # the loop's first pass: its event stands for the whole loop
         self.accounting.record("gpu", t - self._t0, self._now(), -1, -1, len(tokens) * n, "fused decode")
         self.accounting.pass_index += n - 1
@@ -635,26 +647,32 @@ class OffloadExecutor:
         ai, kv = self.kernels.prepare(kv, jnp.asarray(positions), jnp.asarray(valid), empty_cache=phase is Phase.prefill)
         x = self.kernels.embed_tokens(jnp.asarray(tokens))
         flat = (valid.reshape(-1), np.repeat(seqs, S), positions.reshape(-1), tokens.reshape(-1))
+        # the last decoder layer's feed-forward on each row's last token only, as the in-memory model's (its experts
+        # must see the same rows: a grouped kernel's sums depend on its rows)
+        trim = trims_last_layer(True, False, S)
+        last_flat = (valid[:, -1], seqs, positions[:, -1], tokens[:, -1])
         layers = list(kv.layers)
         pending: Optional[tuple] = None  # MoE layer awaiting its residual: (layer, g, parts, pinned, plan later)
         for i, layer in enumerate(self.model.layers):
             t = time.perf_counter()
+            last_rows = trim and i == len(self.model.layers) - 1
             if not layer.is_moe:
                 if pending is not None:
                     x = self.kernels.back(pending[0], x, pending[1], pending[2])
                     pending = self._release(pending, x)
-                x, layers[i] = self.kernels.dense(i, x, ai, layers[i])
+                x, layers[i] = self.kernels.dense(i, x, ai, layers[i], last_rows)
                 continue
             if pending is None:
-                x, layers[i], g, experts, weights = self.kernels.front(i, x, ai, layers[i])
+                x, layers[i], g, experts, weights = self.kernels.front(i, x, ai, layers[i], last_rows)
             else:
                 x, layers[i], g, experts, weights = self.kernels.back_front(pending[0], x, pending[1], pending[2], i,
-                                                                            ai, layers[i])
+                                                                            ai, layers[i], last_rows)
                 pending = self._release(pending, experts)
             if self.accounting.recording:
                 experts.block_until_ready()
                 self.accounting.record("gpu", t - self._t0, self._now(), self.moe_index[i], kind="attn")
-            parts, pinned, later = self._moe_layer(i, g, experts, weights, phase, *flat, context_len, t)
+            parts, pinned, later = self._moe_layer(i, g, experts, weights, phase, *(last_flat if last_rows else flat),
+                                                   context_len, t, last_rows)
             self._moe_wall += time.perf_counter() - t
             pending = (i, g, parts, pinned, later)
         if pending is not None:

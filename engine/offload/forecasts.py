@@ -76,6 +76,10 @@ class ForecastBook:
             except TypeError:
                 pred.observe(layer, ctx, actual)
 
+    def discard(self, layer: int) -> None:
+        """Forget the forecasts made for `layer` unscored (its gate ran on other tokens than they were made for)."""
+        self._pending.pop(layer, None)
+
     def drop_pending(self) -> None:
         """Forget forecasts whose target never ran (the end of a forward pass)."""
         self._pending.clear()

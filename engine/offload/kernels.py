@@ -4,9 +4,11 @@ Per MoE layer the executor needs the router's output on the host before it can p
 forward pass is cut at every gate: `front` runs attention + post-norm + router of the first MoE
 layer; `back_front` finishes MoE layer l (its expert outputs, shared experts, residual) and runs
 the next MoE layer's attention and router in the same call; `back` finishes the last one. Dense
-decoder layers (DeepSeek's first) are `dense` calls. Device experts (`experts`) index the slots
-of the expert cache: a pair whose slot index is -1 (a CPU expert, a padding row, an expert
-computed elsewhere) carries weight 0 and contributes nothing.
+decoder layers (DeepSeek's first) are `dense` calls. A prefill's last decoder layer (`front`, `back_front` or
+`dense` with `last_rows`) keeps each row's last token after its attention, as `models.transformer.forward` does:
+the pass wants only the last logits, so that layer's router, experts and residual run on B rows, not B * S.
+Device experts (`experts`) index the slots of the expert cache: a pair whose slot index is -1 (a CPU expert, a
+padding row, an expert computed elsewhere) carries weight 0 and contributes nothing.
 
 When every routed expert is in the cache and the scheduler would plan nothing but device work,
 `resident_pass` runs a whole forward pass as one call over the cache slots (the executor's fast
@@ -33,7 +35,7 @@ from models.generation import bucket, decode_loop
 from models.quant.dense import embed_lookup, tied_head
 from models.moe import DEFAULT_EXECUTOR, ExpertExecutor, Routing
 from models.quant.blocks import QuantArray, block_type
-from models.transformer import EXACT_ROUNDING, KVCache, MoETransformer, attention_inputs, model_rope
+from models.transformer import EXACT_ROUNDING, KVCache, MoETransformer, attention_inputs, model_rope, trims_last_layer
 
 
 class SlotExperts:
@@ -100,10 +102,15 @@ def _build(d: _Defs) -> _Fns:
     def merge(gd: Any, state: dict) -> Any:
         return nnx.merge(gd, nnx.State(state))
 
-    def attend(states: tuple, x: jax.Array, ai: Any, layer_cache: dict) -> tuple[jax.Array, dict, jax.Array]:
+    def attend(states: tuple, x: jax.Array, ai: Any, layer_cache: dict, last_rows: bool = False
+               ) -> tuple[jax.Array, dict, jax.Array]:
+        """`last_rows`: the feed-forward that follows runs on each row's last token only (x, g [B, 1, H]), as
+        `models.transformer.forward` runs a prefill's last layer (`trims_last_layer`)."""
         n_in, attn, n_post = (merge(gd, s) for gd, s in zip(d.attn, states))
         h, layer_cache = attn(n_in(x), ai, layer_cache, rope)
         x = x + h
+        if last_rows:
+            x = x[:, -1:]
         return x, layer_cache, n_post(x)
 
     def route(router: dict, g: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -122,16 +129,18 @@ def _build(d: _Defs) -> _Fns:
             y = y + merge(d.shared, shared)(g)
         return x + y
 
-    def front(states: tuple, router: dict, x: jax.Array, ai: Any, layer_cache: dict) -> tuple:
-        x, layer_cache, g = attend(states, x, ai, layer_cache)
+    def front(states: tuple, router: dict, x: jax.Array, ai: Any, layer_cache: dict, last_rows: bool = False
+              ) -> tuple:
+        x, layer_cache, g = attend(states, x, ai, layer_cache, last_rows)
         return (x, layer_cache, g) + route(router, g)
 
     def back_front(x: jax.Array, g: jax.Array, parts: list, shared: Optional[dict], states: tuple, router: dict,
-                   ai: Any, layer_cache: dict) -> tuple:
-        return front(states, router, finish(x, g, parts, shared), ai, layer_cache)
+                   ai: Any, layer_cache: dict, last_rows: bool = False) -> tuple:
+        return front(states, router, finish(x, g, parts, shared), ai, layer_cache, last_rows)
 
-    def dense(states: tuple, mlp: dict, x: jax.Array, ai: Any, layer_cache: dict) -> tuple[jax.Array, dict]:
-        x, layer_cache, g = attend(states, x, ai, layer_cache)
+    def dense(states: tuple, mlp: dict, x: jax.Array, ai: Any, layer_cache: dict, last_rows: bool = False
+              ) -> tuple[jax.Array, dict]:
+        x, layer_cache, g = attend(states, x, ai, layer_cache, last_rows)
         return x + merge(d.mlp, mlp)(g), layer_cache
 
     def quantized(fmt: Any, gate_up: list, down: list) -> tuple[list, list]:
@@ -166,25 +175,29 @@ def _build(d: _Defs) -> _Fns:
 
     def resident_forward(params: dict, gate_up: tuple, down: tuple, kv: KVCache, tokens: jax.Array,
                          positions: jax.Array, valid: jax.Array, empty_cache: bool = False
-                         ) -> tuple[jax.Array, KVCache, jax.Array]:
+                         ) -> tuple[jax.Array, KVCache, tuple]:
         """One forward pass, expert e of MoE layer m at gate_up[m][e] / down[m][e]: (last logits, kv,
-        experts routed [L, B*S, k]). `empty_cache`: a prefill into a fresh cache (as `models.forward`'s)."""
+        experts routed per MoE layer [B*S, k], the last decoder layer's [B, k] when it runs on the last tokens only:
+        `trims_last_layer`). `empty_cache`: a prefill into a fresh cache (as `models.forward`'s)."""
         ai, kv = attention_inputs(d.cfg, kv, positions, valid, empty_cache)
         x = embed_lookup(params["embed"], tokens, d.dtype)
         layers, routed = list(kv.layers), []
-        live = valid.reshape(-1, 1)
+        trim = trims_last_layer(True, False, tokens.shape[1])
         for i in range(d.cfg.num_hidden_layers):  # nested jits: each piece traced once per structure, not per layer
+            last_rows = trim and i == d.cfg.num_hidden_layers - 1
+            live = (valid[:, -1:] if last_rows else valid).reshape(-1, 1)
             if i not in d.cfg.moe_layers:
-                x, layers[i] = dense_j(params["attn"][i], params["mlp"][i], x, ai, layers[i])
+                x, layers[i] = dense_j(params["attn"][i], params["mlp"][i], x, ai, layers[i], last_rows)
                 continue
             m = len(routed)
-            x, layers[i], g, chosen, weights = front_j(params["attn"][i], params["router"][i], x, ai, layers[i])
+            x, layers[i], g, chosen, weights = front_j(params["attn"][i], params["router"][i], x, ai, layers[i],
+                                                       last_rows)
             y = experts_j(g, jnp.where(live, chosen, -1), weights, list(gate_up[m]), list(down[m]),
                           fmt=None if d.formats is None else d.formats[m])
             x = finish_j(x, g, [y], params["shared"].get(i))
             routed.append(chosen)
         kv = KVCache(layers=layers, valid=kv.valid, positions=kv.positions, index=kv.index + tokens.shape[1])
-        return head(params["head"], x[:, -1]), kv, jnp.stack(routed)
+        return head(params["head"], x[:, -1]), kv, tuple(routed)
 
     def resident_decode(params: dict, gate_up: tuple, down: tuple, kv: KVCache, first: jax.Array,
                         next_pos: jax.Array, done: jax.Array, n_steps: jax.Array, eos: jax.Array, pad: jax.Array,
@@ -195,19 +208,22 @@ def _build(d: _Defs) -> _Fns:
 
         def step_fn(step: jax.Array, kv: KVCache, tok: jax.Array, pos: jax.Array) -> tuple:
             logits, kv, routed = resident_forward(params, gate_up, down, kv, tok[:, None], pos[:, None], valid)
-            return jnp.argmax(logits, -1).astype(jnp.int32), kv, (routed, logits if keep_logits else None)
+            return jnp.argmax(logits, -1).astype(jnp.int32), kv, (jnp.stack(routed), logits if keep_logits else None)
 
         return decode_loop(step_fn, kv, first, next_pos, n_steps, eos, pad, n_buffer, done=done)
 
-    front_j, dense_j, finish_j = jax.jit(front), jax.jit(dense), jax.jit(finish)  # called inside resident_forward
+    rows = functools.partial(jax.jit, static_argnames=("last_rows",))
+    front_j, dense_j, finish_j = rows(front), rows(dense), jax.jit(finish)  # called inside resident_forward
     experts_j = jax.jit(experts, static_argnames=("fmt",))
     jit = functools.partial(jax.jit, compiler_options=EXACT_ROUNDING)  # the rounding of the in-memory model
     def prepare(cache: KVCache, pos: jax.Array, valid: jax.Array, empty_cache: bool = False) -> tuple[Any, KVCache]:
         return attention_inputs(d.cfg, cache, pos, valid, empty_cache)
 
     return _Fns(prepare=jit(prepare, static_argnames=("empty_cache",)),
-                embed=jit(lambda table, tokens: embed_lookup(table, tokens, d.dtype)), front=jit(front),
-                back_front=jit(back_front), back=jit(finish), dense=jit(dense), experts=jit(experts, static_argnames=("fmt",)),
+                embed=jit(lambda table, tokens: embed_lookup(table, tokens, d.dtype)),
+                front=jit(front, static_argnames=("last_rows",)),
+                back_front=jit(back_front, static_argnames=("last_rows",)), back=jit(finish),
+                dense=jit(dense, static_argnames=("last_rows",)), experts=jit(experts, static_argnames=("fmt",)),
                 head=jit(head), resident_pass=jit(resident_forward, donate_argnames=("kv",), static_argnames=("empty_cache",)),
                 resident_decode=jit(resident_decode, static_argnames=("n_buffer", "keep_logits")))
 
@@ -255,21 +271,23 @@ class LayerKernels:
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return self.fns.embed(self.embed, tokens)
 
-    def front(self, layer: int, x: jax.Array, ai: Any, layer_cache: dict) -> tuple:
-        """(x, layer cache, gate input g, experts [T, k], weights [T, k]) of MoE layer `layer`."""
-        return self.fns.front(self.attn[layer], self.router[layer], x, ai, layer_cache)
+    def front(self, layer: int, x: jax.Array, ai: Any, layer_cache: dict, last_rows: bool = False) -> tuple:
+        """(x, layer cache, gate input g, experts [T, k], weights [T, k]) of MoE layer `layer`; with `last_rows`
+        x and g hold each row's last token only (T = B: a prefill's last layer, `trims_last_layer`)."""
+        return self.fns.front(self.attn[layer], self.router[layer], x, ai, layer_cache, last_rows=last_rows)
 
     def back_front(self, done: int, x: jax.Array, g: jax.Array, parts: list, layer: int, ai: Any,
-                   layer_cache: dict) -> tuple:
+                   layer_cache: dict, last_rows: bool = False) -> tuple:
         """Finish MoE layer `done`, then `front` of MoE layer `layer`, in one call."""
         return self.fns.back_front(x, g, parts, self.shared.get(done), self.attn[layer], self.router[layer], ai,
-                                   layer_cache)
+                                   layer_cache, last_rows=last_rows)
 
     def back(self, done: int, x: jax.Array, g: jax.Array, parts: list) -> jax.Array:
         return self.fns.back(x, g, parts, self.shared.get(done))
 
-    def dense(self, layer: int, x: jax.Array, ai: Any, layer_cache: dict) -> tuple[jax.Array, dict]:
-        return self.fns.dense(self.attn[layer], self.mlp[layer], x, ai, layer_cache)
+    def dense(self, layer: int, x: jax.Array, ai: Any, layer_cache: dict, last_rows: bool = False
+              ) -> tuple[jax.Array, dict]:
+        return self.fns.dense(self.attn[layer], self.mlp[layer], x, ai, layer_cache, last_rows=last_rows)
 
     def experts(self, g: jax.Array, slot_idx: Any, weights: Any, gate_up: list, down: list,
                 layer: Optional[int] = None) -> jax.Array:
@@ -282,10 +300,11 @@ class LayerKernels:
         return self.fns.head(self.head, x_last)
 
     def resident_pass(self, gate_up: tuple, down: tuple, kv: KVCache, tokens: jax.Array, positions: jax.Array,
-                      valid: jax.Array, empty_cache: bool = False) -> tuple[jax.Array, KVCache, jax.Array]:
+                      valid: jax.Array, empty_cache: bool = False) -> tuple[jax.Array, KVCache, tuple]:
         """A whole forward pass in one call (every routed expert resident; `kv` is donated): gate_up[m][e],
         down[m][e] hold expert e of MoE layer m. Returns (logits of the last position [B, V], kv,
-        experts routed [L, B*S, k] int32). `empty_cache`: a prefill into a fresh cache."""
+        experts routed per MoE layer, int32 [B*S, k], or [B, k] at a last decoder layer run on the last tokens
+        only). `empty_cache`: a prefill into a fresh cache."""
         return self.fns.resident_pass(self.params, gate_up, down, kv, tokens, positions, valid, empty_cache=empty_cache)
 
     def resident_decode(self, gate_up: tuple, down: tuple, kv: KVCache, first: np.ndarray, next_pos: np.ndarray,

@@ -154,8 +154,11 @@ class ServerlessExecutor:
             raise RuntimeError(f"serverless executor: layer {li}: {int(to_host(overflow)[0])} assignments exceeded "
                                f"the dispatch capacity {capacity}")
         self._forecast_ahead(li, x, routing, ex, valid)
-        if li in self.pending_ctx:  # the forecast made d layers ago for this layer: score it
-            self.forecast.predictor.observe(li, self.pending_ctx.pop(li), ex[valid].astype(np.int64))
+        # the forecast made d layers ago for this layer: scored row by row, unless the layer routes other tokens than
+        # it was made for (a prefill's last decoder layer runs each row's last token only: `trims_last_layer`)
+        ctx = self.pending_ctx.pop(li, None)
+        if ctx is not None and len(ctx.experts) == n_valid:
+            self.forecast.predictor.observe(li, ctx, ex[valid].astype(np.int64))
         self.policy.observe(li, actual, self.now_s)
         self.forecast.history.observe(li, actual)
         served_loads = np.bincount(served[valid].reshape(-1), minlength=self.cfg.num_experts)
