@@ -21,6 +21,12 @@ appended to sys.path. moescope runs as `models.generate` does (bf16, native kern
 generation of `new + 1` tokens (the prefill's token excluded); llama.cpp's decode steps after its first.
 `--phase prefill` times the prompt instead (each burst one prefill of `--batch` x `--prompt` tokens: moescope's
 `prefill_s`, llama.cpp's one `llama_decode` of the whole prompt with `n_batch` = `n_ubatch` = every prompt token).
+
+What a prefill computes: llama.cpp runs the LAST decoder layer's residual and feed-forward only for the tokens
+whose logits are asked for (one per sequence here: "skip computing output for unused tokens" in its model graphs),
+and so does moescope (`models.transformer.forward(..., last_only=True)`). A file of L layers therefore prefills the
+experts of L - 1 layers for every prompt token: on a 1-layer file a prefill times attention and one token's
+experts, so time expert-heavy prefill on files of 2 or more layers (the bench prints the depth).
 """
 
 from __future__ import annotations
@@ -133,6 +139,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     opened = open_model_checkpoint(OmegaConf.create({"checkpoint": a.checkpoint}))  # headers only
     prompts = prompt_ids(a.batch, a.prompt, opened.cfg.vocab_size)
     prefill = a.phase == "prefill"
+    if prefill:
+        layers = opened.cfg.num_hidden_layers
+        print(f"prefill of {a.prompt} tokens, {layers} decoder layer(s): every token through the feed-forward of "
+              f"{layers - 1}, the last layer's for the last token only (both engines)", flush=True)
     ours = moescope_burst(a.checkpoint, prompts, a.new, prefill)
     theirs = llama_burst(a.gguf, prompts, a.new, a.threads or cpu_count(), prefill)
     pairs = alternate(ours, theirs, a.bursts, a.settle, "prompt" if prefill else "step")
