@@ -38,9 +38,10 @@ def restore_level():
     native.set_qprefetch(None)
 
 
-def test_default_level_follows_the_cpu_vendor(restore_level):
+def test_default_level_follows_the_cpu_vendor(restore_level, monkeypatch):
     if platform.machine() not in ("x86_64", "AMD64") or not cpu_vendor():
         pytest.skip("not an x86 CPU with /proc/cpuinfo")
+    monkeypatch.delenv("MOESCOPE_NATIVE_QPREFETCH", raising=False)
     native.set_qprefetch(None)
     assert native.qprefetch() == ("l1" if cpu_vendor() == "AuthenticAMD" else "l2")
 
@@ -72,11 +73,15 @@ def test_levels_give_identical_bits(restore_level):
         native.set_isa(None)
 
 
-def test_environment_and_bad_names(restore_level):
+def test_environment_and_bad_names(restore_level, monkeypatch):
     env = {**os.environ, "MOESCOPE_NATIVE_QPREFETCH": "off"}
     out = subprocess.run([sys.executable, "-c", "from models import native; print(native.qprefetch())"], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "off"
+    monkeypatch.setenv("MOESCOPE_NATIVE_QPREFETCH", "l2")  # None goes back to the level the process started at
+    native.set_qprefetch("off")
+    native.set_qprefetch(None)
+    assert native.qprefetch() == "l2"
     with pytest.raises(ValueError, match=r"^unknown prefetch level 't0' \(l1, l2, off\)$"):
         native.set_qprefetch("t0")

@@ -237,12 +237,12 @@ def qprefetch() -> str:
 
 
 def set_qprefetch(level: Optional[str]) -> None:
-    """Prefetch the block kernels' weight streams into "l1", "l2" or not at all ("off"); None: this CPU's default
-    (L1 on AMD, L2 elsewhere: the faster level where each was measured, `kQPrefetch` in kernels.cc), which
-    `MOESCOPE_NATIVE_QPREFETCH` overrides at load. Changes speed, never a result. Process-wide; meant for
-    benchmarks. ValueError for another name."""
+    """Prefetch the block kernels' weight streams into "l1", "l2" or not at all ("off"); None: the level a process
+    starts at, `MOESCOPE_NATIVE_QPREFETCH` when set, else this CPU's default (L1 on AMD, L2 elsewhere: the faster
+    level where each was measured, `kQPrefetch` in kernels.cc). Changes speed, never a result. Process-wide; meant
+    for benchmarks. ValueError for another name."""
     lib = _need()
-    if lib.ms_set_qprefetch((level or "").encode()) != 0:
+    if lib.ms_set_qprefetch((level or os.environ.get("MOESCOPE_NATIVE_QPREFETCH") or "").encode()) != 0:
         raise ValueError(lib.ms_last_error().decode())
 
 
