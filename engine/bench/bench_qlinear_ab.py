@@ -7,6 +7,8 @@
     python -m engine.bench.bench_qlinear_ab OLD.so NEW.so --rounding-only --m 1,4 --cols 2048   # activation rounding
     python -m engine.bench.bench_qlinear_ab A.so B.so --isa avx512bf16 --new-isa amx --new-amx-rows=1 --m 4,8,12,16
         # the block types' AVX-512 path against their AMX tiles at every row count: one build under two file names
+    python -m engine.bench.bench_qlinear_ab A.so B.so --old-prefetch l2 --new-prefetch l1 --m 1,4,8 --mib 512
+        # one build (two file names), its block kernels' weight prefetch into L2 against L1 (native.set_qprefetch)
 
 Each library (`models/native/_build/moescope_native-<hash>.so`: build the old source once, keep its file) is loaded
 with ctypes and its `ms_qlinear` (one thread unless `--threads`, AVX512-VNNI path unless `--isa`) timed on the same
@@ -42,9 +44,10 @@ def random_weights(rng: np.random.Generator, qtype: str, rows: int, cols: int):
     return native.random_blocks(rng, qtype, rows, cols)
 
 
-def open_library(path: str, isa: str, amx_rows: int | None = None) -> ctypes.CDLL:
+def open_library(path: str, isa: str, amx_rows: int | None = None, prefetch: str | None = None) -> ctypes.CDLL:
     """The library at `path` on ISA path `isa`; amx_rows: rows from which every block type takes the AMX tiles on the
-    amx path (ms_set_amx_rows: > 0 from there, 0 the build's default, < 0 never)."""
+    amx path (ms_set_amx_rows: > 0 from there, 0 the build's default, < 0 never); prefetch: its block kernels' weight
+    prefetch level (ms_set_qprefetch: l1, l2, off; None: the build's default for this CPU)."""
     lib = ctypes.CDLL(path)
     c = ctypes
     lib.ms_qlinear.restype = c.c_int
@@ -61,6 +64,12 @@ def open_library(path: str, isa: str, amx_rows: int | None = None) -> ctypes.CDL
         lib.ms_set_amx_rows.argtypes = [ctypes.c_int, ctypes.c_int]
         for qid in native.QTYPE_IDS.values():
             lib.ms_set_amx_rows(qid, amx_rows)
+    if prefetch is not None:
+        if not hasattr(lib, "ms_set_qprefetch"):
+            raise SystemExit(f"{path}: this build has no ms_set_qprefetch (its prefetch level is fixed)")
+        lib.ms_set_qprefetch.argtypes = [ctypes.c_char_p]
+        if lib.ms_set_qprefetch(prefetch.encode()) != 0:
+            raise SystemExit(f"{path}: unknown prefetch level {prefetch!r} (l1, l2, off)")
     return lib
 
 
@@ -135,12 +144,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--old-amx-rows", type=int, help="rows from which OLD's block types take the AMX tiles on the amx "
                     "path (> 0 from there, 0 the build's default, < 0 never)")
     ap.add_argument("--new-amx-rows", type=int, help="the same for NEW")
+    ap.add_argument("--old-prefetch", help="OLD's block-kernel weight prefetch level (l1, l2, off; default: the build's)")
+    ap.add_argument("--new-prefetch", help="the same for NEW")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounding-only", action="store_true", help="time the activation rounding alone (ms_qquantize "
                     "of m x --cols values) instead of the matmul")
     a = ap.parse_args(argv)
-    libs = {"old": open_library(a.old, a.isa, a.old_amx_rows),
-            "new": open_library(a.new, a.new_isa or a.isa, a.new_amx_rows)}
+    libs = {"old": open_library(a.old, a.isa, a.old_amx_rows, a.old_prefetch),
+            "new": open_library(a.new, a.new_isa or a.isa, a.new_amx_rows, a.new_prefetch)}
     if a.rounding_only:
         for lib in libs.values():
             lib.ms_qquantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,

@@ -40,7 +40,8 @@ raise, check `available()` first); `load()` warns once, naming the cause.
 Environment: `MOESCOPE_NATIVE_DISABLE=1` skips the library; `MOESCOPE_NATIVE_ISA=amx|avx512bf16|avx2|scalar`
 chooses a path (also `set_isa`); "amx" -- AMX-BF16 tiles for calls of >= 16 rows (block types: >= 12, see above), AVX-512
 below that, where the CPU has it and the kernel grants the tile state -- is the default where present (see `default_isa`); `MOESCOPE_NATIVE_DIR` chooses the build folder; `CXX` the compiler;
-`MOESCOPE_NATIVE_EP_MAX_MB` (default 64) the largest expert (MiB of weights) a layer call shares out whole
+`MOESCOPE_NATIVE_QPREFETCH=l1|l2|off` the cache level the AVX-512 block kernels prefetch weights into (default: L1
+on AMD, L2 elsewhere; also `set_qprefetch`); `MOESCOPE_NATIVE_EP_MAX_MB` (default 64) the largest expert (MiB of weights) a layer call shares out whole
 to a thread; `MOESCOPE_NATIVE_XLA_POOL=0` keeps FFI calls on the library's own threads instead of
 borrowing XLA's intra-op pool.
 """
@@ -60,7 +61,7 @@ import numpy as np
 from jax import lax
 
 __all__ = [
-    "load", "available", "build_error", "isa", "best_isa", "set_isa", "set_threads", "get_threads",
+    "load", "available", "build_error", "isa", "best_isa", "set_isa", "qprefetch", "set_qprefetch", "set_threads", "get_threads",
     "linear", "swiglu", "linear_reference", "swiglu_reference", "take_rows", "take_rows_reference",
     "experts", "experts_reference", "available_experts",
     "ExpertWeights", "pack_experts", "experts_host", "linear_host", "stream_read", "count_nonfinite", "native_or",
@@ -127,6 +128,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.ms_qrow_bytes.argtypes = [i32, i64]
         lib.ms_qquantize_rows.restype = i32
         lib.ms_qquantize_rows.argtypes = [vp, i64, i64, i32, vp]
+    if hasattr(lib, "ms_set_qprefetch"):  # (as above)
+        lib.ms_set_qprefetch.restype = i32
+        lib.ms_set_qprefetch.argtypes = [c.c_char_p]
+        lib.ms_qprefetch.restype = c.c_char_p
+        lib.ms_qprefetch.argtypes = []
     if hasattr(lib, "ms_silu_mul"):  # (as above)
         lib.ms_silu_mul.restype = None
         lib.ms_silu_mul.argtypes = [vp, vp, vp, i64, i32]
@@ -220,6 +226,23 @@ def set_isa(name: Optional[str]) -> None:
     lacks it. Process-wide; meant for tests and benchmarks."""
     lib = _need()
     if lib.ms_set_isa((name or _default_isa(lib)).encode()) != 0:
+        raise ValueError(lib.ms_last_error().decode())
+
+
+def qprefetch() -> str:
+    """Where the AVX-512 block kernels prefetch their weight streams: "l1", "l2" or "off" ("none" without the
+    library)."""
+    lib = load()
+    return lib.ms_qprefetch().decode() if lib is not None else "none"
+
+
+def set_qprefetch(level: Optional[str]) -> None:
+    """Prefetch the block kernels' weight streams into "l1", "l2" or not at all ("off"); None: the level a process
+    starts at, `MOESCOPE_NATIVE_QPREFETCH` when set, else this CPU's default (L1 on AMD, L2 elsewhere: the faster
+    level where each was measured, `kQPrefetch` in kernels.cc). Changes speed, never a result. Process-wide; meant
+    for benchmarks. ValueError for another name."""
+    lib = _need()
+    if lib.ms_set_qprefetch((level or os.environ.get("MOESCOPE_NATIVE_QPREFETCH") or "").encode()) != 0:
         raise ValueError(lib.ms_last_error().decode())
 
 

@@ -198,6 +198,29 @@ std::atomic<int> g_isa{[] {
 }()};
 std::atomic<int> g_threads{cpus_available()};
 
+// Where the AVX-512 block kernels prefetch their weight streams (enum QPrefetch, next to the kernels): L1 on AMD,
+// L2 elsewhere (see kQPrefetch); MOESCOPE_NATIVE_QPREFETCH=l1|l2|off overrides it at load, ms_set_qprefetch after.
+int qprefetch_from_name(const char* s) {
+  if (!s) return -1;
+  const std::string n(s);
+  return n == "off" ? 0 : n == "l2" ? 1 : n == "l1" ? 2 : -1;
+}
+
+const char* qprefetch_name(int pf) { return pf == 0 ? "off" : pf == 1 ? "l2" : "l1"; }
+
+int qprefetch_default() {
+#if MS_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_is("amd")) return 2;
+#endif
+  return 1;
+}
+
+std::atomic<int> g_qprefetch{[] {
+  const int want = qprefetch_from_name(std::getenv("MOESCOPE_NATIVE_QPREFETCH"));
+  return want >= 0 ? want : qprefetch_default();
+}()};
+
 thread_local std::string t_error;
 
 int fail(const std::string& msg) {
@@ -2169,9 +2192,26 @@ inline __m512i codes512(const uint8_t* row, int64_t g, int n) {
 
 // The micro-kernels take R weight rows x MR activation rows, both compile-time: the accumulators stay in registers.
 // Each weight row's block is unpacked once and applied to all MR activation rows. PF: prefetch every stream
-// kQPrefetch bytes ahead into L2 (the weights come from memory): with MR rows' work per line the out-of-order
+// kQPrefetch bytes ahead into L2 or L1 (QPrefetch, below; the weights come from memory): with MR rows' work per line the out-of-order
 // window alone no longer keeps enough lines in flight.
 constexpr int kQPrefetch = MS_QPREFETCH;
+
+// Which cache level the block kernels prefetch their weight streams into (PF of the micro-kernels; the hint is
+// an immediate, so each is its own instantiation). Chosen at load by CPU vendor (qprefetch_default): Intel L2
+// (T1, as tuned on Sapphire Rapids), AMD L1 (T0). Measured on an AMD EPYC Zen 5 (2 vCPUs), the real Q4_K_M
+// decode-step matrices of a Mixtral-width layer at m = 1 on 2 threads (attention, 2 experts, the Q6_K LM head),
+// builds alternated in one process, the median of 30-50 paired rounds of process CPU time on a loaded, shared
+// machine: T0 / T1 1.08-1.18x the step over four runs (the experts 1.09-1.23x, the head 1.07-1.15x); with T0,
+// distances 1024 / 4096 0.85x / 0.98x of 2048; no prefetch 0.77x of T1. One thread, weights from memory
+// (bench_qlinear_ab, thread CPU time, m = 1): Q4_K 1.00-1.02x, Q6_K 1.02-1.07x, Q8_0 1.10x, Q4_0 1.05x.
+// Bits unchanged: a prefetch moves no data into the arithmetic (tests/test_native_prefetch.py).
+enum QPrefetch { kQPfOff = 0, kQPfL2 = 1, kQPfL1 = 2 };
+
+template <int PF>
+MS_INLINE void qprefetch(const void* p) {
+  if constexpr (PF == kQPfL2) _mm_prefetch(static_cast<const char*>(p) + kQPrefetch, _MM_HINT_T1);
+  else if constexpr (PF == kQPfL1) _mm_prefetch(static_cast<const char*>(p) + kQPrefetch, _MM_HINT_T0);
+}
 thread_local std::vector<float> t_qvacc;  // vector partial sums between K chunks (qgemm_range_512)
 
 // Accumulators of a micro-kernel call over one K chunk: zero on the first chunk, else the previous chunk's
@@ -2259,7 +2299,7 @@ MS_INLINE __m128 qsum4(__m512 v) {
 
 // R weight rows (in quads; rows past R are zero codes, their outputs dropped) x MR activation rows over groups
 // [g0, g1) (g0 even: chunks start at multiples of kQKC groups). vacc: the quads' vectors between K chunks.
-template <int R, int MR, bool PF>
+template <int R, int MR, int PF>
 void qmk512_u(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K, float* y,
               size_t ldy, const int* nc, float* vacc, bool first, bool last) {
   constexpr int NQ = (R + 3) / 4;
@@ -2279,10 +2319,8 @@ void qmk512_u(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, i
           continue;
         }
         const uint8_t* p = wr[4 * q + k] + u * 72;
-        if constexpr (PF) {
-          _mm_prefetch(reinterpret_cast<const char*>(p) + kQPrefetch, _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(p) + kQPrefetch + 71, _MM_HINT_T1);
-        }
+        qprefetch<PF>(p);
+        qprefetch<PF>(p + 71);
         q4_0_codes(p, nb, ua[k], ub[k], hdr[k]);
       }
       const __m512 dw = q4_0_scales4(hdr);
@@ -2349,7 +2387,7 @@ MS_INLINE void q8_0_unit(const uint8_t* p, int nb, __m512i& ua, __m512i& ub, __m
   dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(s0, id, s1)));
 }
 
-template <int R, int MR, bool PF>
+template <int R, int MR, int PF>
 void qmk512_u8(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K, float* y,
                size_t ldy, const int* nc, float* vacc, bool first, bool last) {
   __m512 accv[R][MR];
@@ -2360,9 +2398,8 @@ void qmk512_u8(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, 
 #pragma GCC unroll 8
     for (int j = 0; j < R; ++j) {
       const uint8_t* p = wr[j] + u * 136;
-      if constexpr (PF)
-        for (int off = 0; off < 136; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(p) + kQPrefetch + off, _MM_HINT_T1);
+      if constexpr (PF != kQPfOff)
+        for (int off = 0; off < 136; off += 64) qprefetch<PF>(p + off);
       __m512i ua, ub;
       __m512 dw;
       q8_0_unit(p, nb, ua, ub, dw);
@@ -2496,7 +2533,7 @@ MS_INLINE float khsum(__m512 v, bool second) {
 // R weight rows x MR activation rows over groups [g0, g1): pairs (j, 2p) + (j, 2p + 1), and for an odd MR
 // (2jp, MR - 1) + (2jp + 1, MR - 1) (with R = 1 the one weight row twice: B is discarded). vacc: the pairs'
 // vectors between K chunks.
-template <int QT, int R, int MR, bool PF>
+template <int QT, int R, int MR, int PF>
 void qmk512k_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, float* y, size_t ldy,
                 const int* nc, float* vacc, bool first, bool last) {
   constexpr int bytes = QT == kQ4_K ? 144 : 210;
@@ -2519,9 +2556,8 @@ void qmk512k_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0,
     }
     auto unpack = [&](int j, KRow& w) {
       const uint8_t* sb = wr[j] + s * bytes;
-      if constexpr (PF)
-        for (int off = 0; off < bytes; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(sb) + kQPrefetch + off, _MM_HINT_T1);
+      if constexpr (PF != kQPfOff)
+        for (int off = 0; off < bytes; off += 64) qprefetch<PF>(sb + off);
       kunpack<QT>(sb, w);
     };
     auto row_pairs = [&](const KRow& w, int j) {
@@ -2570,7 +2606,7 @@ void qmk512k_rm(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0,
   }
 }
 
-template <int QT, int R, int MR, bool PF>
+template <int QT, int R, int MR, int PF>
 MS_INLINE void qmk512_call(const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K,
                            float* y, size_t ldy, const int* nc, float* vacc, bool first, bool last) {
   if constexpr (QT == kQ4_K || QT == kQ6_K) qmk512k_rm<QT, R, MR, PF>(wr, a, m0, g0, g1, y, ldy, nc, vacc, first, last);
@@ -2578,7 +2614,7 @@ MS_INLINE void qmk512_call(const uint8_t* const* wr, const QAct& a, int64_t m0, 
   else qmk512_u8<R, MR, PF>(wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
 }
 
-template <int QT, int R, bool PF>
+template <int QT, int R, int PF>
 void qmk512_mr(int mr, const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1, int64_t K, float* y,
                size_t ldy, const int* nc, float* vacc, bool first, bool last) {
   if constexpr (QT == kQ8_0) {  // at most 4 rows a call (kQGroup)
@@ -2607,19 +2643,22 @@ constexpr int kQRBig = MS_QR_SMALL_M;  // mr 1..2
 inline int qstreams(int mr) { return mr <= 2 ? kQRBig : mr <= 4 ? 4 : 2; }
 
 template <int QT>
-void qmk512_any(bool pf, int r, int mr, const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1,
+void qmk512_any(int pf, int r, int mr, const uint8_t* const* wr, const QAct& a, int64_t m0, int64_t g0, int64_t g1,
                 int64_t K, float* y, size_t ldy, const int* nc, float* vacc, bool first, bool last) {
 #define MS_QMK_R(RR)                                                                                 \
   case RR:                                                                                           \
-    if (pf) return qmk512_mr<QT, RR, true>(mr, wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last); \
-    return qmk512_mr<QT, RR, false>(mr, wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+    if (pf == kQPfL1) return qmk512_mr<QT, RR, kQPfL1>(mr, wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last); \
+    if (pf == kQPfL2) return qmk512_mr<QT, RR, kQPfL2>(mr, wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last); \
+    return qmk512_mr<QT, RR, kQPfOff>(mr, wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
   switch (r) {
     MS_QMK_R(kQRBig)
 #if MS_QR_SMALL_M != 4
     MS_QMK_R(4)
 #endif
+#if MS_QR_SMALL_M != 2
     MS_QMK_R(2)
-    default: return qmk512_mr<QT, 1, false>(mr, wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
+#endif
+    default: return qmk512_mr<QT, 1, kQPfOff>(mr, wr, a, m0, g0, g1, K, y, ldy, nc, vacc, first, last);
   }
 #undef MS_QMK_R
 }
@@ -2639,6 +2678,7 @@ template <int QT>
 void qgemm_range_512(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size_t row_bytes, int64_t n0, int64_t n1,
                      float* y, size_t ldy, int64_t kc, int64_t kmb) {
   const int64_t G = (K + 63) / 64;
+  const int pf = g_qprefetch.load(std::memory_order_relaxed);  // kQPrefetch
   float* vacc = static_cast<float*>(grow_bytes(t_qvacc, size_t((kmb + 3) / 4 * 8 * 8 * 16 * 4) + 64));
   vacc += (16 - reinterpret_cast<uintptr_t>(vacc) / 4 % 16) % 16;
   constexpr int MG = kQGroup<QT>;
@@ -2649,7 +2689,7 @@ void qgemm_range_512(const QAct& a, int64_t M, int64_t K, const uint8_t* w, size
       for (int64_t g0 = 0; g0 < G; g0 += chunk) {
         const int64_t g1 = std::min(G, g0 + chunk);
         for (int64_t m = mb; m < me; m += mg)
-          qmk512_any<QT>(m == mb && r == R, r, int(std::min<int64_t>(mg, me - m)), wr, a, m, g0, g1, K, y, ldy, nc,
+          qmk512_any<QT>(m == mb && r == R ? pf : int(kQPfOff), r, int(std::min<int64_t>(mg, me - m)), wr, a, m, g0, g1, K, y, ldy, nc,
                          vacc + (m - mb) / mg * (8 * 8 * 16), g0 == 0, g1 == G);
       }
     });
@@ -3941,6 +3981,16 @@ int ms_set_isa(const char* name) {
   g_isa.store(want);
   return 0;
 }
+
+// Where the AVX-512 block kernels prefetch their weight streams: "l1", "l2", "off"; "" or null: this CPU's
+// default (qprefetch_default). Changes no result, only speed.
+int ms_set_qprefetch(const char* name) {
+  const int want = (name == nullptr || name[0] == 0) ? qprefetch_default() : qprefetch_from_name(name);
+  if (want < 0) return fail(std::string("unknown prefetch level '") + name + "' (l1, l2, off)");
+  g_qprefetch.store(want);
+  return 0;
+}
+const char* ms_qprefetch() { return qprefetch_name(g_qprefetch.load()); }
 
 // Default thread count of calls that pass threads <= 0 (the FFI handlers). n <= 0: CPUs in the affinity mask.
 void ms_set_threads(int n) { g_threads.store(n > 0 ? std::min(n, 256) : cpus_available()); }
