@@ -2871,6 +2871,19 @@ MS_INLINE __m512i kbcast(const void* p) {
   }
 }
 
+// kgemm's output sums between K chunks: v(t, j) for tile t and weight row j (zero at the first chunk).
+template <int NT, int NW>
+MS_INLINE void kgemm_sums(__m512 (&tot)[NT][NW], const float* v, int64_t vt, int64_t vj, bool first) {
+  for (int t = 0; t < NT; ++t)
+    for (int j = 0; j < NW; ++j) tot[t][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(v + t * vt + j * vj);
+}
+
+template <int NT, int NW>
+MS_INLINE void kgemm_sums_out(const __m512 (&tot)[NT][NW], float* v, int64_t vt, int64_t vj) {
+  for (int t = 0; t < NT; ++t)
+    for (int j = 0; j < NW; ++j) _mm512_store_ps(v + t * vt + j * vj, tot[t][j]);
+}
+
 // NT tiles x NW weight rows over nsb super-blocks: tp[t] the tiles' panel at the chunk's first super-block, wp[j] the
 // rows' unpacked super-blocks; v(t, j) the 16 output sums (rows of tile t, weight row j) between chunks.
 template <int QT, int NT, int NW, int S>
@@ -2878,8 +2891,7 @@ MS_INLINE void kgemm_tiles(const uint8_t* const* tp, const KW* const* wp, int64_
                            int64_t vj, bool first) {
   constexpr int SUB = QT == kQ4_K ? 32 : 16, NSUB = 256 / SUB / S, QPS = SUB / 4;  // NSUB: sub-block steps
   __m512 tot[NT][NW];
-  for (int t = 0; t < NT; ++t)
-    for (int j = 0; j < NW; ++j) tot[t][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(v + t * vt + j * vj);
+  kgemm_sums(tot, v, vt, vj, first);
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* x[NT];
     for (int t = 0; t < NT; ++t) x[t] = tp[t] + s * kKSB<QT>;
@@ -2925,8 +2937,7 @@ MS_INLINE void kgemm_tiles(const uint8_t* const* tp, const KW* const* wp, int64_
       for (int j = 0; j < NW; ++j) tot[t][j] = _mm512_fmadd_ps(sbs[t][j], dx, tot[t][j]);
     }
   }
-  for (int t = 0; t < NT; ++t)
-    for (int j = 0; j < NW; ++j) _mm512_store_ps(v + t * vt + j * vj, tot[t][j]);
+  kgemm_sums_out(tot, v, vt, vj);
 }
 
 // One weight row's Q8_0 block for kgemm8_tiles: the codes made unsigned (w + 128), d.
@@ -2947,8 +2958,7 @@ template <int NT, int NW>
 MS_INLINE void kgemm8_tiles(const uint8_t* const* tp, const KW8* const* wp, int64_t nb, float* v, int64_t vt,
                             int64_t vj, bool first) {
   __m512 tot[NT][NW];
-  for (int t = 0; t < NT; ++t)
-    for (int j = 0; j < NW; ++j) tot[t][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(v + t * vt + j * vj);
+  kgemm_sums(tot, v, vt, vj, first);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* x[NT];
     for (int t = 0; t < NT; ++t) x[t] = tp[t] + b * kKSB<kQ8_0>;
@@ -2976,8 +2986,7 @@ MS_INLINE void kgemm8_tiles(const uint8_t* const* tp, const KW8* const* wp, int6
         tot[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][j]), _mm512_mul_ps(dx, _mm512_set1_ps(w[j]->d)), tot[t][j]);
     }
   }
-  for (int t = 0; t < NT; ++t)
-    for (int j = 0; j < NW; ++j) _mm512_store_ps(v + t * vt + j * vj, tot[t][j]);
+  kgemm_sums_out(tot, v, vt, vj);
 }
 
 thread_local std::vector<float> t_kw, t_kv;  // kgemm's unpacked weight rows and output sums
