@@ -87,9 +87,10 @@ def layer_parts(model: Any, layer_index: int, prompt: np.ndarray, gen: Any) -> d
     H = model.cfg.hidden_size
     capture = gen.generate_capture(prompt)
     li = list(model.moe_layers).index(layer_index)
-    g = jnp.asarray(capture.hidden[li].reshape(B * S, H))
-    routing = Routing(experts=jnp.asarray(capture.experts[li].reshape(B * S, -1)),
-                      weights=jnp.asarray(capture.weights[li].reshape(B * S, -1)), logits=jnp.zeros((B * S, 1)))
+    # the capture covers the prompt padded (on the left) to the Generator's bucket: keep the prompt's own columns
+    g = jnp.asarray(capture.hidden[li][:, -S:].reshape(B * S, H))
+    routing = Routing(experts=jnp.asarray(capture.experts[li][:, -S:].reshape(B * S, -1)),
+                      weights=jnp.asarray(capture.weights[li][:, -S:].reshape(B * S, -1)), logits=jnp.zeros((B * S, 1)))
     x = g.reshape(B, S, H)
     executor = InMemoryExperts()
     experts = jax.jit(lambda g, r: executor(layer_index, g, r, layer.moe.experts))
