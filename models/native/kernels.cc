@@ -3712,7 +3712,7 @@ void qgemm_range_amx_bf16(int qt, const Act& a, int64_t M, int64_t K, const uint
 // Which path block weights of type qt take for a call of M activation rows on ISA path isa: kQVec (AVX-512 / AVX2 /
 // scalar, Q8 activations) or kQAmxBf16 (the weights dequantized to bf16 per 16-row strip, AMX-BF16 tiles, bf16
 // activations: qgemm_amx_bf16_t), from a threshold of rows per type. ms_set_amx_rows changes it (A/B, tests).
-enum QPath { kQVec = 0, kQTiles = 1, kQAmxBf16 = 2 };  // kQTiles: kgemm (Q4_K / Q6_K, AVX-512, many rows)
+enum QPath { kQVec = 0, kQTiles = 1, kQAmxBf16 = 2 };  // kQTiles: kgemm (Q4_K / Q6_K / Q8_0, AVX-512, many rows)
 constexpr int kNoRows = 1 << 30;
 std::atomic<int> g_amx_rows[16] = {};  // by ggml type id; 0: amx_rows_default
 

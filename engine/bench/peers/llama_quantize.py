@@ -33,7 +33,8 @@ FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_
 
 
 class _Header(gguf.GGUFReader):
-    """A GGUF file's metadata and tensor infos, no tensor views (a misaligned file cannot build them)."""
+    """A GGUF file's metadata and tensor infos, no tensor views (a misaligned file cannot build them). Overrides the
+    reader's last construction step, `_build_tensors` (gguf 0.19, the pinned version)."""
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         self.tensor_fields = fields
